@@ -1,0 +1,44 @@
+"""What a handler can learn about the idempotent request it is serving."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import asyncpg
+    from starlette.requests import HTTPConnection
+
+STATE_KEY = "idempotency"
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyContext:
+    """Set on ``request.state.idempotency`` for every request the middleware handles.
+
+    ``connection`` is the open transaction of a transactional route: write the effect through it and the
+    idempotency record commits with it, or neither does. It is None on other routes.
+    """
+
+    tenant: str
+    key: str | None  # None on a transactional route called without a key
+    connection: asyncpg.Connection | None = None
+
+    def downstream_key(self, label: str) -> str:
+        """A stable key (64 hex digits) for a side effect that cannot join the transaction (a payment provider's API).
+
+        The same tenant, key and label always give the same value, so a retry of this request sends the
+        provider the same ``Idempotency-Key`` and the provider deduplicates its half. Use one label per call.
+        """
+        if self.key is None:
+            raise LookupError("this request carries no Idempotency-Key to derive a downstream key from")
+        parts = ("idempotency-mw/downstream/v1", self.tenant, self.key, label)
+        return hashlib.sha256(b"\0".join(p.encode() for p in parts)).hexdigest()
+
+
+def idempotency_context(request: HTTPConnection) -> IdempotencyContext | None:
+    """The context of ``request``, or None when the middleware did not handle it."""
+    state: dict[str, Any] = request.scope.get("state", {})
+    context = state.get(STATE_KEY)
+    return context if isinstance(context, IdempotencyContext) else None

@@ -1,0 +1,64 @@
+"""One event per request the middleware handles: the hook behind metrics, logs and anything else.
+
+Events carry the route and the outcome, never the key (only a short hash of it) and never a body.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger("idempotency_mw")
+
+
+class Outcome(enum.Enum):
+    EXECUTED = "executed"  # the handler ran and its response was recorded
+    REPLAYED = "replayed"  # a stored response was sent again
+    IN_PROGRESS = "in_progress"  # 409: the original is still running
+    KEY_REUSED = "key_reused"  # 422: same key, different request
+    KEY_INVALID = "key_invalid"  # 400: malformed key
+    KEY_MISSING = "key_missing"  # 400: a required key was absent
+    REQUEST_TOO_LARGE = "request_too_large"  # 413
+    RELEASED = "released"  # the handler ran but the outcome was transient: the key is free again
+    FENCED_OUT = "fenced_out"  # our lease was taken over; our completion was refused
+    STORE_ERROR = "store_error"  # the store failed (503, or a record that could not be written)
+    NOT_REPLAYABLE = "not_replayable"  # the original response was over the storage cap
+    UNPROTECTED = "unprotected"  # fail-open: the handler ran without a record
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    outcome: Outcome
+    method: str
+    path: str  # the request path (route templates are not known to a middleware)
+    tenant: str
+    key_hash: str  # first 12 hex digits of sha256(key): enough to correlate logs, useless to replay
+    status: int | None  # the status sent to the client
+    duration: float  # seconds spent in the middleware and the handler
+    store_seconds: float  # seconds spent waiting on the store
+
+
+EventHook = Callable[[Event], None]
+
+
+def hash_key(key: str | None) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:12] if key else ""
+
+
+def log_event(event: Event) -> None:
+    """The default hook: a debug line per request, a warning for the outcomes an operator should see."""
+    level = logging.WARNING if event.outcome in (Outcome.FENCED_OUT, Outcome.STORE_ERROR) else logging.DEBUG
+    if logger.isEnabledFor(level):
+        logger.log(
+            level,
+            "idempotency %s %s %s key=%s status=%s %.1fms",
+            event.outcome.value,
+            event.method,
+            event.path,
+            event.key_hash,
+            event.status,
+            event.duration * 1000,
+        )

@@ -1,0 +1,86 @@
+"""Parse the ``Idempotency-Key`` request header.
+
+The IETF draft makes the header an RFC 8941/9651 structured-field *String* (``"8e03978e-…"``); Stripe and most
+clients send a bare token (``8e03978e-…``). Both are accepted and name the same key. Anything else is refused
+with a reason, never repaired: a key we rewrote silently could collide with another client's key.
+"""
+
+from __future__ import annotations
+
+HEADER = b"idempotency-key"
+MAX_KEY_LENGTH = 255
+
+
+class InvalidKey(ValueError):
+    """The header is present but is not a valid key; the message says why."""
+
+
+class MissingKey(LookupError):
+    """The request carries no ``Idempotency-Key`` header."""
+
+
+def key_from_headers(headers: list[tuple[bytes, bytes]]) -> str:
+    """Return the key carried by raw ASGI ``headers``.
+
+    Raises :class:`MissingKey` when there is none and :class:`InvalidKey` when the header is repeated or malformed.
+    """
+    found: bytes | None = None
+    for name, value in headers:
+        if name == HEADER:  # ASGI servers lower-case header names
+            if found is not None:
+                raise InvalidKey("the Idempotency-Key header must appear exactly once")
+            found = value
+    if found is None:
+        raise MissingKey()
+    return parse_key(found)
+
+
+def parse_key(raw: bytes) -> str:
+    """Parse one header value: an sf-string (``"abc"``) or a bare token (``abc``)."""
+    value = raw.strip(b" \t")
+    if not value:
+        raise InvalidKey("the Idempotency-Key header is empty")
+    key = _parse_sf_string(value) if value[:1] == b'"' else _parse_token(value)
+    if not 1 <= len(key) <= MAX_KEY_LENGTH:
+        raise InvalidKey(f"an idempotency key is 1 to {MAX_KEY_LENGTH} characters long, this one has {len(key)}")
+    return key
+
+
+def _parse_token(value: bytes) -> str:
+    for byte in value:
+        if byte > 0x7E:
+            raise InvalidKey("an idempotency key must be ASCII")
+        if byte < 0x21:
+            raise InvalidKey("an idempotency key must not contain spaces or control characters")
+        if byte == 0x2C:  # ","
+            # A comma is how proxies join repeated fields: "a,b" may be two keys merged into one.
+            raise InvalidKey("a bare idempotency key must not contain a comma (quote it as an sf-string)")
+    return value.decode("ascii")
+
+
+def _parse_sf_string(value: bytes) -> str:
+    """RFC 9651 §4.2.5: DQUOTE *(unescaped / "\\" ( DQUOTE / "\\" )) DQUOTE, and nothing after it."""
+    out = bytearray()
+    index, end = 1, len(value)
+    while index < end:
+        byte = value[index]
+        if byte == 0x5C:  # backslash
+            index += 1
+            if index >= end or value[index] not in (0x22, 0x5C):
+                raise InvalidKey('bad escape in quoted idempotency key: only \\" and \\\\ are allowed')
+            out.append(value[index])
+        elif byte == 0x22:  # closing quote
+            if index != end - 1:
+                raise InvalidKey("unexpected characters after the quoted idempotency key")
+            key = out.decode("ascii")
+            if " " in key:
+                raise InvalidKey("an idempotency key must not contain spaces")
+            return key
+        elif byte > 0x7E:
+            raise InvalidKey("an idempotency key must be ASCII")
+        elif byte < 0x20:
+            raise InvalidKey("an idempotency key must not contain control characters")
+        else:
+            out.append(byte)
+        index += 1
+    raise InvalidKey("the quoted idempotency key has no closing quote")

@@ -1,0 +1,124 @@
+"""An in-process store with the PostgreSQL store's semantics, for tests and single-process development.
+
+Records live in a dict; expired ones are swept as new claims arrive, so memory follows the live records, not
+every key ever seen. It shares nothing between processes: do not use it behind several workers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from idempotency_mw.store import Claim, ClaimOutcome, RecordInfo, StoredResponse
+
+
+@dataclass(slots=True)
+class _Record:
+    fingerprint: bytes
+    fence: int
+    created_at: float
+    expires_at: float
+    lease_expires_at: float | None
+    response: StoredResponse | None = None
+    attempts: int = 0
+
+
+class MemoryStore:
+    SWEEP_EVERY = 1024  # claims between sweeps of expired records
+
+    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+        self._records: dict[tuple[str, str], _Record] = {}
+        self._fences = itertools.count(1)
+        self._clock = clock
+        self._claims_since_sweep = 0
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
+        now = self._clock()
+        self._sweep(now)
+        record = self._records.get((tenant, key))
+        if record is None or record.expires_at <= now:
+            fence = next(self._fences)
+            self._records[(tenant, key)] = _Record(
+                fingerprint, fence, now, now + ttl, now + lease, attempts=record.attempts + 1 if record else 0
+            )
+            return Claim(ClaimOutcome.OWNED, fence=fence)
+        record.attempts += 1
+        if record.fingerprint != fingerprint:
+            return Claim(ClaimOutcome.MISMATCH)
+        if record.response is not None:
+            return Claim(ClaimOutcome.COMPLETED, response=record.response)
+        assert record.lease_expires_at is not None
+        if record.lease_expires_at <= now:
+            record.fence = next(self._fences)
+            record.lease_expires_at = now + lease
+            return Claim(ClaimOutcome.OWNED, fence=record.fence)
+        return Claim(ClaimOutcome.IN_PROGRESS)
+
+    def _held(self, tenant: str, key: str, fence: int) -> _Record | None:
+        record = self._records.get((tenant, key))
+        if record is None or record.fence != fence or record.response is not None:
+            return None
+        return record
+
+    async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
+        record = self._held(tenant, key, fence)
+        if record is None:
+            return False
+        record.lease_expires_at = self._clock() + lease
+        return True
+
+    async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
+        record = self._held(tenant, key, fence)
+        if record is None:
+            return False
+        record.response = replace(response, headers=list(response.headers))
+        record.lease_expires_at = None
+        return True
+
+    async def release(self, tenant: str, key: str, fence: int) -> bool:
+        if self._held(tenant, key, fence) is None:
+            return False
+        del self._records[(tenant, key)]
+        return True
+
+    async def forget(self, tenant: str, key: str) -> bool:
+        return self._records.pop((tenant, key), None) is not None
+
+    async def inspect(self, tenant: str, key: str) -> RecordInfo | None:
+        record = self._records.get((tenant, key))
+        if record is None:
+            return None
+        return RecordInfo(
+            tenant=tenant,
+            key=key,
+            state="in_progress" if record.response is None else "completed",
+            fence=record.fence,
+            fingerprint=record.fingerprint,
+            attempts=record.attempts,
+            created_at=record.created_at,
+            expires_at=record.expires_at,
+            lease_expires_at=record.lease_expires_at,
+            response=record.response,
+        )
+
+    async def purge_expired(self, *, batch_size: int = 1000) -> int:
+        now = self._clock()
+        expired = [k for k, r in self._records.items() if r.expires_at <= now][:batch_size]
+        for k in expired:
+            del self._records[k]
+        return len(expired)
+
+    async def close(self) -> None:
+        self._records.clear()
+
+    def _sweep(self, now: float) -> None:
+        self._claims_since_sweep += 1
+        if self._claims_since_sweep >= self.SWEEP_EVERY:
+            self._claims_since_sweep = 0
+            for k in [k for k, r in self._records.items() if r.expires_at <= now]:
+                del self._records[k]

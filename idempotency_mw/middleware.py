@@ -1,0 +1,438 @@
+"""The Idempotency-Key middleware: the whole request flow, in the order it happens (DESIGN.md §2).
+
+``IdempotencyMiddleware`` holds the configuration and picks the requests it covers; ``IdempotentRequest`` owns one
+covered request from start to finish:
+
+1. parse the key (400 if malformed, or missing on a route that requires one);
+2. resolve the tenant: a record is ``(tenant, key)``, never the key alone;
+3. buffer the body (413 over the cap) and fingerprint it;
+4. claim ``(tenant, key)`` in one store call: 422 for a different request, a replay for a completed one, 409 for
+   one still running, or the key is ours with a fresh fence token;
+5. run the handler under a lease heartbeat, copying its response as it goes out;
+6. record a final response, or release the key for a transient one, always naming our fence;
+7. (on a later retry) replay the stored response byte for byte, with ``Idempotent-Replayed: true``.
+
+In transactional mode, step 6 happens inside the handler's own database transaction and the response is held until
+it has committed (``_execute_in_transaction``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import time
+from collections.abc import Awaitable, Mapping
+from typing import Any, TypeVar
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from idempotency_mw import problems
+from idempotency_mw.capture import ResponseRecorder, replay
+from idempotency_mw.context import STATE_KEY, IdempotencyContext
+from idempotency_mw.events import Event, EventHook, Outcome, hash_key, log_event, logger
+from idempotency_mw.fingerprint import fingerprint
+from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers
+from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
+from idempotency_mw.postgres import UNAVAILABLE
+from idempotency_mw.store import Claim, ClaimOutcome, Store, StoreUnavailable
+from idempotency_mw.tenants import TenantResolver, authorization_tenant
+
+T = TypeVar("T")
+
+
+class IdempotencyMiddleware:
+    """Make covered requests (POST and PATCH by default) that carry an ``Idempotency-Key`` run at most once.
+
+    ``app.add_middleware(IdempotencyMiddleware, store=PostgresStore(dsn))``. Every keyword below is also a
+    field of :class:`~idempotency_mw.policy.Policy`, except:
+
+    - ``tenant``: maps the ASGI scope to the tenant that owns the key (sync or async); by default a hash of the
+      ``Authorization`` header.
+    - ``routes``: per-path overrides, ``{"/v1/refunds*": {"required": True}}`` (``*`` matches anything).
+    - ``on_event``: called with an :class:`~idempotency_mw.events.Event` for every covered request.
+    - ``retry_after``: the ``Retry-After`` seconds sent with 409 and 503.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        store: Store,
+        *,
+        tenant: TenantResolver = authorization_tenant,
+        methods: tuple[str, ...] | frozenset[str] = ("POST", "PATCH"),
+        required: bool = False,
+        ttl: float = DAY,
+        lease: float = 60.0,
+        transactional: bool = False,
+        fail_open: bool = False,
+        max_request_bytes: int = MiB,
+        max_response_bytes: int = 8 * MiB,
+        released_statuses: frozenset[int] = RELEASED_STATUSES,
+        routes: Mapping[str, Mapping[str, Any]] | None = None,
+        on_event: EventHook | None = log_event,
+        retry_after: int = 1,
+    ) -> None:
+        if not callable(tenant):
+            raise TypeError("tenant must be a callable taking the ASGI scope")
+        if not isinstance(retry_after, int) or retry_after < 0:
+            raise ValueError("retry_after must be a whole number of seconds >= 0")
+        default = Policy(
+            required=required,
+            ttl=ttl,
+            lease=lease,
+            transactional=transactional,
+            fail_open=fail_open,
+            max_request_bytes=max_request_bytes,
+            max_response_bytes=max_response_bytes,
+            released_statuses=frozenset(released_statuses),
+            methods=frozenset(methods),
+        )
+        self.app = app
+        self.store = store
+        self.tenant = tenant
+        self.tenant_is_async = inspect.iscoroutinefunction(tenant)
+        self.policies = PolicyResolver.build(default, routes or {})
+        self.on_event = on_event
+        self.retry_after = retry_after
+        self._check_transactional(default, *(p for _, p in self.policies.patterns))
+
+    def _check_transactional(self, *policies: Policy) -> None:
+        if any(p.transactional for p in policies) and not hasattr(self.store, "connection"):
+            raise TypeError(
+                f"transactional mode needs a store with database transactions (PostgresStore), "
+                f"not {type(self.store).__name__}"
+            )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if not self.policies.scanned:  # first request: the app's routes are all declared by now
+            self.policies.scan(scope.get("app", self.app))
+            self._check_transactional(*self.policies.route_policies())
+        if scope["method"] not in self.policies.methods:
+            await self.app(scope, receive, send)
+            return
+        policy = self.policies.resolve(scope)
+        if scope["method"] not in policy.methods:
+            await self.app(scope, receive, send)
+            return
+        await IdempotentRequest(self, policy, scope, receive, send).run()
+
+
+class IdempotentRequest:
+    """One covered request, from its key to its recorded (or released) response."""
+
+    def __init__(
+        self, middleware: IdempotencyMiddleware, policy: Policy, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        self.middleware = middleware
+        self.store = middleware.store
+        self.policy = policy
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.key: str | None = None
+        self.tenant = ""
+        self.body = b""
+        self.body_delivered = False
+        self.outcome: Outcome | None = None
+        self.status: int | None = None
+        self.started = time.perf_counter()
+        self.store_seconds = 0.0
+
+    async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            if self.outcome is not None:
+                self._emit()
+
+    async def _run(self) -> None:
+        # 1. The key, validated before anything touches the store.
+        try:
+            self.key = key_from_headers(self.scope["headers"])
+        except MissingKey:
+            if self.policy.required:
+                return await self._refuse(problems.key_missing(), Outcome.KEY_MISSING)
+            if self.policy.transactional:
+                return await self._execute_in_transaction(fence=None)
+            return await self.middleware.app(self.scope, self.receive, self.send)  # not ours: untouched
+        except InvalidKey as error:
+            return await self._refuse(problems.key_invalid(str(error)), Outcome.KEY_INVALID)
+
+        # 2. The tenant.
+        self.tenant = await self._resolve_tenant()
+
+        # 3. The body, capped, and the fingerprint.
+        if not await self._read_body():
+            return
+        digest = fingerprint(
+            self.scope["method"],
+            self.scope["path"],
+            self.scope.get("query_string", b""),
+            self._header(b"content-type"),
+            self.body,
+        )
+
+        # 4. The claim: one store call decides what happens next.
+        try:
+            claim = await self._timed(
+                self.store.claim(self.tenant, self.key, digest, lease=self.policy.lease, ttl=self.policy.ttl)
+            )
+        except Exception:
+            logger.exception("idempotency store failed to claim a key")
+            if self.policy.fail_open:
+                self.outcome = Outcome.UNPROTECTED
+                return await self.middleware.app(self.scope, self._receive_buffered, self._send_tracked)
+            return await self._refuse(problems.store_unavailable(self.middleware.retry_after), Outcome.STORE_ERROR)
+        await self._act_on(claim)
+
+    async def _act_on(self, claim: Claim) -> None:
+        if claim.outcome is ClaimOutcome.MISMATCH:
+            await self._refuse(problems.key_reused(), Outcome.KEY_REUSED)
+        elif claim.outcome is ClaimOutcome.IN_PROGRESS:
+            await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.IN_PROGRESS)
+        elif claim.outcome is ClaimOutcome.COMPLETED:
+            assert claim.response is not None
+            if claim.response.body is None:  # completed, but too large to have been stored
+                await self._refuse(
+                    problems.response_not_replayable(claim.response.status, self.policy.max_response_bytes),
+                    Outcome.NOT_REPLAYABLE,
+                )
+            else:
+                # 7. Replay.
+                self.outcome, self.status = Outcome.REPLAYED, claim.response.status
+                await replay(claim.response, self.send)
+        elif self.policy.transactional:
+            await self._execute_in_transaction(claim.fence)
+        else:
+            await self._execute(claim.fence)
+
+    # -- 5 and 6: running the handler, then recording or releasing -------------------------------------------
+
+    async def _execute(self, fence: int) -> None:
+        """Run the handler with the live response streaming through, then record or release."""
+        assert self.key is not None
+        self._set_context(IdempotencyContext(self.tenant, self.key))
+        recorder = ResponseRecorder(self.send, max_body=self.policy.max_response_bytes)
+        async with self._heartbeat(fence):
+            try:
+                await self.middleware.app(self.scope, self._receive_buffered, recorder.send)
+            except BaseException:  # an error, or a cancelled request: the retry must run afresh
+                self.status = recorder.status
+                await self._release(fence)
+                raise
+        self.status = recorder.status
+        if recorder.finished and recorder.status is not None and self.policy.records(recorder.status):
+            await self._complete(fence, recorder)
+        else:
+            await self._release(fence)
+
+    async def _complete(self, fence: int, recorder: ResponseRecorder) -> None:
+        assert self.key is not None
+        try:
+            completed = await self._timed(self.store.complete(self.tenant, self.key, fence, recorder.stored_response()))
+        except Exception:
+            # The client has its response; the claim stays until its lease lapses, then a retry runs again.
+            logger.exception("idempotency store failed to record a completed response")
+            self.outcome = Outcome.STORE_ERROR
+            return
+        self.outcome = Outcome.EXECUTED if completed else Outcome.FENCED_OUT
+
+    async def _release(self, fence: int) -> None:
+        """Free the key for the retry. Shielded: it must happen even when the request was cancelled."""
+        assert self.key is not None
+        self.outcome = Outcome.RELEASED
+        try:
+            await asyncio.shield(self._timed(self.store.release(self.tenant, self.key, fence)))
+        except Exception:
+            logger.exception("idempotency store failed to release a key; it frees itself when its lease lapses")
+            self.outcome = Outcome.STORE_ERROR
+
+    async def _execute_in_transaction(self, fence: int | None) -> None:
+        """Run the handler inside a transaction that also writes the record (DESIGN.md §6).
+
+        The response is held until the transaction has committed, so a client never sees an effect that could
+        still roll back. ``fence`` is None for a keyless request on a transactional route: the handler still gets
+        its transaction, and it commits when the outcome is final.
+        """
+        store: Any = self.store
+        recorder: ResponseRecorder
+        settled = False  # the transaction was committed or rolled back
+        fenced_out = False
+
+        async def settle() -> None:
+            nonlocal settled, fenced_out
+            if settled:
+                return
+            settled = True
+            status = recorder.status
+            if status is None or not self.policy.records(status):
+                await transaction.rollback()
+                return
+            if fence is not None and not await store.complete(
+                self.tenant, self.key, fence, recorder.stored_response(), connection=connection
+            ):
+                fenced_out = True
+                await transaction.rollback()
+                raise _FencedOut
+            await transaction.commit()
+
+        try:
+            async with store.connection() as connection, self._heartbeat(fence):
+                transaction = connection.transaction()
+                await transaction.start()
+                self._set_context(IdempotencyContext(self.tenant, self.key, connection))
+                recorder = ResponseRecorder(
+                    self.send, max_body=self.policy.max_response_bytes, hold=True, on_overflow=settle
+                )
+                try:
+                    await self.middleware.app(self.scope, self._receive_buffered, recorder.send)
+                    if not recorder.finished:
+                        raise RuntimeError("the handler returned without finishing its response")
+                    await settle()
+                except BaseException:
+                    if not settled:
+                        settled = True
+                        with contextlib.suppress(Exception):
+                            await asyncio.shield(transaction.rollback())
+                    raise
+        except _FencedOut:
+            self.outcome = Outcome.FENCED_OUT
+            return await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.FENCED_OUT)
+        except BaseException as error:
+            if fence is not None and not fenced_out:
+                await self._release(fence)
+            if isinstance(error, Exception) and _is_store_failure(error):
+                logger.exception("idempotency transaction failed")
+                return await self._refuse(problems.store_unavailable(self.middleware.retry_after), Outcome.STORE_ERROR)
+            raise
+        self.status = recorder.status
+        committed = recorder.status is not None and self.policy.records(recorder.status)
+        if fence is not None:
+            if committed:
+                self.outcome = Outcome.EXECUTED
+            else:
+                await self._release(fence)
+        await recorder.flush()
+
+    # -- helpers --------------------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _heartbeat(self, fence: int | None) -> Any:
+        """Renew the lease every third of its length while the handler runs, so a slow handler keeps its key."""
+        if fence is None:
+            yield
+            return
+        assert self.key is not None
+        key = self.key
+
+        async def beat() -> None:
+            interval = self.policy.lease / 3
+            while True:
+                await asyncio.sleep(interval)
+                try:
+                    if not await self.store.renew(self.tenant, key, fence, lease=self.policy.lease):
+                        logger.warning("idempotency lease of key %s was taken over", hash_key(key))
+                        return
+                except Exception:
+                    logger.warning("idempotency lease renewal failed; retrying", exc_info=True)
+
+        task = asyncio.create_task(beat())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    async def _resolve_tenant(self) -> str:
+        tenant = self.middleware.tenant(self.scope)
+        if self.middleware.tenant_is_async or inspect.isawaitable(tenant):
+            tenant = await tenant  # type: ignore[misc]
+        if not isinstance(tenant, str):
+            raise TypeError(f"the tenant resolver must return a str, not {type(tenant).__name__}")
+        return tenant
+
+    async def _read_body(self) -> bool:
+        """Buffer the request body; False when the request ended here (413, or the client left)."""
+        limit = self.policy.max_request_bytes
+        declared = self._header(b"content-length")
+        if declared.isdigit() and int(declared) > limit:
+            await self._refuse(problems.request_too_large(limit), Outcome.REQUEST_TOO_LARGE)
+            return False
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                return False  # nothing ran, nothing was claimed
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await self._refuse(problems.request_too_large(limit), Outcome.REQUEST_TOO_LARGE)
+                return False
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        self.body = b"".join(chunks)
+        return True
+
+    async def _receive_buffered(self) -> Message:
+        """The handler's ``receive``: the buffered body once, then the real channel (for disconnects)."""
+        if not self.body_delivered:
+            self.body_delivered = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        return await self.receive()
+
+    async def _send_tracked(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self.send(message)
+
+    def _header(self, name: bytes) -> bytes:
+        for key, value in self.scope["headers"]:
+            if key == name:
+                return bytes(value)
+        return b""
+
+    def _set_context(self, context: IdempotencyContext) -> None:
+        self.scope.setdefault("state", {})[STATE_KEY] = context
+
+    async def _refuse(self, problem: problems.Problem, outcome: Outcome) -> None:
+        self.outcome, self.status = outcome, problem.status
+        await problem.send(self.send)
+
+    async def _timed(self, operation: Awaitable[T]) -> T:
+        started = time.perf_counter()
+        try:
+            return await operation
+        finally:
+            self.store_seconds += time.perf_counter() - started
+
+    def _emit(self) -> None:
+        hook = self.middleware.on_event
+        if hook is None or self.outcome is None:
+            return
+        event = Event(
+            self.outcome,
+            self.scope["method"],
+            self.scope["path"],
+            self.tenant,
+            hash_key(self.key),
+            self.status,
+            time.perf_counter() - self.started,
+            self.store_seconds,
+        )
+        try:
+            hook(event)
+        except Exception:
+            logger.exception("idempotency on_event hook failed")
+
+
+class _FencedOut(Exception):
+    """Raised out of the handler's ``send`` when a held response's record was refused by the fence."""
+
+
+def _is_store_failure(error: Exception) -> bool:
+    return isinstance(error, StoreUnavailable | UNAVAILABLE)

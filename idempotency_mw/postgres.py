@@ -1,0 +1,246 @@
+"""The PostgreSQL store, on asyncpg.
+
+Each public operation is one statement and one round trip; asyncpg prepares each statement once per connection.
+Every database call has a deadline, so a dead server turns into :class:`StoreUnavailable` (and a 503) instead of a
+hung request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+
+from idempotency_mw.capture import decode_headers, encode_headers
+from idempotency_mw.sql import migrations, queries
+from idempotency_mw.store import Claim, ClaimOutcome, RecordInfo, StoredResponse, StoreUnavailable
+
+# What "the store cannot be reached" looks like from asyncpg: connection failures, a server shutting down,
+# deadlines. Errors in our own SQL (a missing table) are not among them and surface as they are.
+UNAVAILABLE = (
+    OSError,
+    TimeoutError,
+    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.InterfaceError,
+    asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.TooManyConnectionsError,
+    asyncpg.exceptions.ConnectionFailureError,
+    asyncpg.exceptions.QueryCanceledError,
+)
+
+MIGRATION_LOCK = 0x1DE4_0001  # pg_advisory_xact_lock key: concurrent migrate() calls take turns
+
+
+class PostgresStore:
+    """Records in one PostgreSQL table (see ``sql/migrations``).
+
+    ``PostgresStore("postgresql://…")`` opens its own pool on first use (sized by ``min_size``/``max_size``);
+    ``PostgresStore(pool)`` uses an asyncpg pool the app already has and leaves closing it to the app.
+    ``timeout`` bounds every database call in seconds, connecting and waiting for a pooled connection included.
+    """
+
+    def __init__(
+        self,
+        dsn_or_pool: str | asyncpg.Pool,
+        *,
+        timeout: float = 5.0,
+        min_size: int = 2,
+        max_size: int = 20,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError("PostgresStore timeout must be positive")
+        if isinstance(dsn_or_pool, str):
+            self._dsn: str | None = dsn_or_pool
+            self._pool: asyncpg.Pool | None = None
+        else:
+            self._dsn, self._pool = None, dsn_or_pool
+        self.timeout = timeout
+        self._pool_size = (min_size, max_size)
+        self._opening = asyncio.Lock()
+        self._sql = queries()
+
+    async def pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            async with self._opening:
+                if self._pool is None:
+                    min_size, max_size = self._pool_size
+                    try:
+                        self._pool = await asyncpg.create_pool(
+                            self._dsn,
+                            min_size=min_size,
+                            max_size=max_size,
+                            timeout=self.timeout,
+                            command_timeout=self.timeout,
+                        )
+                    except UNAVAILABLE as error:
+                        raise StoreUnavailable(str(error)) from error
+        return self._pool
+
+    async def close(self) -> None:
+        if self._dsn is not None and self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
+
+    async def __aenter__(self) -> PostgresStore:
+        await self.pool()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+        """A pooled connection, waited for no longer than ``timeout``."""
+        pool = await self.pool()
+        try:
+            async with pool.acquire(timeout=self.timeout) as connection:
+                yield connection
+        except UNAVAILABLE as error:
+            raise StoreUnavailable(str(error) or type(error).__name__) from error
+
+    async def _fetchrow(self, name: str, *args: Any) -> asyncpg.Record | None:
+        async with self.connection() as connection:
+            return await connection.fetchrow(self._sql[name], *args, timeout=self.timeout)
+
+    async def _execute(self, name: str, *args: Any) -> str:
+        async with self.connection() as connection:
+            status: str = await connection.execute(self._sql[name], *args, timeout=self.timeout)
+            return status
+
+    # -- the Store protocol --------------------------------------------------------------------------------
+
+    async def claim(
+        self,
+        tenant: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        connection: asyncpg.Connection | None = None,
+    ) -> Claim:
+        args = (tenant, key, fingerprint, float(lease), float(ttl))
+        if connection is None:
+            row = await self._fetchrow("claim", *args)
+        else:
+            try:
+                row = await connection.fetchrow(self._sql["claim"], *args, timeout=self.timeout)
+            except UNAVAILABLE as error:
+                raise StoreUnavailable(str(error) or type(error).__name__) from error
+        assert row is not None  # INSERT … ON CONFLICT DO UPDATE … RETURNING always returns the row
+        return claim_from_row(row)
+
+    async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
+        return await self._execute("renew", tenant, key, fence, float(lease)) == "UPDATE 1"
+
+    async def complete(
+        self,
+        tenant: str,
+        key: str,
+        fence: int,
+        response: StoredResponse,
+        *,
+        connection: asyncpg.Connection | None = None,
+    ) -> bool:
+        """Store the response; with ``connection``, inside that connection's open transaction."""
+        args = (
+            tenant,
+            key,
+            fence,
+            response.status,
+            encode_headers(response.headers),
+            response.body,
+            response.body_size,
+        )
+        if connection is None:
+            return await self._execute("complete", *args) == "UPDATE 1"
+        try:
+            status = await connection.execute(self._sql["complete"], *args, timeout=self.timeout)
+        except UNAVAILABLE as error:
+            raise StoreUnavailable(str(error) or type(error).__name__) from error
+        return bool(status == "UPDATE 1")
+
+    async def release(self, tenant: str, key: str, fence: int) -> bool:
+        return await self._execute("release", tenant, key, fence) == "DELETE 1"
+
+    async def forget(self, tenant: str, key: str, *, connection: asyncpg.Connection | None = None) -> bool:
+        """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names."""
+        if connection is None:
+            return await self._execute("forget", tenant, key) == "DELETE 1"
+        return bool(await connection.execute(self._sql["forget"], tenant, key) == "DELETE 1")
+
+    async def inspect(self, tenant: str, key: str) -> RecordInfo | None:
+        row = await self._fetchrow("inspect", tenant, key)
+        if row is None:
+            return None
+        response = None
+        if row["state"] == "completed":
+            response = StoredResponse(row["status"], decode_headers(row["headers"]), row["body"], row["body_size"])
+        return RecordInfo(
+            tenant=row["tenant"],
+            key=row["key"],
+            state=row["state"],
+            fence=row["fence"],
+            fingerprint=bytes(row["fingerprint"]),
+            attempts=row["attempts"],
+            created_at=row["created_at"],
+            expires_at=row["expires_at"],
+            lease_expires_at=row["lease_expires_at"],
+            response=response,
+        )
+
+    async def purge_expired(self, *, batch_size: int = 1000) -> int:
+        status = await self._execute("purge_expired", batch_size)
+        return int(status.split()[-1])
+
+    async def count_expired(self) -> int:
+        row = await self._fetchrow("count_expired")
+        assert row is not None
+        return int(row[0])
+
+    async def stats(self) -> dict[str, Any]:
+        row = await self._fetchrow("stats")
+        assert row is not None
+        return dict(row)
+
+    async def migrate(self) -> list[str]:
+        """Apply the migrations this database lacks, in order, each in its own transaction; return their names.
+
+        Safe to run repeatedly and from several processes at once (they take turns on an advisory lock).
+        """
+        applied: list[str] = []
+        async with self.connection() as connection:
+            await connection.execute(
+                "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations ("
+                " version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            for version, name, sql in migrations():
+                async with connection.transaction():
+                    await connection.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
+                    done = await connection.fetchval(
+                        "SELECT 1 FROM idempotency_schema_migrations WHERE version = $1", version
+                    )
+                    if done:
+                        continue
+                    await connection.execute(sql)
+                    await connection.execute(
+                        "INSERT INTO idempotency_schema_migrations (version, name) VALUES ($1, $2)", version, name
+                    )
+                    applied.append(name)
+        return applied
+
+
+def claim_from_row(row: asyncpg.Record) -> Claim:
+    if row["owned"]:
+        return Claim(ClaimOutcome.OWNED, fence=row["fence"])
+    if not row["same_request"]:
+        return Claim(ClaimOutcome.MISMATCH)
+    if row["state"] == "in_progress":
+        return Claim(ClaimOutcome.IN_PROGRESS)
+    response = StoredResponse(row["status"], decode_headers(row["headers"]), row["body"], row["body_size"])
+    return Claim(ClaimOutcome.COMPLETED, response=response)

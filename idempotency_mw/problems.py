@@ -1,0 +1,112 @@
+"""The middleware's own error responses: RFC 9457 ``application/problem+json`` with a stable ``code``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+from starlette.types import Send
+
+TYPE_BASE = "urn:idempotency-mw:problem:"
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    status: int
+    code: str
+    title: str
+    detail: str
+    retry_after: int | None = None
+
+    def body(self) -> bytes:
+        return orjson.dumps(
+            {
+                "type": TYPE_BASE + self.code,
+                "title": self.title,
+                "status": self.status,
+                "detail": self.detail,
+                "code": self.code,
+            }
+        )
+
+    async def send(self, send: Send) -> None:
+        body = self.body()
+        headers = [
+            (b"content-type", b"application/problem+json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        if self.retry_after is not None:
+            headers.append((b"retry-after", str(self.retry_after).encode()))
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def key_missing() -> Problem:
+    return Problem(
+        400, "idempotency_key_missing", "Idempotency-Key required", "This operation requires an Idempotency-Key header."
+    )
+
+
+def key_invalid(reason: str) -> Problem:
+    return Problem(400, "idempotency_key_invalid", "Invalid Idempotency-Key", reason + ".")
+
+
+def key_reused() -> Problem:
+    return Problem(
+        422,
+        "idempotency_key_reused",
+        "Idempotency-Key already used",
+        "This Idempotency-Key was already used with a different request (method, path, query or "
+        "body). Use a new key for a new request.",
+    )
+
+
+def in_progress(retry_after: int) -> Problem:
+    return Problem(
+        409,
+        "idempotency_request_in_progress",
+        "Request in progress",
+        "A request with this Idempotency-Key is still being processed. Retry later with the same key "
+        "to receive its response.",
+        retry_after,
+    )
+
+
+def request_too_large(limit: int) -> Problem:
+    return Problem(
+        413,
+        "request_too_large",
+        "Request body too large",
+        f"Requests with an Idempotency-Key may carry at most {limit} bytes of body.",
+    )
+
+
+def store_unavailable(retry_after: int) -> Problem:
+    return Problem(
+        503,
+        "idempotency_store_unavailable",
+        "Idempotency store unavailable",
+        "The idempotency store cannot be reached, so the request was not processed. Retry later with the same key.",
+        retry_after,
+    )
+
+
+def response_not_replayable(status: int, limit: int) -> Problem:
+    return Problem(
+        409,
+        "idempotency_response_not_replayable",
+        "Original response cannot be replayed",
+        f"The original request with this Idempotency-Key completed with status {status}, but its "
+        f"response was larger than the {limit}-byte storage limit, so it cannot be replayed. The "
+        "operation was not run again.",
+    )
+
+
+def key_expired(max_age: int) -> Problem:
+    return Problem(
+        422,
+        "idempotency_key_expired",
+        "Idempotency-Key too old",
+        f"This Idempotency-Key carries a timestamp older than the {max_age}-second retention window, "
+        "so a previous use can no longer be detected. Use a new key.",
+    )

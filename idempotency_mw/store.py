@@ -1,0 +1,85 @@
+"""The contract every store keeps; the middleware talks to nothing else.
+
+A record is identified by ``(tenant, key)``. ``claim`` is the only entry point and answers in one step: the caller
+now owns the key (with a fresh fence token), or the record already exists and is completed, in progress, or was
+made by a different request. Every later write names the fence, so a worker whose claim was taken over can change
+nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+Headers = list[tuple[bytes, bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """A response as the client first received it. ``body`` is None when it exceeded the storage cap."""
+
+    status: int
+    headers: Headers
+    body: bytes | None
+    body_size: int
+
+
+class ClaimOutcome(enum.Enum):
+    OWNED = "owned"  # fresh, or taken over from an expired record or a lapsed lease
+    COMPLETED = "completed"  # same request, finished: replay ``response``
+    IN_PROGRESS = "in_progress"  # same request, still running under a live lease
+    MISMATCH = "mismatch"  # a different request already used this key
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    outcome: ClaimOutcome
+    fence: int = 0  # only meaningful when OWNED
+    response: StoredResponse | None = None  # only when COMPLETED
+
+
+@dataclass(frozen=True, slots=True)
+class RecordInfo:
+    """What ``inspect`` shows of a record (never the request body, which is not stored)."""
+
+    tenant: str
+    key: str
+    state: str
+    fence: int
+    fingerprint: bytes
+    attempts: int
+    created_at: float
+    expires_at: float
+    lease_expires_at: float | None
+    response: StoredResponse | None
+
+
+class StoreUnavailable(Exception):
+    """The store could not be reached or did not answer in time."""
+
+
+class Store(Protocol):
+    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
+        """Insert an ``in_progress`` record or report the existing one, atomically, in one round trip."""
+
+    async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
+        """Extend the lease of a claim still held under ``fence``; False if it was taken over."""
+
+    async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
+        """Store the response of a claim still held under ``fence``; False if it was taken over."""
+
+    async def release(self, tenant: str, key: str, fence: int) -> bool:
+        """Delete a claim still held under ``fence`` so that a retry runs afresh."""
+
+    async def forget(self, tenant: str, key: str) -> bool:
+        """Delete the record whatever its state (operator action, or the resource it names was deleted)."""
+
+    async def inspect(self, tenant: str, key: str) -> RecordInfo | None:
+        """The record as stored, expired or not."""
+
+    async def purge_expired(self, *, batch_size: int = 1000) -> int:
+        """Delete up to ``batch_size`` expired records; return how many went."""
+
+    async def close(self) -> None:
+        """Release resources the store opened itself."""

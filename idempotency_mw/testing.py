@@ -1,0 +1,84 @@
+"""A pytest plugin for apps that use idempotency_mw (installed with the package, loaded by pytest itself).
+
+Fixtures:
+
+- ``idempotency_database_url``: a migrated PostgreSQL for the test session (``DATABASE_URL``, else embedded).
+- ``idempotency_store``: a :class:`~idempotency_mw.PostgresStore` on it, closed after each test.
+
+Helper: :func:`assert_idempotent` fires one request many times, concurrently, and checks that the endpoint ran
+once and every answer was the first response or a 409 in-progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from idempotency_mw.devdb import local_database
+from idempotency_mw.postgres import PostgresStore
+
+
+@pytest.fixture(scope="session")
+def idempotency_database_url() -> Iterator[str]:
+    with local_database() as url:
+        asyncio.run(_migrate(url))
+        yield url
+
+
+async def _migrate(url: str) -> None:
+    async with PostgresStore(url, min_size=1, max_size=1) as store:
+        await store.migrate()
+
+
+@pytest.fixture
+async def idempotency_store(idempotency_database_url: str) -> AsyncIterator[PostgresStore]:
+    async with PostgresStore(idempotency_database_url) as store:
+        yield store
+
+
+@dataclass(frozen=True)
+class IdempotencyReport:
+    statuses: list[int]
+    executed: int  # answers that were not replays or conflicts
+    replayed: int
+    in_progress: int
+
+
+async def assert_idempotent(
+    client: Any,
+    method: str,
+    url: str,
+    *,
+    times: int = 10,
+    key: str | None = None,
+    **request: Any,
+) -> IdempotencyReport:
+    """Send the same request ``times`` times at once with one key, then once more after they settle.
+
+    ``client`` is an ``httpx.AsyncClient`` (for example over ``httpx.ASGITransport(app)``). Passes when exactly
+    one answer came from running the endpoint, every replay is byte-identical to it, and the rest were 409s.
+    """
+    key = key or str(uuid.uuid4())
+    headers = {**request.pop("headers", {}), "Idempotency-Key": key}
+
+    async def once() -> Any:
+        return await client.request(method, url, headers=headers, **request)
+
+    responses = list(await asyncio.gather(*(once() for _ in range(times))))
+    responses.append(await once())  # everything has settled: this one must be a replay
+    originals = [r for r in responses if r.status_code != 409 and "idempotent-replayed" not in r.headers]
+    replays = [r for r in responses if "idempotent-replayed" in r.headers]
+    conflicts = [r for r in responses if r.status_code == 409 and "idempotent-replayed" not in r.headers]
+    assert len(originals) == 1, f"expected the endpoint to answer once, it answered {len(originals)} times"
+    first = originals[0]
+    for replay in replays:
+        assert replay.status_code == first.status_code, "a replay's status differs from the original's"
+        assert replay.content == first.content, "a replay's body differs from the original's"
+    assert replays, "the final request was not answered with a replay"
+    assert "idempotent-replayed" in responses[-1].headers
+    return IdempotencyReport([r.status_code for r in responses], len(originals), len(replays), len(conflicts))

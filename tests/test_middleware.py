@@ -1,0 +1,542 @@
+"""The conformance suite: DESIGN.md §2-5, run against every store (``store`` is parametrised)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from idempotency_mw import MemoryStore, PostgresStore, Store
+from tests.apps import Probe, build_app
+from tests.conftest import client_for
+
+
+def setup(store: Store, **options: Any) -> tuple[Probe, httpx.AsyncClient]:
+    probe = Probe()
+    return probe, client_for(build_app(store, probe, **options))
+
+
+def problem(response: httpx.Response) -> dict[str, Any]:
+    assert response.headers["content-type"] == "application/problem+json"
+    body: dict[str, Any] = response.json()
+    assert set(body) == {"type", "title", "status", "detail", "code"}
+    assert body["status"] == response.status_code
+    return body
+
+
+# -- the happy path ----------------------------------------------------------------------------------------
+
+
+async def test_first_request_runs_and_retry_replays(store: Store, key: str) -> None:
+    probe, client = setup(store)
+    first = await client.post("/charge", content=b'{"amount": 10}', headers={"Idempotency-Key": key})
+    second = await client.post("/charge", content=b'{"amount": 10}', headers={"Idempotency-Key": key})
+    assert first.status_code == second.status_code == 201
+    assert probe.calls["charge"] == 1
+    assert second.content == first.content
+    assert second.headers["idempotent-replayed"] == "true"
+    assert "idempotent-replayed" not in first.headers
+    assert list(second.headers.items())[:-1] == list(first.headers.items())
+
+
+async def test_requests_without_key_pass_through_untouched(store: Store) -> None:
+    probe, client = setup(store)
+    for _ in range(2):
+        response = await client.post("/charge", content=b"x")
+        assert response.status_code == 201
+        assert "idempotent-replayed" not in response.headers
+    assert probe.calls["charge"] == 2
+
+
+async def test_uncovered_methods_ignore_the_header(store: Store, key: str) -> None:
+    probe, client = setup(store)
+    for _ in range(2):
+        assert (await client.get("/read", headers={"Idempotency-Key": key})).status_code == 200
+        assert (await client.put("/charge", content=b"x", headers={"Idempotency-Key": key})).status_code == 201
+    assert probe.calls["get"] == 2
+    assert probe.calls["charge"] == 2
+
+
+async def test_patch_is_covered(store: Store, key: str) -> None:
+    probe, client = setup(store)
+    for _ in range(2):
+        await client.patch("/charge", content=b"x", headers={"Idempotency-Key": key})
+    assert probe.calls["charge"] == 1
+
+
+async def test_required_key_missing_is_400(store: Store) -> None:
+    probe, client = setup(store, required=True)
+    response = await client.post("/charge", content=b"x")
+    assert response.status_code == 400
+    assert problem(response)["code"] == "idempotency_key_missing"
+    assert probe.calls["charge"] == 0
+
+
+# -- concurrency -------------------------------------------------------------------------------------------
+
+
+async def test_fifty_concurrent_identical_requests_run_the_handler_once(store: Store, key: str) -> None:
+    probe, client = setup(store)
+    probe.hold()
+
+    async def send() -> httpx.Response:
+        return await client.post("/charge", json={"amount": 5}, headers={"Idempotency-Key": key})
+
+    tasks = [asyncio.create_task(send()) for _ in range(50)]
+    await asyncio.wait_for(probe.entered.wait(), 10)
+    await asyncio.sleep(0.05)
+    probe.release.set()
+    responses = await asyncio.gather(*tasks)
+    assert probe.calls["charge"] == 1
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses.count(201) >= 1
+    assert set(statuses) <= {201, 409}
+    originals = [r for r in responses if r.status_code == 201 and "idempotent-replayed" not in r.headers]
+    assert len(originals) == 1
+    for response in responses:
+        if response.status_code == 409:
+            assert problem(response)["code"] == "idempotency_request_in_progress"
+            assert response.headers["retry-after"] == "1"
+        else:
+            assert response.content == originals[0].content
+    final = await send()
+    assert final.headers["idempotent-replayed"] == "true"
+    assert final.content == originals[0].content
+
+
+async def test_in_progress_is_409_with_retry_after(store: Store, key: str) -> None:
+    probe, client = setup(store, retry_after=3)
+    probe.hold()
+    first = asyncio.create_task(client.post("/charge", content=b"a", headers={"Idempotency-Key": key}))
+    await asyncio.wait_for(probe.entered.wait(), 5)
+    second = await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+    assert second.status_code == 409
+    assert second.headers["retry-after"] == "3"
+    assert problem(second)["code"] == "idempotency_request_in_progress"
+    probe.release.set()
+    assert (await first).status_code == 201
+
+
+# -- a different request under the same key ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/charge", b'{"amount": 11}'), ("/charge?x=1", b'{"amount": 10}'), ("/stream", b'{"amount": 10}')],
+    ids=["body", "query", "path"],
+)
+async def test_same_key_different_request_is_422(store: Store, key: str, path: str, body: bytes) -> None:
+    probe, client = setup(store)
+    headers = {"Idempotency-Key": key, "content-type": "application/json"}
+    assert (await client.post("/charge", content=b'{"amount": 10}', headers=headers)).status_code == 201
+    response = await client.post(path, content=body, headers=headers)
+    assert response.status_code == 422
+    assert problem(response)["code"] == "idempotency_key_reused"
+    assert probe.calls["charge"] == 1
+    assert probe.calls["stream"] == 0
+
+
+async def test_mismatch_is_422_even_while_the_original_runs(store: Store, key: str) -> None:
+    probe, client = setup(store)
+    probe.hold()
+    first = asyncio.create_task(client.post("/charge", content=b"a", headers={"Idempotency-Key": key}))
+    await asyncio.wait_for(probe.entered.wait(), 5)
+    other = await client.post("/charge", content=b"b", headers={"Idempotency-Key": key})
+    assert other.status_code == 422
+    probe.release.set()
+    await first
+
+
+async def test_json_key_order_and_whitespace_are_the_same_request(store: Store, key: str) -> None:
+    probe, client = setup(store)
+    headers = {"Idempotency-Key": key, "content-type": "application/json"}
+    await client.post("/charge", content=b'{"a": 1, "b": [1, 2]}', headers=headers)
+    again = await client.post("/charge", content=b'{"b":[1,2],\n "a":1}', headers=headers)
+    assert again.headers["idempotent-replayed"] == "true"
+    assert probe.calls["charge"] == 1
+
+
+async def test_form_pair_order_is_the_same_request(store: Store, key: str) -> None:
+    probe, client = setup(store)
+    headers = {"Idempotency-Key": key, "content-type": "application/x-www-form-urlencoded"}
+    await client.post("/charge", content=b"amount=10&currency=usd&metadata%5Bx%5D=1", headers=headers)
+    again = await client.post("/charge", content=b"metadata[x]=1&currency=usd&amount=10", headers=headers)
+    assert again.headers["idempotent-replayed"] == "true"
+    assert probe.calls["charge"] == 1
+
+
+# -- tenants -----------------------------------------------------------------------------------------------
+
+
+async def test_tenants_are_isolated(store: Store, key: str) -> None:
+    probe = Probe()
+    app = build_app(store, probe)
+    alice, bob = client_for(app, token="sk_alice"), client_for(app, token="sk_bob")
+    a = await alice.post("/charge", content=b"alice-secret", headers={"Idempotency-Key": key})
+    b = await bob.post("/charge", content=b"bob-payload", headers={"Idempotency-Key": key})
+    assert a.status_code == b.status_code == 201
+    assert "idempotent-replayed" not in b.headers
+    assert b"alice-secret" not in b.content
+    assert probe.calls["charge"] == 2
+    # Bob's request with Alice's exact payload is still his own: a fresh run, not Alice's response.
+    b2 = await bob.post("/charge", content=b"alice-secret", headers={"Idempotency-Key": "other-" + key})
+    assert "idempotent-replayed" not in b2.headers
+    # While Alice's key is in flight, Bob is neither blocked nor told anything.
+    probe.hold()
+    held = asyncio.create_task(alice.post("/charge", content=b"x", headers={"Idempotency-Key": "held-" + key}))
+    await asyncio.wait_for(probe.entered.wait(), 5)
+    probe.release.set()
+    free = await bob.post("/charge", content=b"y", headers={"Idempotency-Key": "held-" + key})
+    assert free.status_code == 201
+    await held
+
+
+async def test_custom_async_tenant_resolver(store: Store, key: str) -> None:
+    async def by_account(scope: dict[str, Any]) -> str:
+        return dict(scope["headers"]).get(b"x-account", b"").decode()
+
+    probe = Probe()
+    app = build_app(store, probe, tenant=by_account)
+    client = client_for(app)
+    for account in ("acct_1", "acct_2", "acct_1"):
+        await client.post("/charge", content=b"x", headers={"Idempotency-Key": key, "x-account": account})
+    assert probe.calls["charge"] == 2
+
+
+# -- released outcomes: the retry runs afresh -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code", [500, 502, 503, 408, 425, 429, 401, 403, 404, 405])
+async def test_transient_and_not_executed_outcomes_are_released(store: Store, key: str, code: int) -> None:
+    probe, client = setup(store)
+    first = await client.post(f"/status/{code}", headers={"Idempotency-Key": key})
+    second = await client.post(f"/status/{code}", headers={"Idempotency-Key": key})
+    assert first.status_code == second.status_code == code
+    assert "idempotent-replayed" not in second.headers
+    assert probe.calls["status"] == 2
+    assert await store.inspect(_tenant(), key) is None
+
+
+@pytest.mark.parametrize("code", [200, 201, 202, 204, 302, 400, 402, 409, 410, 422])
+async def test_final_outcomes_are_recorded(store: Store, key: str, code: int) -> None:
+    probe, client = setup(store)
+    first = await client.post(f"/status/{code}", headers={"Idempotency-Key": key})
+    second = await client.post(f"/status/{code}", headers={"Idempotency-Key": key})
+    assert second.status_code == code
+    assert second.headers["idempotent-replayed"] == "true"
+    assert second.content == first.content
+    assert probe.calls["status"] == 1
+
+
+async def test_released_statuses_are_configurable(store: Store, key: str) -> None:
+    probe, client = setup(store, released_statuses=frozenset({409}))
+    await client.post("/status/409", headers={"Idempotency-Key": key})
+    await client.post("/status/409", headers={"Idempotency-Key": key})
+    assert probe.calls["status"] == 2
+
+
+async def test_exception_releases_the_key(store: Store, key: str) -> None:
+    probe, client = setup(store)
+    with pytest.raises(RuntimeError):
+        await client.post("/boom", headers={"Idempotency-Key": key})
+    retry = await client.post("/boom", headers={"Idempotency-Key": key})
+    assert retry.status_code == 201
+    assert probe.calls["boom"] == 2
+
+
+async def test_cancelled_request_releases_the_key(store: Store, key: str) -> None:
+    """A client that disconnects mid-handler (the server cancels the request task) frees the key."""
+    probe, client = setup(store)
+    probe.hold()
+    first = asyncio.create_task(client.post("/charge", content=b"a", headers={"Idempotency-Key": key}))
+    await asyncio.wait_for(probe.entered.wait(), 5)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    await asyncio.sleep(0.05)  # the shielded release finishes
+    probe.release.set()
+    retry = await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+    assert retry.status_code == 201
+    assert "idempotent-replayed" not in retry.headers
+    assert probe.calls["charge"] == 2
+
+
+async def test_disconnect_while_sending_the_body_claims_nothing(store: Store, key: str) -> None:
+    probe = Probe()
+    app = build_app(store, probe)
+    messages = iter([{"type": "http.request", "body": b"part", "more_body": True}, {"type": "http.disconnect"}])
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return next(messages)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(_scope("/charge", key), receive, send)
+    assert sent == []
+    assert probe.calls["charge"] == 0
+    assert await store.inspect(_tenant(), key) is None
+
+
+# -- leases and fences -------------------------------------------------------------------------------------
+
+
+async def test_slow_handler_keeps_its_claim_through_heartbeats(store: Store, key: str) -> None:
+    probe, client = setup(store, lease=0.3)
+    probe.hold()
+    first = asyncio.create_task(client.post("/charge", content=b"a", headers={"Idempotency-Key": key}))
+    await asyncio.wait_for(probe.entered.wait(), 5)
+    await asyncio.sleep(0.9)  # three leases long
+    during = await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+    assert during.status_code == 409
+    probe.release.set()
+    assert (await first).status_code == 201
+    assert probe.calls["charge"] == 1
+
+
+async def test_lapsed_lease_is_taken_over_and_the_stale_worker_is_fenced_out(store: Store, key: str) -> None:
+    fp = b"f" * 32
+    stale = await store.claim("t", key, fp, lease=0.05, ttl=60)
+    await asyncio.sleep(0.1)
+    fresh = await store.claim("t", key, fp, lease=60, ttl=60)
+    assert stale.outcome.value == fresh.outcome.value == "owned"
+    assert fresh.fence > stale.fence
+    from idempotency_mw import StoredResponse
+
+    response = StoredResponse(201, [(b"a", b"b")], b"stale", 5)
+    assert not await store.complete("t", key, stale.fence, response)
+    assert not await store.release("t", key, stale.fence)
+    assert not await store.renew("t", key, stale.fence, lease=60)
+    info = await store.inspect("t", key)
+    assert info is not None
+    assert info.state == "in_progress"
+    assert info.fence == fresh.fence
+    assert await store.complete("t", key, fresh.fence, response)
+
+
+async def test_lapsed_lease_of_a_different_request_is_still_422(store: Store, key: str) -> None:
+    await store.claim("t", key, b"a" * 32, lease=0.05, ttl=60)
+    await asyncio.sleep(0.1)
+    assert (await store.claim("t", key, b"b" * 32, lease=60, ttl=60)).outcome.value == "mismatch"
+
+
+async def test_release_after_a_new_claim_cannot_delete_it(store: Store, key: str) -> None:
+    """Fences are unique across claims of a key, even after the record was released and claimed again."""
+    first = await store.claim("t", key, b"a" * 32, lease=0.05, ttl=60)
+    await asyncio.sleep(0.1)
+    second = await store.claim("t", key, b"a" * 32, lease=60, ttl=60)
+    assert await store.release("t", key, second.fence)
+    third = await store.claim("t", key, b"a" * 32, lease=60, ttl=60)
+    assert third.fence not in (first.fence, second.fence)
+    assert not await store.release("t", key, first.fence)
+    assert (await store.inspect("t", key)) is not None
+
+
+async def test_expired_record_runs_anew(store: Store, key: str) -> None:
+    probe, client = setup(store, ttl=0.4, lease=0.1)
+    await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+    await asyncio.sleep(0.5)
+    again = await client.post("/charge", content=b"different", headers={"Idempotency-Key": key})
+    assert again.status_code == 201
+    assert "idempotent-replayed" not in again.headers
+    assert probe.calls["charge"] == 2
+
+
+# -- replay fidelity ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/raw-json", "/binary", "/stream", "/cookies"])
+async def test_replay_is_byte_identical(store: Store, key: str, path: str) -> None:
+    probe = Probe()
+    app = build_app(store, probe)
+    first_status, first_headers, first_chunks = await _raw_call(app, path, key)
+    again_status, again_headers, again_chunks = await _raw_call(app, path, key)
+    assert again_status == first_status
+    assert again_headers == [*first_headers, (b"idempotent-replayed", b"true")]
+    assert b"".join(again_chunks) == b"".join(first_chunks)
+    assert sum(probe.calls.values()) == 1
+
+
+async def test_live_streaming_response_keeps_its_chunks(store: Store, key: str) -> None:
+    _, _headers, chunks = await _raw_call(build_app(store, Probe()), "/stream", key)
+    assert chunks[:3] == [b"first,", b"second,", b"third"]
+
+
+async def test_repeated_headers_keep_order_and_repeats(store: Store, key: str) -> None:
+    _, live, _ = await _raw_call(build_app(store, Probe()), "/cookies", key)
+    names = [name for name, _ in live]
+    assert names.count(b"set-cookie") == 2
+    assert names.index(b"x-between") > names.index(b"set-cookie")
+
+
+# -- bad input ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [(b"idempotency-key", b"")],
+        [(b"idempotency-key", b"k" * 256)],
+        [(b"idempotency-key", b'"' + b"k" * 256 + b'"')],
+        [(b"idempotency-key", b"ab\x01cd")],
+        [(b"idempotency-key", b"ab cd")],
+        [(b"idempotency-key", "clé".encode())],
+        [(b"idempotency-key", b"a"), (b"idempotency-key", b"b")],
+        [(b"idempotency-key", b'"unterminated')],
+        [(b"idempotency-key", b'"bad\\escape"')],
+        [(b"idempotency-key", b'"a"b')],
+        [(b"idempotency-key", b'""')],
+        [(b"idempotency-key", b"a,b")],
+    ],
+    ids=[
+        "empty",
+        "256",
+        "256-quoted",
+        "control",
+        "space",
+        "non-ascii",
+        "repeated",
+        "unterminated",
+        "escape",
+        "trailing",
+        "empty-quoted",
+        "comma",
+    ],
+)
+async def test_bad_keys_are_400_and_the_handler_never_runs(store: Store, headers: list[tuple[bytes, bytes]]) -> None:
+    probe = Probe()
+    app = build_app(store, probe)
+    status, response_headers, chunks = await _raw_call(app, "/charge", None, extra_headers=headers)
+    assert status == 400
+    body = orjson.loads(b"".join(chunks))
+    assert body["code"] == "idempotency_key_invalid"
+    assert (b"content-type", b"application/problem+json") in response_headers
+    assert probe.calls["charge"] == 0
+
+
+async def test_quoted_and_bare_forms_name_the_same_key(store: Store) -> None:
+    probe, client = setup(store)
+    await client.post("/charge", content=b"a", headers={"Idempotency-Key": "abc-123"})
+    again = await client.post("/charge", content=b"a", headers={"Idempotency-Key": '"abc-123"'})
+    assert again.headers["idempotent-replayed"] == "true"
+    assert probe.calls["charge"] == 1
+
+
+async def test_oversized_request_is_413(store: Store, key: str) -> None:
+    probe, client = setup(store, max_request_bytes=100)
+    declared = await client.post("/charge", content=b"x" * 101, headers={"Idempotency-Key": key})
+    assert declared.status_code == 413
+    assert problem(declared)["code"] == "request_too_large"
+
+    async def streamed() -> Any:
+        for _ in range(5):
+            yield b"x" * 30
+
+    chunked = await client.post("/charge", content=streamed(), headers={"Idempotency-Key": key})
+    assert chunked.status_code == 413
+    assert probe.calls["charge"] == 0
+    ok = await client.post("/charge", content=b"x" * 100, headers={"Idempotency-Key": key})
+    assert ok.status_code == 201
+
+
+async def test_response_over_the_storage_cap_is_never_rerun_nor_truncated(store: Store, key: str) -> None:
+    probe, client = setup(store, max_response_bytes=1000)
+    live = await client.post("/big?size=5000", headers={"Idempotency-Key": key})
+    assert live.status_code == 200
+    assert live.content == b"x" * 5000
+    retry = await client.post("/big?size=5000", headers={"Idempotency-Key": key})
+    assert retry.status_code == 409
+    assert problem(retry)["code"] == "idempotency_response_not_replayable"
+    assert "retry-after" not in retry.headers
+    assert probe.calls["big"] == 1
+    # At the cap exactly, the body is stored.
+    await client.post("/big?size=1000", headers={"Idempotency-Key": "at-cap-" + key})
+    replay = await client.post("/big?size=1000", headers={"Idempotency-Key": "at-cap-" + key})
+    assert replay.content == b"x" * 1000
+
+
+# -- the store failing -------------------------------------------------------------------------------------
+
+
+class BrokenStore(MemoryStore):
+    async def claim(self, *args: Any, **kwargs: Any) -> Any:
+        raise OSError("connection refused")
+
+
+@pytest.mark.parametrize("broken", ["memory", "postgres"])
+async def test_store_down_is_503_and_the_handler_never_runs(broken: str, key: str) -> None:
+    store: Store = (
+        BrokenStore() if broken == "memory" else PostgresStore("postgresql://nobody@127.0.0.1:1/none", timeout=0.5)
+    )
+    probe, client = setup(store, retry_after=2)
+    response = await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "2"
+    assert problem(response)["code"] == "idempotency_store_unavailable"
+    assert probe.calls["charge"] == 0
+
+
+async def test_fail_open_runs_the_handler_unprotected(key: str) -> None:
+    probe, client = setup(BrokenStore(), fail_open=True)
+    response = await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+    assert response.status_code == 201
+    assert probe.calls["charge"] == 1
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+
+
+def _tenant(token: str = "sk_test_alice") -> str:
+    import hashlib
+
+    return hashlib.sha256(f"Bearer {token}".encode()).hexdigest()
+
+
+def _scope(path: str, key: str | None, extra_headers: list[tuple[bytes, bytes]] | None = None) -> dict[str, Any]:
+    headers = [(b"authorization", b"Bearer sk_test_alice"), (b"content-type", b"application/json")]
+    if key is not None:
+        headers.append((b"idempotency-key", key.encode()))
+    headers.extend(extra_headers or [])
+    path, _, query = path.partition("?")
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query.encode(),
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+
+
+async def _raw_call(
+    app: Any, path: str, key: str | None, *, extra_headers: list[tuple[bytes, bytes]] | None = None
+) -> tuple[int, list[tuple[bytes, bytes]], list[bytes]]:
+    """Drive the app with raw ASGI messages, so the test sees headers and chunks exactly as sent."""
+    sent: list[dict[str, Any]] = []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        await asyncio.Event().wait()  # the client never disconnects
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(_scope(path, key, extra_headers), receive, send)
+    start = sent[0]
+    chunks = [m["body"] for m in sent[1:] if m.get("body")]
+    return start["status"], list(start["headers"]), chunks
