@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from starlette.requests import HTTPConnection
 
 STATE_KEY = "idempotency"
+NOT_EXECUTED_KEY = "idempotency_not_executed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,3 +43,13 @@ def idempotency_context(request: HTTPConnection) -> IdempotencyContext | None:
     state: dict[str, Any] = request.scope.get("state", {})
     context = state.get(STATE_KEY)
     return context if isinstance(context, IdempotencyContext) else None
+
+
+def mark_not_executed(request: HTTPConnection) -> None:
+    """Tell the middleware that this request was refused before anything ran (say, its parameters were invalid).
+
+    The key is then released whatever the status, so the client may correct the request and retry with the same
+    key: Stripe's rule for validation errors. ``idempotency_mw.fastapi.setup`` does this for FastAPI's own
+    request validation errors.
+    """
+    request.scope.setdefault("state", {})[NOT_EXECUTED_KEY] = True

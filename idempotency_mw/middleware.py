@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idempotency_mw import problems
 from idempotency_mw.capture import ResponseRecorder, replay
-from idempotency_mw.context import STATE_KEY, IdempotencyContext
+from idempotency_mw.context import NOT_EXECUTED_KEY, STATE_KEY, IdempotencyContext
 from idempotency_mw.events import Event, EventHook, Outcome, hash_key, log_event, logger
 from idempotency_mw.fingerprint import fingerprint
 from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers
@@ -50,7 +50,9 @@ class IdempotencyMiddleware:
     - ``tenant``: maps the ASGI scope to the tenant that owns the key (sync or async); by default a hash of the
       ``Authorization`` header.
     - ``routes``: per-path overrides, ``{"/v1/refunds*": {"required": True}}`` (``*`` matches anything).
-    - ``on_event``: called with an :class:`~idempotency_mw.events.Event` for every covered request.
+    - ``on_event``: called with an :class:`~idempotency_mw.events.Event` when a keyed request ends; if it also
+      has a ``started(scope)`` method, that is called when the request reaches the store (metrics use it for
+      an in-flight gauge).
     - ``retry_after``: the ``Retry-After`` seconds sent with 409 and 503.
     """
 
@@ -177,6 +179,10 @@ class IdempotentRequest:
         )
 
         # 4. The claim: one store call decides what happens next.
+        self.outcome = Outcome.STORE_ERROR  # until something better is known: every started request ends
+        started = getattr(self.middleware.on_event, "started", None)
+        if started is not None:
+            started(self.scope)
         try:
             claim = await self._timed(
                 self.store.claim(self.tenant, self.key, digest, lease=self.policy.lease, ttl=self.policy.ttl)
@@ -225,7 +231,7 @@ class IdempotentRequest:
                 await self._release(fence)
                 raise
         self.status = recorder.status
-        if recorder.finished and recorder.status is not None and self.policy.records(recorder.status):
+        if recorder.finished and self._is_final(recorder.status):
             await self._complete(fence, recorder)
         else:
             await self._release(fence)
@@ -268,8 +274,7 @@ class IdempotentRequest:
             if settled:
                 return
             settled = True
-            status = recorder.status
-            if status is None or not self.policy.records(status):
+            if not self._is_final(recorder.status):
                 await transaction.rollback()
                 return
             if fence is not None and not await store.complete(
@@ -310,13 +315,18 @@ class IdempotentRequest:
                 return await self._refuse(problems.store_unavailable(self.middleware.retry_after), Outcome.STORE_ERROR)
             raise
         self.status = recorder.status
-        committed = recorder.status is not None and self.policy.records(recorder.status)
         if fence is not None:
-            if committed:
+            if self._is_final(recorder.status):
                 self.outcome = Outcome.EXECUTED
             else:
                 await self._release(fence)
         await recorder.flush()
+
+    def _is_final(self, status: int | None) -> bool:
+        """A final outcome is recorded (and, in a transaction, committed); anything else releases the key."""
+        if status is None or self.scope.get("state", {}).get(NOT_EXECUTED_KEY):
+            return False
+        return self.policy.records(status)
 
     # -- helpers --------------------------------------------------------------------------------------------
 

@@ -120,6 +120,16 @@ class PolicyResolver:
             if hasattr(route.endpoint, ENDPOINT_ATTRIBUTE)
         ]
 
+    def for_endpoint(self, endpoint: Any, path: str) -> Policy:
+        """The policy of a route known by its endpoint and path template (for documentation, not requests)."""
+        changes = getattr(endpoint, ENDPOINT_ATTRIBUTE, None)
+        if changes is not None:
+            return self.default.override(changes)
+        for pattern, policy in self.patterns:
+            if pattern.fullmatch(path):
+                return policy
+        return self.default
+
     def route_policies(self) -> list[Policy]:
         return [policy for _, policy in self._routes or ()]
 

@@ -1,0 +1,150 @@
+"""FastAPI integration: the transaction as a dependency, validation errors that free the key, and OpenAPI.
+
+from idempotency_mw.fastapi import IdempotencyConnection, setup
+
+app = FastAPI()
+app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+setup(app)
+
+@app.post("/v1/charges")
+async def charge(db: IdempotencyConnection) -> dict: ...
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import asyncpg
+from fastapi import Depends, FastAPI, Request
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from starlette.responses import Response
+
+from idempotency_mw.context import IdempotencyContext, idempotency_context, mark_not_executed
+from idempotency_mw.keys import MAX_KEY_LENGTH
+from idempotency_mw.middleware import IdempotencyMiddleware
+from idempotency_mw.policy import Policy, PolicyResolver, idempotent
+from idempotency_mw.problems import TYPE_BASE
+
+
+def _context(request: Request) -> IdempotencyContext:
+    context = idempotency_context(request)
+    if context is None:
+        raise RuntimeError("this route is not handled by IdempotencyMiddleware (is it added to the app?)")
+    return context
+
+
+def _connection(request: Request) -> asyncpg.Connection:
+    connection = _context(request).connection
+    if connection is None:
+        raise RuntimeError(
+            "this route is not transactional: use @idempotent(transactional=True) or "
+            "IdempotencyMiddleware(transactional=True) to get its database transaction"
+        )
+    return connection
+
+
+IdempotencyConnection = Annotated[asyncpg.Connection, Depends(_connection)]
+"""The open transaction of a transactional route: write through it and the record commits with your writes."""
+
+Idempotency = Annotated[IdempotencyContext, Depends(_context)]
+"""The request's tenant, key and ``downstream_key(label)``."""
+
+
+def setup(app: FastAPI) -> None:
+    """Free the key on FastAPI's request validation errors, and document covered operations in OpenAPI."""
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = document(original(), app)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+async def _validation_error(request: Request, error: Exception) -> Response:
+    mark_not_executed(request)  # nothing ran: a corrected retry may reuse the key
+    assert isinstance(error, RequestValidationError)
+    return await request_validation_exception_handler(request, error)
+
+
+PROBLEM_SCHEMA = {
+    "type": "object",
+    "description": "RFC 9457 problem details",
+    "required": ["type", "title", "status", "detail", "code"],
+    "properties": {
+        "type": {"type": "string", "example": TYPE_BASE + "idempotency_key_reused"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "detail": {"type": "string"},
+        "code": {"type": "string"},
+    },
+}
+_PROBLEMS = {
+    "400": "Idempotency-Key missing or invalid (code idempotency_key_missing / idempotency_key_invalid)",
+    "409": "A request with this Idempotency-Key is still in progress (code idempotency_request_in_progress); "
+    "retry after Retry-After seconds with the same key",
+    "413": "Request body over the idempotency size limit (code request_too_large)",
+    "422": "This Idempotency-Key was used with a different request (code idempotency_key_reused)",
+    "503": "The idempotency store is unavailable (code idempotency_store_unavailable); nothing ran",
+}
+
+
+def document(schema: dict[str, Any], app: FastAPI) -> dict[str, Any]:
+    """Add the Idempotency-Key header, the replay header and the problem responses to covered operations."""
+    resolver = _resolver(app)
+    if resolver is None:
+        return schema
+    schema.setdefault("components", {}).setdefault("schemas", {})["IdempotencyProblem"] = PROBLEM_SCHEMA
+    for route in app.routes:
+        if not isinstance(route, APIRoute) or not route.include_in_schema:
+            continue
+        policy = resolver.for_endpoint(route.endpoint, route.path_format)
+        for method in (route.methods or set()) & policy.methods:
+            operation = schema.get("paths", {}).get(route.path_format, {}).get(method.lower())
+            if operation is not None:
+                _document_operation(operation, policy)
+    return schema
+
+
+def _document_operation(operation: dict[str, Any], policy: Policy) -> None:
+    parameters = operation.setdefault("parameters", [])
+    if not any(p.get("in") == "header" and p.get("name", "").lower() == "idempotency-key" for p in parameters):
+        parameters.append(
+            {
+                "name": "Idempotency-Key",
+                "in": "header",
+                "required": policy.required,
+                "description": "A unique key per logical operation (a UUID). A retry with the same key and the same "
+                f"request gets the original response, replayed for {int(policy.ttl)} seconds.",
+                "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH},
+            }
+        )
+    responses = operation.setdefault("responses", {})
+    for status, response in responses.items():
+        if status.startswith(("2", "3")):
+            response.setdefault("headers", {})["Idempotent-Replayed"] = {
+                "description": "Present and true when this response is a replay of the original",
+                "schema": {"type": "string", "enum": ["true"]},
+            }
+    for status, description in _PROBLEMS.items():
+        if status == "400" and "400" in responses:
+            continue
+        ref = {"$ref": "#/components/schemas/IdempotencyProblem"}
+        entry = responses.setdefault(status, {"description": description, "content": {}})
+        entry.setdefault("content", {})["application/problem+json"] = {"schema": ref}
+
+
+def _resolver(app: FastAPI) -> PolicyResolver | None:
+    for middleware in app.user_middleware:
+        if middleware.cls is IdempotencyMiddleware:  # type: ignore[comparison-overlap]
+            options = dict(middleware.kwargs)
+            store = options.pop("store", None)
+            return IdempotencyMiddleware(app, store, **options).policies  # type: ignore[arg-type]
+    return None
+
+
+__all__ = ["Idempotency", "IdempotencyConnection", "document", "idempotent", "setup"]
