@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import sys
 import time
 from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
@@ -34,8 +35,7 @@ from idempotency_mw.events import Event, EventHook, Outcome, hash_key, log_event
 from idempotency_mw.fingerprint import fingerprint
 from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
-from idempotency_mw.postgres import UNAVAILABLE
-from idempotency_mw.store import Claim, ClaimOutcome, Store, StoreUnavailable
+from idempotency_mw.store import Claim, ClaimOutcome, Store
 from idempotency_mw.tenants import TenantResolver, authorization_tenant
 
 T = TypeVar("T")
@@ -267,10 +267,10 @@ class IdempotentRequest:
         store: Any = self.store
         recorder: ResponseRecorder
         settled = False  # the transaction was committed or rolled back
-        fenced_out = False
+        handler_failed = False  # an exception came out of the app, not out of the store
 
         async def settle() -> None:
-            nonlocal settled, fenced_out
+            nonlocal settled
             if settled:
                 return
             settled = True
@@ -280,7 +280,6 @@ class IdempotentRequest:
             if fence is not None and not await store.complete(
                 self.tenant, self.key, fence, recorder.stored_response(), connection=connection
             ):
-                fenced_out = True
                 await transaction.rollback()
                 raise _FencedOut
             await transaction.commit()
@@ -294,8 +293,15 @@ class IdempotentRequest:
                     self.send, max_body=self.policy.max_response_bytes, hold=True, on_overflow=settle
                 )
                 try:
-                    await self.middleware.app(self.scope, self._receive_buffered, recorder.send)
+                    try:
+                        await self.middleware.app(self.scope, self._receive_buffered, recorder.send)
+                    except _FencedOut:
+                        raise
+                    except BaseException:
+                        handler_failed = True
+                        raise
                     if not recorder.finished:
+                        handler_failed = True
                         raise RuntimeError("the handler returned without finishing its response")
                     await settle()
                 except BaseException:
@@ -305,15 +311,15 @@ class IdempotentRequest:
                             await asyncio.shield(transaction.rollback())
                     raise
         except _FencedOut:
-            self.outcome = Outcome.FENCED_OUT
+            # A newer claim owns the key: our writes are rolled back, and the client hears what a retry would.
             return await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.FENCED_OUT)
-        except BaseException as error:
-            if fence is not None and not fenced_out:
+        except BaseException:
+            if fence is not None:
                 await self._release(fence)
-            if isinstance(error, Exception) and _is_store_failure(error):
-                logger.exception("idempotency transaction failed")
-                return await self._refuse(problems.store_unavailable(self.middleware.retry_after), Outcome.STORE_ERROR)
-            raise
+            if handler_failed or not isinstance(sys.exc_info()[1], Exception):
+                raise
+            logger.exception("idempotency transaction failed in the store")
+            return await self._refuse(problems.store_unavailable(self.middleware.retry_after), Outcome.STORE_ERROR)
         self.status = recorder.status
         if fence is not None:
             if self._is_final(recorder.status):
@@ -442,7 +448,3 @@ class IdempotentRequest:
 
 class _FencedOut(Exception):
     """Raised out of the handler's ``send`` when a held response's record was refused by the fence."""
-
-
-def _is_store_failure(error: Exception) -> bool:
-    return isinstance(error, StoreUnavailable | UNAVAILABLE)

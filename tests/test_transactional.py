@@ -1,0 +1,224 @@
+"""Transactional mode (DESIGN.md §6): the effect and the record commit together, or neither does."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotency_context
+from tests.conftest import client_for
+
+
+@pytest.fixture
+async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    connection = await asyncpg.connect(idempotency_database_url)
+    await connection.execute("CREATE TABLE IF NOT EXISTS tx_effects (key text, note text)")
+    yield connection
+    await connection.close()
+
+
+class Gate:
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.go = asyncio.Event()
+        self.go.set()
+
+
+def build(store: PostgresStore, gate: Gate, **options: Any) -> Starlette:
+    async def write(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        assert context.connection.is_in_transaction()
+        note = request.query_params.get("note", "ok")
+        await context.connection.execute("INSERT INTO tx_effects VALUES ($1, $2)", context.key or "none", note)
+        gate.entered.set()
+        await gate.go.wait()
+        if note == "raise":
+            raise RuntimeError("handler failed after writing")
+        if note == "500":
+            return JSONResponse({"error": "late failure"}, status_code=500)
+        if note == "big":
+            return Response(b"y" * 5000)
+        downstream = context.downstream_key("psp") if context.key else None
+        return JSONResponse({"written": note, "downstream": downstream}, status_code=201)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, **options)
+    return app
+
+
+async def effects(db: asyncpg.Connection, key: str) -> int:
+    return int(await db.fetchval("SELECT count(*) FROM tx_effects WHERE key = $1", key))
+
+
+async def test_effect_and_record_commit_together(pg_store: PostgresStore, db: asyncpg.Connection) -> None:
+    key = str(uuid.uuid4())
+    client = client_for(build(pg_store, Gate()))
+    first = await client.post("/write", headers={"Idempotency-Key": key})
+    assert first.status_code == 201
+    again = await client.post("/write", headers={"Idempotency-Key": key})
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == first.content
+    assert await effects(db, key) == 1
+
+
+async def test_response_is_sent_only_after_the_commit(pg_store: PostgresStore, db: asyncpg.Connection) -> None:
+    """When the first byte reaches the client, the effect and the completed record are already visible."""
+    key = str(uuid.uuid4())
+    app = build(pg_store, Gate())
+    seen: dict[str, Any] = {}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            seen["effects"] = await effects(db, key)
+            seen["state"] = await db.fetchval("SELECT state FROM idempotency_records WHERE key = $1", key)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/write",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"idempotency-key", key.encode())],
+        "scheme": "http",
+        "server": ("t", 80),
+    }
+    await app(scope, receive, send)
+    assert seen == {"effects": 1, "state": "completed"}
+
+
+@pytest.mark.parametrize("note", ["raise", "500"])
+async def test_handler_failure_rolls_back_effect_and_record(
+    pg_store: PostgresStore, db: asyncpg.Connection, note: str
+) -> None:
+    key = str(uuid.uuid4())
+    client = client_for(build(pg_store, Gate()))
+    if note == "raise":
+        with pytest.raises(RuntimeError):
+            await client.post(f"/write?note={note}", headers={"Idempotency-Key": key})
+    else:
+        assert (await client.post(f"/write?note={note}", headers={"Idempotency-Key": key})).status_code == 500
+    assert await effects(db, key) == 0
+    assert await pg_store.inspect(_tenant(), key) is None
+    retry = await client.post("/write?note=ok", headers={"Idempotency-Key": key})
+    assert retry.status_code == 201
+    assert await effects(db, key) == 1
+
+
+async def test_fenced_out_completion_rolls_back_the_handlers_writes(
+    pg_store: PostgresStore, db: asyncpg.Connection
+) -> None:
+    """A zombie worker (its lease was taken over mid-handler) can neither commit its effect nor its record."""
+    key = str(uuid.uuid4())
+    gate = Gate()
+    gate.go.clear()
+    client = client_for(build(pg_store, gate))
+    zombie = asyncio.create_task(client.post("/write", headers={"Idempotency-Key": key}))
+    await asyncio.wait_for(gate.entered.wait(), 5)
+    # Another worker takes the key over: the lease lapsed (a long pause, say) and a retry claimed it.
+    await db.execute(
+        "UPDATE idempotency_records SET lease_expires_at = now() - interval '1 second' WHERE key = $1", key
+    )
+    record = await db.fetchrow("SELECT tenant, fingerprint FROM idempotency_records WHERE key = $1", key)
+    takeover = await pg_store.claim(record["tenant"], key, bytes(record["fingerprint"]), lease=60, ttl=600)
+    assert takeover.outcome.value == "owned"
+    gate.go.set()
+    response = await zombie
+    assert response.status_code == 409
+    assert response.json()["code"] == "idempotency_request_in_progress"
+    assert await effects(db, key) == 0
+    info = await pg_store.inspect(record["tenant"], key)
+    assert info is not None
+    assert info.state == "in_progress"
+    assert info.fence == takeover.fence
+
+
+async def test_client_gone_after_commit_keeps_the_record(pg_store: PostgresStore, db: asyncpg.Connection) -> None:
+    """The response was lost after the commit: the retry is answered by the replay, never by a second effect."""
+    key = str(uuid.uuid4())
+    app = build(pg_store, Gate())
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        raise OSError("client disconnected")
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/write",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"idempotency-key", key.encode()), (b"authorization", b"Bearer sk_test_alice")],
+        "scheme": "http",
+        "server": ("t", 80),
+    }
+    with pytest.raises(OSError, match="client disconnected"):
+        await app(scope, receive, send)
+    retry = await client_for(app).post("/write", headers={"Idempotency-Key": key})
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert await effects(db, key) == 1
+
+
+async def test_keyless_request_on_a_transactional_route_gets_a_transaction(
+    pg_store: PostgresStore, db: asyncpg.Connection
+) -> None:
+    client = client_for(build(pg_store, Gate()))
+    assert (await client.post("/write?note=keyless")).status_code == 201
+    assert await db.fetchval("SELECT count(*) FROM tx_effects WHERE note = 'keyless'") >= 1
+    before = await db.fetchval("SELECT count(*) FROM tx_effects WHERE note = '500'")
+    assert (await client.post("/write?note=500")).status_code == 500
+    assert await db.fetchval("SELECT count(*) FROM tx_effects WHERE note = '500'") == before
+
+
+async def test_response_over_the_cap_commits_before_streaming(pg_store: PostgresStore, db: asyncpg.Connection) -> None:
+    key = str(uuid.uuid4())
+    client = client_for(build(pg_store, Gate(), max_response_bytes=1000))
+    live = await client.post("/write?note=big", headers={"Idempotency-Key": key})
+    assert live.content == b"y" * 5000
+    retry = await client.post("/write?note=big", headers={"Idempotency-Key": key})
+    assert retry.status_code == 409
+    assert retry.json()["code"] == "idempotency_response_not_replayable"
+    assert await effects(db, key) == 1
+
+
+async def test_database_down_is_503(key: str) -> None:
+    store = PostgresStore("postgresql://nobody@127.0.0.1:1/none", timeout=0.5)
+    response = await client_for(build(store, Gate())).post("/write", headers={"Idempotency-Key": key})
+    assert response.status_code == 503
+
+
+async def test_downstream_key_is_stable_per_tenant_key_and_label(pg_store: PostgresStore) -> None:
+    key = str(uuid.uuid4())
+    app = build(pg_store, Gate())
+    a = await client_for(app, token="a").post("/write", headers={"Idempotency-Key": key})
+    b = await client_for(app, token="b").post("/write", headers={"Idempotency-Key": key})
+    a_again = await client_for(app, token="a").post("/write", headers={"Idempotency-Key": key})
+    assert a.json()["downstream"] == a_again.json()["downstream"]
+    assert a.json()["downstream"] != b.json()["downstream"]
+    assert len(a.json()["downstream"]) == 64
+
+
+def test_transactional_mode_needs_a_database_store() -> None:
+    with pytest.raises(TypeError, match="PostgresStore"):
+        IdempotencyMiddleware(Starlette(), MemoryStore(), transactional=True)
+
+
+def _tenant(token: str = "sk_test_alice") -> str:
+    import hashlib
+
+    return hashlib.sha256(f"Bearer {token}".encode()).hexdigest()
