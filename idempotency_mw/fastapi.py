@@ -18,13 +18,12 @@ import asyncpg
 from fastapi import Depends, FastAPI, Request
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.routing import APIRoute
 from starlette.responses import Response
 
 from idempotency_mw.context import IdempotencyContext, idempotency_context, mark_not_executed
 from idempotency_mw.keys import MAX_KEY_LENGTH
 from idempotency_mw.middleware import IdempotencyMiddleware
-from idempotency_mw.policy import Policy, PolicyResolver, idempotent
+from idempotency_mw.policy import Policy, PolicyResolver, idempotent, iter_routes
 from idempotency_mw.problems import TYPE_BASE
 
 
@@ -99,12 +98,10 @@ def document(schema: dict[str, Any], app: FastAPI) -> dict[str, Any]:
     if resolver is None:
         return schema
     schema.setdefault("components", {}).setdefault("schemas", {})["IdempotencyProblem"] = PROBLEM_SCHEMA
-    for route in app.routes:
-        if not isinstance(route, APIRoute) or not route.include_in_schema:
-            continue
-        policy = resolver.for_endpoint(route.endpoint, route.path_format)
-        for method in (route.methods or set()) & policy.methods:
-            operation = schema.get("paths", {}).get(route.path_format, {}).get(method.lower())
+    for entry in iter_routes(app.routes):
+        policy = resolver.for_endpoint(entry.endpoint, entry.path)
+        for method in (entry.methods or frozenset()) & policy.methods:
+            operation = schema.get("paths", {}).get(entry.path, {}).get(method.lower())
             if operation is not None:
                 _document_operation(operation, policy)
     return schema

@@ -7,6 +7,8 @@ with a reason, never repaired: a key we rewrote silently could collide with anot
 
 from __future__ import annotations
 
+import uuid
+
 HEADER = b"idempotency-key"
 MAX_KEY_LENGTH = 255
 
@@ -84,3 +86,16 @@ def _parse_sf_string(value: bytes) -> str:
             out.append(byte)
         index += 1
     raise InvalidKey("the quoted idempotency key has no closing quote")
+
+
+def uuid7_time(key: str) -> float | None:
+    """The creation time (Unix seconds) a UUIDv7 key carries in its first 48 bits, or None for other keys."""
+    if len(key) != 36 or key[14] != "7":
+        return None
+    try:
+        value = uuid.UUID(key)
+    except ValueError:
+        return None
+    if value.version != 7 or value.variant != uuid.RFC_4122:
+        return None
+    return (value.int >> 80) / 1000

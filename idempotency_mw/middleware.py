@@ -33,7 +33,7 @@ from idempotency_mw.capture import ResponseRecorder, replay
 from idempotency_mw.context import NOT_EXECUTED_KEY, STATE_KEY, IdempotencyContext
 from idempotency_mw.events import Event, EventHook, Outcome, hash_key, log_event, logger
 from idempotency_mw.fingerprint import fingerprint
-from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers
+from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers, uuid7_time
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
 from idempotency_mw.store import Claim, ClaimOutcome, Store
 from idempotency_mw.tenants import TenantResolver, authorization_tenant
@@ -71,6 +71,7 @@ class IdempotencyMiddleware:
         max_request_bytes: int = MiB,
         max_response_bytes: int = 8 * MiB,
         released_statuses: frozenset[int] = RELEASED_STATUSES,
+        retry_window: float | None = None,
         routes: Mapping[str, Mapping[str, Any]] | None = None,
         on_event: EventHook | None = log_event,
         retry_after: int = 1,
@@ -89,6 +90,7 @@ class IdempotencyMiddleware:
             max_response_bytes=max_response_bytes,
             released_statuses=frozenset(released_statuses),
             methods=frozenset(methods),
+            retry_window=retry_window,
         )
         self.app = app
         self.store = store
@@ -211,6 +213,10 @@ class IdempotentRequest:
                 # 7. Replay.
                 self.outcome, self.status = Outcome.REPLAYED, claim.response.status
                 await replay(claim.response, self.send)
+        elif self._key_outlived_retention():
+            # No record is left to compare with: running now could repeat an operation whose record was purged.
+            await self._release(claim.fence)
+            await self._refuse(problems.key_expired(int(self.policy.ttl)), Outcome.KEY_EXPIRED)
         elif self.policy.transactional:
             await self._execute_in_transaction(claim.fence)
         else:
@@ -327,6 +333,12 @@ class IdempotentRequest:
             else:
                 await self._release(fence)
         await recorder.flush()
+
+    def _key_outlived_retention(self) -> bool:
+        """A UUIDv7 key carries its birth time: one older than the ttl may have had a record that expired."""
+        assert self.key is not None
+        born = uuid7_time(self.key)
+        return born is not None and time.time() - born > self.policy.ttl
 
     def _is_final(self, status: int | None) -> bool:
         """A final outcome is recorded (and, in a transaction, committed); anything else releases the key."""

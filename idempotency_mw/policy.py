@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from starlette.routing import Match, Mount, Route
+from starlette.routing import Mount, compile_path
 from starlette.types import ASGIApp, Scope
 
 DAY = 24 * 60 * 60
@@ -39,12 +39,20 @@ class Policy:
     max_response_bytes: int = 8 * MiB
     released_statuses: frozenset[int] = RELEASED_STATUSES
     methods: frozenset[str] = frozenset({"POST", "PATCH"})
+    # The longest time your clients may keep retrying (or replaying) one operation. A ttl shorter than this
+    # would let a late retry find no record and run the operation again, so it is refused at startup.
+    retry_window: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("ttl", "lease"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"idempotency {name} must be a positive number of seconds, got {value!r}")
+        if self.retry_window is not None and self.retry_window > self.ttl:
+            raise ValueError(
+                f"idempotency ttl ({self.ttl}s) is shorter than the declared retry_window ({self.retry_window}s): "
+                "a retry arriving after the record expired would run the operation again"
+            )
         if self.lease >= self.ttl:
             raise ValueError(f"idempotency lease ({self.lease}s) must be shorter than ttl ({self.ttl}s)")
         for name in ("max_request_bytes", "max_response_bytes"):
@@ -89,13 +97,47 @@ def idempotent(**changes: Any) -> Callable[[F], F]:
     return mark
 
 
+@dataclass(frozen=True, slots=True)
+class RouteEntry:
+    """One endpoint of the app as the client addresses it: full path template (mount and router prefixes
+    included), methods, and the endpoint object that may carry an :func:`idempotent` declaration."""
+
+    path: str
+    methods: frozenset[str] | None  # None: any method (a plain ASGI endpoint)
+    endpoint: Any
+
+    def matches(self, method: str, path: str, regex: re.Pattern[str]) -> bool:
+        return (self.methods is None or method in self.methods) and regex.fullmatch(path) is not None
+
+
+def iter_routes(routes: Iterable[Any], prefix: str = "") -> Iterator[RouteEntry]:
+    """Every endpoint below ``routes``, through Mounts and FastAPI's included routers."""
+    for route, path in _route_paths(routes):
+        if isinstance(route, Mount):
+            yield from iter_routes(route.routes, prefix + route.path)
+        elif getattr(route, "endpoint", None) is not None and path is not None:
+            methods = getattr(route, "methods", None)
+            yield RouteEntry(prefix + path, frozenset(methods) if methods else None, route.endpoint)
+
+
+def _route_paths(routes: Iterable[Any]) -> Iterator[tuple[Any, str | None]]:
+    routes = list(routes)
+    try:  # FastAPI >= 0.160 keeps included routers as branches; this yields their routes with full paths
+        from fastapi.routing import iter_route_contexts
+    except ImportError:  # Starlette alone, or an older FastAPI whose included routes are flat
+        yield from ((route, getattr(route, "path_format", None)) for route in routes)
+        return
+    for context in iter_route_contexts(routes):
+        yield context.original_route, context.path_format
+
+
 @dataclass(slots=True)
 class PolicyResolver:
     """Find the policy for a request: decorated endpoints first, then path patterns, then the default."""
 
     default: Policy
     patterns: list[tuple[re.Pattern[str], Policy]] = field(default_factory=list)
-    _routes: list[tuple[Route, Policy]] | None = None
+    _routes: list[tuple[RouteEntry, re.Pattern[str], Policy]] | None = None
 
     @classmethod
     def build(cls, default: Policy, routes: Mapping[str, Mapping[str, Any]]) -> PolicyResolver:
@@ -108,16 +150,16 @@ class PolicyResolver:
         found = set(self.default.methods)
         for _, policy in self.patterns:
             found |= policy.methods
-        for _, policy in self._routes or ():
+        for _, _, policy in self._routes or ():
             found |= policy.methods
         return frozenset(found)
 
     def scan(self, app: ASGIApp | None) -> None:
         """Collect the decorated endpoints of a Starlette/FastAPI app, once, at its first request."""
         self._routes = [
-            (route, self.default.override(getattr(route.endpoint, ENDPOINT_ATTRIBUTE)))
-            for route in _walk_routes(getattr(app, "routes", ()))
-            if hasattr(route.endpoint, ENDPOINT_ATTRIBUTE)
+            (entry, compile_path(entry.path)[0], self.default.override(getattr(entry.endpoint, ENDPOINT_ATTRIBUTE)))
+            for entry in iter_routes(getattr(app, "routes", ()))
+            if hasattr(entry.endpoint, ENDPOINT_ATTRIBUTE)
         ]
 
     def for_endpoint(self, endpoint: Any, path: str) -> Policy:
@@ -125,49 +167,27 @@ class PolicyResolver:
         changes = getattr(endpoint, ENDPOINT_ATTRIBUTE, None)
         if changes is not None:
             return self.default.override(changes)
-        for pattern, policy in self.patterns:
-            if pattern.fullmatch(path):
-                return policy
-        return self.default
+        return self._by_pattern(path)
 
     def route_policies(self) -> list[Policy]:
-        return [policy for _, policy in self._routes or ()]
+        return [policy for _, _, policy in self._routes or ()]
 
     @property
     def scanned(self) -> bool:
         return self._routes is not None
 
     def resolve(self, scope: Scope) -> Policy:
-        if self._routes:
-            policy = _match_route(self._routes, scope)
-            if policy is not None:
-                return policy
         path = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]
+        for entry, regex, policy in self._routes or ():
+            if entry.matches(scope["method"], path, regex):
+                return policy
+        return self._by_pattern(path)
+
+    def _by_pattern(self, path: str) -> Policy:
         for pattern, policy in self.patterns:
             if pattern.fullmatch(path):
                 return policy
         return self.default
-
-
-def _walk_routes(routes: Iterable[Any], prefix: tuple[Mount, ...] = ()) -> Iterable[Any]:
-    for route in routes:
-        if isinstance(route, Mount):
-            yield from _walk_routes(route.routes, (*prefix, route))
-        elif hasattr(route, "endpoint"):
-            route._idempotency_mounts = prefix  # the Mounts to match through, in order
-            yield route
-
-
-def _match_route(routes: list[tuple[Any, Policy]], scope: Scope) -> Policy | None:
-    for route, policy in routes:
-        child: Scope = scope
-        for mount in route._idempotency_mounts:
-            match, update = mount.matches(child)
-            if match is not Match.FULL:
-                break
-            child = {**child, **update}
-        else:
-            match, _ = route.matches(child)
-            if match is Match.FULL:
-                return policy
-    return None

@@ -540,3 +540,48 @@ async def _raw_call(
     start = sent[0]
     chunks = [m["body"] for m in sent[1:] if m.get("body")]
     return start["status"], list(start["headers"]), chunks
+
+
+# -- retention ---------------------------------------------------------------------------------------------
+
+
+def _uuid7(age_seconds: float) -> str:
+    import time
+    import uuid
+
+    ms = int((time.time() - age_seconds) * 1000)
+    return str(uuid.UUID(int=(ms << 80) | (0x7 << 76) | (0b10 << 62) | uuid.uuid4().int % (1 << 62)))
+
+
+async def test_uuid7_key_older_than_the_ttl_is_refused_not_rerun(store: Store) -> None:
+    probe, client = setup(store, ttl=60, lease=1)
+    old = await client.post("/charge", content=b"a", headers={"Idempotency-Key": _uuid7(120)})
+    assert old.status_code == 422
+    assert problem(old)["code"] == "idempotency_key_expired"
+    assert probe.calls["charge"] == 0
+    fresh = await client.post("/charge", content=b"a", headers={"Idempotency-Key": _uuid7(1)})
+    assert fresh.status_code == 201
+
+
+async def test_uuid7_key_with_a_live_record_still_replays(store: Store) -> None:
+    """Age alone never refuses a key whose record still exists: the record is the better witness."""
+    key = _uuid7(120)
+    probe = Probe()
+    long_lived = client_for(build_app(store, probe, ttl=600, lease=1))
+    short_lived = client_for(build_app(store, probe, ttl=60, lease=1))
+    first = await long_lived.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+    assert first.status_code == 201
+    again = await short_lived.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+    assert again.headers["idempotent-replayed"] == "true"
+    assert probe.calls["charge"] == 1
+
+
+async def test_attempts_are_counted_on_the_record(store: Store, key: str) -> None:
+    probe, client = setup(store)
+    for _ in range(4):
+        await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+    info = await store.inspect(_tenant(), key)
+    assert info is not None
+    assert info.attempts == 3  # three retries after the first request
+    assert info.state == "completed"
+    assert probe.calls["charge"] == 1

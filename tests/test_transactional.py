@@ -222,3 +222,19 @@ def _tenant(token: str = "sk_test_alice") -> str:
     import hashlib
 
     return hashlib.sha256(f"Bearer {token}".encode()).hexdigest()
+
+
+async def test_forget_in_the_deleting_transaction(pg_store: PostgresStore, db: asyncpg.Connection) -> None:
+    """The resource-deleted race: deleting a resource and its creation record together means a late retry of
+    the creation runs again (creating anew) instead of replaying a response naming a resource that is gone."""
+    key = str(uuid.uuid4())
+    client = client_for(build(pg_store, Gate()))
+    assert (await client.post("/write", headers={"Idempotency-Key": key})).status_code == 201
+    tenant = _tenant()
+    async with pg_store.connection() as connection, connection.transaction():
+        await connection.execute("DELETE FROM tx_effects WHERE key = $1", key)
+        assert await pg_store.forget(tenant, key, connection=connection)
+    assert await pg_store.inspect(tenant, key) is None
+    again = await client.post("/write", headers={"Idempotency-Key": key})
+    assert "idempotent-replayed" not in again.headers
+    assert await effects(db, key) == 1

@@ -1,0 +1,135 @@
+"""Configuration and per-route policy: checked at startup, honoured per route (decorator or path pattern)."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi import APIRouter, FastAPI
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Mount, Route
+
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, Policy, idempotent
+from tests.conftest import client_for
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"ttl": 0}, "ttl must be a positive"),
+        ({"lease": -1}, "lease must be a positive"),
+        ({"lease": 100, "ttl": 50}, "shorter than ttl"),
+        ({"max_request_bytes": -1}, "max_request_bytes"),
+        ({"methods": ("P0ST",)}, "method names"),
+        ({"released_statuses": frozenset({999})}, "status codes"),
+        ({"ttl": 3600, "retry_window": 7200}, "retry_window"),
+        ({"retry_after": -1}, "retry_after"),
+        ({"routes": {"/x": {"tll": 5}}}, "unknown idempotency setting"),
+    ],
+)
+def test_bad_configuration_fails_at_startup(options: dict[str, object], message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        IdempotencyMiddleware(Starlette(), MemoryStore(), **options)  # type: ignore[arg-type]
+
+
+def test_decorator_validates_at_import() -> None:
+    with pytest.raises(TypeError, match="unknown idempotency setting"):
+        idempotent(requird=True)
+
+
+def test_policy_records() -> None:
+    policy = Policy()
+    assert policy.records(201)
+    assert policy.records(400)
+    assert not policy.records(500)
+    assert not policy.records(429)
+
+
+async def _run(endpoint_hits: list[str], app: object, path: str, key: str | None = None) -> int:
+    headers = {"Idempotency-Key": key} if key else {}
+    response = await client_for(app).post(path, content=b"x", headers=headers)
+    return response.status_code
+
+
+def _starlette_app(store: MemoryStore, hits: list[str]) -> Starlette:
+    @idempotent(required=True)
+    async def strict(request: Request) -> Response:
+        hits.append("strict")
+        return PlainTextResponse("ok", status_code=201)
+
+    async def plain(request: Request) -> Response:
+        hits.append("plain")
+        return PlainTextResponse("ok", status_code=201)
+
+    @idempotent(methods=frozenset({"PUT"}))
+    async def put_only(request: Request) -> Response:
+        hits.append("put")
+        return PlainTextResponse("ok", status_code=201)
+
+    app = Starlette(
+        routes=[
+            Route("/strict", strict, methods=["POST"]),
+            Route("/plain", plain, methods=["POST"]),
+            Route("/refunds/{id}", plain, methods=["POST"]),
+            Route("/put", put_only, methods=["PUT", "POST"]),
+            Mount("/v2", routes=[Route("/strict", strict, methods=["POST"])]),
+        ]
+    )
+    app.add_middleware(IdempotencyMiddleware, store=store, routes={"/refunds/*": {"required": True}})
+    return app
+
+
+async def test_starlette_route_policies() -> None:
+    hits: list[str] = []
+    app = _starlette_app(MemoryStore(), hits)
+    client = client_for(app)
+    assert (await client.post("/strict", content=b"x")).status_code == 400  # decorated: required
+    assert (await client.post("/v2/strict", content=b"x")).status_code == 400  # through a Mount
+    assert (await client.post("/plain", content=b"x")).status_code == 201  # default: optional
+    assert (await client.post("/refunds/re_1", content=b"x")).status_code == 400  # path pattern
+    assert (await client.post("/refunds/re_1", content=b"x", headers={"Idempotency-Key": "k"})).status_code == 201
+    # A route covering only PUT ignores the key on POST, and honours it on PUT.
+    for _ in range(2):
+        await client.post("/put", content=b"x", headers={"Idempotency-Key": "p"})
+        await client.put("/put", content=b"x", headers={"Idempotency-Key": "q"})
+    assert hits.count("put") == 3
+    assert hits.count("strict") == 0
+
+
+async def test_fastapi_router_prefixes_and_decorators() -> None:
+    hits: list[str] = []
+    router = APIRouter(prefix="/v1")
+
+    @router.post("/charges", status_code=201)
+    @idempotent(required=True, ttl=60, lease=5)
+    async def charge() -> dict[str, str]:
+        hits.append("charge")
+        return {"ok": "yes"}
+
+    @router.post("/notes", status_code=201)
+    async def note() -> dict[str, str]:
+        hits.append("note")
+        return {"ok": "yes"}
+
+    app = FastAPI()
+    app.include_router(router)
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    client = client_for(app)
+    assert (await client.post("/v1/charges")).status_code == 400
+    assert (await client.post("/v1/notes")).status_code == 201
+    for _ in range(3):
+        assert (await client.post("/v1/charges", headers={"Idempotency-Key": "c"})).status_code == 201
+    assert hits == ["note", "charge"]
+
+
+def test_transactional_route_on_a_memory_store_fails_at_first_request() -> None:
+    @idempotent(transactional=True)
+    async def endpoint(request: Request) -> Response:
+        return PlainTextResponse("")
+
+    app = Starlette(routes=[Route("/t", endpoint, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    import asyncio
+
+    with pytest.raises(TypeError, match="PostgresStore"):
+        asyncio.run(client_for(app).post("/t"))
