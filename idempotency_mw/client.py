@@ -1,0 +1,514 @@
+"""An httpx client that retries a write with the same ``Idempotency-Key`` until it gets a real answer.
+
+Every retried call is at-least-once: after a timeout the client cannot tell "request lost" from "response lost".
+Retrying is only safe if every attempt of one logical call carries the same key, so the server can run the effect
+once and replay its answer to the others. This module makes that the only possible behaviour: the key is chosen
+once per call, set once on one :class:`httpx.Request`, and that same request object is what every attempt sends.
+
+```python
+async with AsyncIdempotentClient(base_url="http://127.0.0.1:8000") as client:
+    result = await client.post("/v1/payment_intents", data={"amount": "1000", "currency": "eur"})
+    result.status_code, result.replayed, result.attempts, result.key
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import math
+import random
+import re
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+__all__ = ["AsyncIdempotentClient", "IdempotentClient", "IdempotentResult", "RetriesExhausted", "Retry"]
+
+logger = logging.getLogger("idempotency_mw.client")
+
+HEADER = "Idempotency-Key"
+REPLAYED_HEADER = "Idempotent-Replayed"
+IN_PROGRESS_CODE = "idempotency_request_in_progress"
+
+KEYED_METHODS = frozenset({"POST", "PATCH"})  # get a fresh key unless the caller gives one
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})  # never carry a key: they change nothing
+IDEMPOTENT_METHODS = SAFE_METHODS | {"PUT", "DELETE"}  # RFC 9110 §9.2.2: retried even without a key
+RETRY_STATUSES = frozenset({408, 425, 429})  # plus every 5xx, and 409 "in progress"
+RETRY_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+
+_MAX_KEY_LENGTH = 255
+_DELTA_SECONDS = re.compile(r"[0-9]+")
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """How hard one logical call tries: at most ``attempts`` HTTP attempts, none started after ``deadline``.
+
+    Between attempts the client waits a random time between 0 and ``backoff * 2**(n-1)`` (full jitter, so many
+    clients that failed together do not retry together), never more than ``max_backoff``. A ``Retry-After`` from
+    the server raises the wait to what it asked for, still capped by ``max_backoff``. Durations are in seconds.
+    """
+
+    attempts: int = 8
+    deadline: float = 30.0
+    backoff: float = 0.1
+    max_backoff: float = 5.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"Retry.attempts must be a whole number >= 1, got {self.attempts!r}")
+        for name in ("deadline", "backoff", "max_backoff"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value < 0:
+                raise ValueError(f"Retry.{name} must be a number of seconds >= 0, got {value!r}")
+        if self.deadline <= 0:
+            raise ValueError(f"Retry.deadline must be positive, got {self.deadline!r}")
+        if self.max_backoff < self.backoff:
+            raise ValueError(f"Retry.max_backoff ({self.max_backoff}) must be >= Retry.backoff ({self.backoff})")
+
+    def delay(
+        self, failures: int, retry_after: float | None = None, *, rand: Callable[[], float] = random.random
+    ) -> float:
+        """Seconds to wait after the ``failures``-th failed attempt (1 for the first), before the next one."""
+        if failures < 1:
+            raise ValueError("failures counts failed attempts and starts at 1")
+        ceiling = min(self.max_backoff, self.backoff * 2.0 ** min(failures - 1, 60))
+        wait = rand() * ceiling
+        if retry_after is not None:
+            wait = max(wait, min(retry_after, self.max_backoff))
+        return wait
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotentResult:
+    """The answer to one logical call, and how it was obtained.
+
+    ``key`` is the ``Idempotency-Key`` every attempt carried (None for requests sent without one), ``attempts``
+    the number of HTTP attempts (1 means no retry), ``replayed`` whether the server answered from its record of an
+    earlier attempt rather than by running the operation now. ``outcomes`` has one entry per attempt: the status
+    code, or the name of the httpx exception that ended it.
+    """
+
+    response: httpx.Response
+    key: str | None
+    attempts: int
+    replayed: bool
+    outcomes: tuple[int | str, ...] = ()
+
+    @property
+    def status_code(self) -> int:
+        return self.response.status_code
+
+    @property
+    def headers(self) -> httpx.Headers:
+        return self.response.headers
+
+    @property
+    def content(self) -> bytes:
+        return self.response.content
+
+    @property
+    def text(self) -> str:
+        return self.response.text
+
+    def json(self, **kwargs: Any) -> Any:
+        return self.response.json(**kwargs)
+
+
+class RetriesExhausted(Exception):
+    """The call did not get a final answer within its attempts or its deadline.
+
+    The operation may or may not have taken effect. Try it again later with ``idempotency_key=err.key``: the
+    server then either runs it (it never did) or replays the answer it recorded (it did). Exactly one of
+    ``last_response`` and ``last_error`` is set: the outcome of the final attempt. ``reason`` is ``"attempts"`` or
+    ``"deadline"``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str | None,
+        attempts: int,
+        last_response: httpx.Response | None,
+        last_error: Exception | None,
+        reason: str,
+        outcomes: tuple[int | str, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.key = key
+        self.attempts = attempts
+        self.last_response = last_response
+        self.last_error = last_error
+        self.reason = reason
+        self.outcomes = outcomes
+
+
+def validate_key(key: str) -> str:
+    """Check a caller's key against what servers accept (1-255 visible ASCII, no comma) and return it unchanged.
+
+    A comma is refused because proxies join repeated header fields with one: ``a,b`` could be read as two keys.
+    """
+    if not isinstance(key, str):
+        raise TypeError(f"idempotency_key must be a str, not {type(key).__name__}")
+    if not 1 <= len(key) <= _MAX_KEY_LENGTH:
+        raise ValueError(f"an idempotency key is 1 to {_MAX_KEY_LENGTH} characters long, this one has {len(key)}")
+    if any(not "\x21" <= char <= "\x7e" for char in key):
+        raise ValueError("an idempotency key is visible ASCII only: no spaces, control or non-ASCII characters")
+    if "," in key:
+        raise ValueError("an idempotency key must not contain a comma")
+    return key
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` value: delay-seconds or an HTTP-date (RFC 9110 §10.2.3).
+
+    None when absent or unreadable; a date in the past gives 0.
+    """
+    if value is None:
+        return None
+    value = value.strip()
+    if _DELTA_SECONDS.fullmatch(value):
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def should_retry(response: httpx.Response) -> bool:
+    """Whether a response means "try again with the same key" rather than a final answer."""
+    status = response.status_code
+    if status in RETRY_STATUSES or 500 <= status <= 599:
+        return True
+    if status == 409:
+        return "retry-after" in response.headers or _problem_code(response) == IN_PROGRESS_CODE
+    return False
+
+
+def _problem_code(response: httpx.Response) -> str | None:
+    """The ``code`` of an RFC 9457 problem, or of a Stripe-style ``{"error": {...}}`` envelope."""
+    if "json" not in response.headers.get("content-type", ""):
+        return None
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    error = body.get("error")
+    code = body.get("code", error.get("code") if isinstance(error, dict) else None)
+    return code if isinstance(code, str) else None
+
+
+def _check_headers(headers: Mapping[str, str] | None, where: str) -> None:
+    if headers is not None and HEADER.lower() in httpx.Headers(headers):
+        raise ValueError(
+            f"{where} set an {HEADER} header; pass idempotency_key=... instead, so the client knows the key "
+            "and keeps it across retries"
+        )
+
+
+class _Call:
+    """One logical call's retry bookkeeping, shared by the sync and async clients (which only sleep differently).
+
+    It owns the request, built once and never rebuilt, and the key fixed before the first attempt.
+    """
+
+    def __init__(self, retry: Retry, request: httpx.Request, key: str | None) -> None:
+        self.retry = retry
+        self.request = request
+        self.key = key
+        method = request.method.upper()
+        self.retryable = key is not None or method in IDEMPOTENT_METHODS
+        self.outcomes: list[int | str] = []
+        self.deadline_at = time.monotonic() + retry.deadline
+        self.timeouts: dict[str, float | None] = dict(request.extensions.get("timeout") or {})
+
+    @property
+    def attempts(self) -> int:
+        return len(self.outcomes)
+
+    def begin_attempt(self) -> None:
+        """Cap this attempt's timeouts by what is left of the deadline, so no attempt outlives it."""
+        remaining = max(self.deadline_at - time.monotonic(), 0.001)
+        if self.timeouts and math.isfinite(remaining):
+            self.request.extensions["timeout"] = {
+                name: remaining if value is None else min(value, remaining) for name, value in self.timeouts.items()
+            }
+
+    def answered(self, response: httpx.Response) -> float | None:
+        """Seconds to wait before retrying, or None when ``response`` is the final answer."""
+        self._check_key()
+        self.outcomes.append(response.status_code)
+        if not (self.retryable and should_retry(response)):
+            return None
+        retry_after = parse_retry_after(response.headers.get("retry-after"))
+        return self._next_delay(retry_after, response, None)
+
+    def failed(self, error: httpx.TransportError) -> float | None:
+        """Seconds to wait before retrying, or None when ``error`` must propagate as it is."""
+        self._check_key()
+        self.outcomes.append(type(error).__name__)
+        if not (self.retryable and isinstance(error, RETRY_ERRORS)):
+            return None
+        return self._next_delay(None, None, error)
+
+    def result(self, response: httpx.Response) -> IdempotentResult:
+        replayed = response.headers.get(REPLAYED_HEADER, "").strip().lower() == "true"
+        return IdempotentResult(response, self.key, self.attempts, replayed, tuple(self.outcomes))
+
+    def _next_delay(self, retry_after: float | None, response: httpx.Response | None, error: Exception | None) -> float:
+        if self.attempts >= self.retry.attempts:
+            raise self._exhausted("attempts", response, error)
+        delay = self.retry.delay(self.attempts, retry_after)
+        if time.monotonic() + delay >= self.deadline_at:
+            raise self._exhausted("deadline", response, error)
+        logger.debug(
+            "retrying %s %s after attempt %d (%s) in %.3fs",
+            self.request.method,
+            self.request.url.path,
+            self.attempts,
+            self.outcomes[-1],
+            delay,
+        )
+        return delay
+
+    def _exhausted(self, reason: str, response: httpx.Response | None, error: Exception | None) -> RetriesExhausted:
+        why = "no attempts left" if reason == "attempts" else f"the {self.retry.deadline}s deadline would pass"
+        resume = f"; retry later with idempotency_key={self.key!r}" if self.key is not None else ""
+        exhausted = RetriesExhausted(
+            f"{self.request.method} {self.request.url}: gave up after {self.attempts} attempt(s), {why} "
+            f"(last: {self.outcomes[-1]}){resume}",
+            key=self.key,
+            attempts=self.attempts,
+            last_response=response,
+            last_error=error,
+            reason=reason,
+            outcomes=tuple(self.outcomes),
+        )
+        exhausted.__cause__ = error
+        return exhausted
+
+    def _check_key(self) -> None:
+        # The request object is the only thing attempts send; this catches an event hook or auth flow that
+        # rewrote its header, which would turn retries into new operations.
+        if self.request.headers.get(HEADER) != self.key:
+            raise RuntimeError(f"the {HEADER} header was changed between attempts; refusing to retry")
+
+
+class _Base:
+    """What both clients share: turning the caller's arguments into one resendable, keyed request."""
+
+    retry: Retry
+
+    @staticmethod
+    def _key_for(method: str, idempotency_key: str | None) -> str | None:
+        """The one key of a logical call, chosen before its first attempt and never again."""
+        if idempotency_key is not None:
+            if method in SAFE_METHODS:
+                raise ValueError(f"{method} changes nothing, so it carries no {HEADER}")
+            return validate_key(idempotency_key)
+        return str(uuid.uuid4()) if method in KEYED_METHODS else None
+
+    @staticmethod
+    def _attach_key(request: httpx.Request, key: str | None) -> None:
+        if HEADER.lower() in request.headers:
+            raise ValueError(
+                f"the request already has an {HEADER} header (from headers=... or the client's headers); "
+                "pass idempotency_key=... instead, so the client knows the key and keeps it across retries"
+            )
+        if key is not None:
+            request.headers[HEADER] = key
+
+    @staticmethod
+    def _check_resendable(request: httpx.Request) -> None:
+        if not isinstance(request.stream, httpx.ByteStream):
+            raise ValueError(
+                "a streaming request body (an iterator or generator as content) can be sent only once, so it "
+                "cannot be retried; pass bytes, str, json=, data= or files= instead"
+            )
+
+
+class IdempotentClient(_Base):
+    """A synchronous client (``httpx.Client``) that retries each call with one ``Idempotency-Key``.
+
+    Keyword arguments other than those listed go to ``httpx.Client``. ``headers`` may not carry an
+    ``Idempotency-Key``: one fixed key for every call would make every call after the first a replay.
+    """
+
+    def __init__(
+        self,
+        base_url: str | httpx.URL = "",
+        *,
+        retry: Retry | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | httpx.Timeout | None = 5.0,
+        transport: httpx.BaseTransport | None = None,
+        **kwargs: Any,
+    ) -> None:
+        _check_headers(headers, "the client's headers")
+        self.retry = retry if retry is not None else Retry()
+        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout, transport=transport, **kwargs)
+
+    def request(
+        self,
+        method: str,
+        url: str | httpx.URL,
+        *,
+        idempotency_key: str | None = None,
+        auth: Any = httpx.USE_CLIENT_DEFAULT,
+        follow_redirects: Any = httpx.USE_CLIENT_DEFAULT,
+        **kwargs: Any,
+    ) -> IdempotentResult:
+        """Send one logical call, retrying transient failures with the same key; see :class:`Retry`.
+
+        Returns the first final answer (any status that is not worth retrying, 400 and 422 included); raises
+        :class:`RetriesExhausted` when attempts or the deadline run out. ``kwargs`` go to ``httpx.Client.request``.
+        """
+        method = method.upper()
+        key = self._key_for(method, idempotency_key)
+        request = self._http.build_request(method, url, **kwargs)
+        if kwargs.get("files"):
+            request.read()  # buffered once, with one multipart boundary, so every attempt sends the same bytes
+        self._check_resendable(request)
+        self._attach_key(request, key)
+        call = _Call(self.retry, request, key)
+        for _ in range(self.retry.attempts):
+            call.begin_attempt()
+            try:
+                response = self._http.send(request, auth=auth, follow_redirects=follow_redirects)
+            except httpx.TransportError as error:
+                delay = call.failed(error)
+                if delay is None:
+                    raise
+            else:
+                delay = call.answered(response)
+                if delay is None:
+                    return call.result(response)
+            time.sleep(delay)
+        raise AssertionError("unreachable: the last attempt either returns or raises RetriesExhausted")
+
+    def get(self, url: str | httpx.URL, **kwargs: Any) -> IdempotentResult:
+        return self.request("GET", url, **kwargs)
+
+    def post(self, url: str | httpx.URL, **kwargs: Any) -> IdempotentResult:
+        return self.request("POST", url, **kwargs)
+
+    def patch(self, url: str | httpx.URL, **kwargs: Any) -> IdempotentResult:
+        return self.request("PATCH", url, **kwargs)
+
+    def put(self, url: str | httpx.URL, **kwargs: Any) -> IdempotentResult:
+        return self.request("PUT", url, **kwargs)
+
+    def delete(self, url: str | httpx.URL, **kwargs: Any) -> IdempotentResult:
+        return self.request("DELETE", url, **kwargs)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> IdempotentClient:
+        self._http.__enter__()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self._http.__exit__(exc_type, exc, traceback)
+
+
+class AsyncIdempotentClient(_Base):
+    """The asynchronous twin of :class:`IdempotentClient`, on ``httpx.AsyncClient``."""
+
+    def __init__(
+        self,
+        base_url: str | httpx.URL = "",
+        *,
+        retry: Retry | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | httpx.Timeout | None = 5.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        **kwargs: Any,
+    ) -> None:
+        _check_headers(headers, "the client's headers")
+        self.retry = retry if retry is not None else Retry()
+        self._http = httpx.AsyncClient(
+            base_url=base_url, headers=headers, timeout=timeout, transport=transport, **kwargs
+        )
+
+    async def request(
+        self,
+        method: str,
+        url: str | httpx.URL,
+        *,
+        idempotency_key: str | None = None,
+        auth: Any = httpx.USE_CLIENT_DEFAULT,
+        follow_redirects: Any = httpx.USE_CLIENT_DEFAULT,
+        **kwargs: Any,
+    ) -> IdempotentResult:
+        """Send one logical call, retrying transient failures with the same key; see :class:`Retry`.
+
+        Returns the first final answer (any status that is not worth retrying, 400 and 422 included); raises
+        :class:`RetriesExhausted` when attempts or the deadline run out. ``kwargs`` go to
+        ``httpx.AsyncClient.request``.
+        """
+        method = method.upper()
+        key = self._key_for(method, idempotency_key)
+        request = self._http.build_request(method, url, **kwargs)
+        if kwargs.get("files"):
+            await request.aread()  # buffered once, with one multipart boundary, so every attempt sends the same bytes
+        self._check_resendable(request)
+        self._attach_key(request, key)
+        call = _Call(self.retry, request, key)
+        for _ in range(self.retry.attempts):
+            call.begin_attempt()
+            try:
+                response = await self._http.send(request, auth=auth, follow_redirects=follow_redirects)
+            except httpx.TransportError as error:
+                delay = call.failed(error)
+                if delay is None:
+                    raise
+            else:
+                delay = call.answered(response)
+                if delay is None:
+                    return call.result(response)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable: the last attempt either returns or raises RetriesExhausted")
+
+    async def get(self, url: str | httpx.URL, **kwargs: Any) -> IdempotentResult:
+        return await self.request("GET", url, **kwargs)
+
+    async def post(self, url: str | httpx.URL, **kwargs: Any) -> IdempotentResult:
+        return await self.request("POST", url, **kwargs)
+
+    async def patch(self, url: str | httpx.URL, **kwargs: Any) -> IdempotentResult:
+        return await self.request("PATCH", url, **kwargs)
+
+    async def put(self, url: str | httpx.URL, **kwargs: Any) -> IdempotentResult:
+        return await self.request("PUT", url, **kwargs)
+
+    async def delete(self, url: str | httpx.URL, **kwargs: Any) -> IdempotentResult:
+        return await self.request("DELETE", url, **kwargs)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncIdempotentClient:
+        await self._http.__aenter__()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        await self._http.__aexit__(exc_type, exc, traceback)
