@@ -161,6 +161,7 @@ class IdempotentRequest:
             if self.policy.required:
                 return await self._refuse(problems.key_missing(), Outcome.KEY_MISSING)
             if self.policy.transactional:
+                self.body_delivered = True  # nothing was buffered: the handler reads the real channel
                 return await self._execute_in_transaction(fence=None)
             return await self.middleware.app(self.scope, self.receive, self.send)  # not ours: untouched
         except InvalidKey as error:
@@ -182,9 +183,7 @@ class IdempotentRequest:
 
         # 4. The claim: one store call decides what happens next.
         self.outcome = Outcome.STORE_ERROR  # until something better is known: every started request ends
-        started = getattr(self.middleware.on_event, "started", None)
-        if started is not None:
-            started(self.scope)
+        self._notify_started()
         try:
             claim = await self._timed(
                 self.store.claim(self.tenant, self.key, digest, lease=self.policy.lease, ttl=self.policy.ttl)
@@ -437,6 +436,14 @@ class IdempotentRequest:
             return await operation
         finally:
             self.store_seconds += time.perf_counter() - started
+
+    def _notify_started(self) -> None:
+        started = getattr(self.middleware.on_event, "started", None)
+        if started is not None:
+            try:
+                started(self.scope)
+            except Exception:
+                logger.exception("idempotency on_event.started hook failed")
 
     def _emit(self) -> None:
         hook = self.middleware.on_event

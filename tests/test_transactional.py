@@ -39,7 +39,7 @@ def build(store: PostgresStore, gate: Gate, **options: Any) -> Starlette:
         assert context is not None
         assert context.connection is not None
         assert context.connection.is_in_transaction()
-        note = request.query_params.get("note", "ok")
+        note = request.query_params.get("note") or (await request.body()).decode() or "ok"
         await context.connection.execute("INSERT INTO tx_effects VALUES ($1, $2)", context.key or "none", note)
         gate.entered.set()
         await gate.go.wait()
@@ -183,6 +183,14 @@ async def test_keyless_request_on_a_transactional_route_gets_a_transaction(
     before = await db.fetchval("SELECT count(*) FROM tx_effects WHERE note = '500'")
     assert (await client.post("/write?note=500")).status_code == 500
     assert await db.fetchval("SELECT count(*) FROM tx_effects WHERE note = '500'") == before
+
+
+async def test_keyless_request_on_a_transactional_route_keeps_its_body(
+    pg_store: PostgresStore, db: asyncpg.Connection
+) -> None:
+    note = f"body-{uuid.uuid4()}"
+    assert (await client_for(build(pg_store, Gate())).post("/write", content=note.encode())).status_code == 201
+    assert await db.fetchval("SELECT count(*) FROM tx_effects WHERE note = $1", note) == 1
 
 
 async def test_response_over_the_cap_commits_before_streaming(pg_store: PostgresStore, db: asyncpg.Connection) -> None:
