@@ -40,6 +40,7 @@ class Event:
     status: int | None  # the status sent to the client
     duration: float  # seconds spent in the middleware and the handler
     store_seconds: float  # seconds spent waiting on the store
+    attempts: int = 0  # requests that came with this key before this one finished (0: the first)
 
 
 EventHook = Callable[[Event], None]

@@ -43,21 +43,21 @@ class MemoryStore:
         record = self._records.get((tenant, key))
         if record is None or record.expires_at <= now:
             fence = next(self._fences)
-            self._records[(tenant, key)] = _Record(
-                fingerprint, fence, now, now + ttl, now + lease, attempts=record.attempts + 1 if record else 0
-            )
-            return Claim(ClaimOutcome.OWNED, fence=fence)
+            attempts = record.attempts + 1 if record else 0
+            self._records[(tenant, key)] = _Record(fingerprint, fence, now, now + ttl, now + lease, attempts=attempts)
+            return Claim(ClaimOutcome.OWNED, fence=fence, attempts=attempts)
         record.attempts += 1
+        attempts = record.attempts
         if record.fingerprint != fingerprint:
-            return Claim(ClaimOutcome.MISMATCH)
+            return Claim(ClaimOutcome.MISMATCH, attempts=attempts)
         if record.response is not None:
-            return Claim(ClaimOutcome.COMPLETED, response=record.response)
+            return Claim(ClaimOutcome.COMPLETED, response=record.response, attempts=attempts)
         assert record.lease_expires_at is not None
         if record.lease_expires_at <= now:
             record.fence = next(self._fences)
             record.lease_expires_at = now + lease
-            return Claim(ClaimOutcome.OWNED, fence=record.fence)
-        return Claim(ClaimOutcome.IN_PROGRESS)
+            return Claim(ClaimOutcome.OWNED, fence=record.fence, attempts=attempts)
+        return Claim(ClaimOutcome.IN_PROGRESS, attempts=attempts)
 
     def _held(self, tenant: str, key: str, fence: int) -> _Record | None:
         record = self._records.get((tenant, key))

@@ -145,6 +145,7 @@ class IdempotentRequest:
         self.status: int | None = None
         self.started = time.perf_counter()
         self.store_seconds = 0.0
+        self.attempts = 0
 
     async def run(self) -> None:
         try:
@@ -197,6 +198,7 @@ class IdempotentRequest:
         await self._act_on(claim)
 
     async def _act_on(self, claim: Claim) -> None:
+        self.attempts = claim.attempts
         if claim.outcome is ClaimOutcome.MISMATCH:
             await self._refuse(problems.key_reused(), Outcome.KEY_REUSED)
         elif claim.outcome is ClaimOutcome.IN_PROGRESS:
@@ -458,6 +460,7 @@ class IdempotentRequest:
             self.status,
             time.perf_counter() - self.started,
             self.store_seconds,
+            self.attempts,
         )
         try:
             hook(event)

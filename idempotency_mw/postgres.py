@@ -236,11 +236,12 @@ class PostgresStore:
 
 
 def claim_from_row(row: asyncpg.Record) -> Claim:
+    attempts = row["attempts"]
     if row["owned"]:
-        return Claim(ClaimOutcome.OWNED, fence=row["fence"])
+        return Claim(ClaimOutcome.OWNED, fence=row["fence"], attempts=attempts)
     if not row["same_request"]:
-        return Claim(ClaimOutcome.MISMATCH)
+        return Claim(ClaimOutcome.MISMATCH, attempts=attempts)
     if row["state"] == "in_progress":
-        return Claim(ClaimOutcome.IN_PROGRESS)
+        return Claim(ClaimOutcome.IN_PROGRESS, attempts=attempts)
     response = StoredResponse(row["status"], decode_headers(row["headers"]), row["body"], row["body_size"])
-    return Claim(ClaimOutcome.COMPLETED, response=response)
+    return Claim(ClaimOutcome.COMPLETED, response=response, attempts=attempts)

@@ -37,6 +37,7 @@ class Claim:
     outcome: ClaimOutcome
     fence: int = 0  # only meaningful when OWNED
     response: StoredResponse | None = None  # only when COMPLETED
+    attempts: int = 0  # requests that came with this key after the first (retries, conflicts, mismatches)
 
 
 @dataclass(frozen=True, slots=True)

@@ -585,3 +585,22 @@ async def test_attempts_are_counted_on_the_record(store: Store, key: str) -> Non
     assert info.attempts == 3  # three retries after the first request
     assert info.state == "completed"
     assert probe.calls["charge"] == 1
+
+
+async def test_events_report_outcomes_and_attempts(store: Store, key: str) -> None:
+    from idempotency_mw import Event
+
+    events: list[Event] = []
+    probe, client = setup(store, on_event=events.append)
+    for body in (b"a", b"a", b"b"):
+        await client.post("/charge", content=body, headers={"Idempotency-Key": key})
+    await client.post("/charge", content=b"a", headers={"Idempotency-Key": "bad key"})
+    assert [(e.outcome.value, e.attempts, e.status) for e in events] == [
+        ("executed", 0, 201),
+        ("replayed", 1, 201),
+        ("key_reused", 2, 422),
+        ("key_invalid", 0, 400),
+    ]
+    assert all(key not in repr(e) for e in events)  # only a hash of the key travels
+    assert events[0].key_hash == events[1].key_hash != ""
+    assert probe.calls["charge"] == 1

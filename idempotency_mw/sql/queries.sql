@@ -30,6 +30,7 @@ RETURNING
     r.fence,
     r.state,
     r.fingerprint = $3 AS same_request,
+    r.attempts,
     CASE WHEN r.state = 'completed' AND r.fingerprint = $3 THEN r.status END AS status,
     CASE WHEN r.state = 'completed' AND r.fingerprint = $3 THEN r.headers END AS headers,
     CASE WHEN r.state = 'completed' AND r.fingerprint = $3 THEN r.body END AS body,
