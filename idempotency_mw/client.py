@@ -28,7 +28,10 @@ from datetime import UTC
 from types import TracebackType
 from typing import Any
 
-import httpx
+try:
+    import httpx
+except ImportError as error:  # httpx is an optional dependency of the package
+    raise ImportError("idempotency_mw.client needs httpx: pip install 'idempotency-mw[client]'") from error
 
 __all__ = ["AsyncIdempotentClient", "IdempotentClient", "IdempotentResult", "RetriesExhausted", "Retry"]
 
@@ -45,6 +48,9 @@ RETRY_STATUSES = frozenset({408, 425, 429})  # plus every 5xx, and 409 "in progr
 RETRY_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
 _MAX_KEY_LENGTH = 255
+# An attempt left with less time than this before the deadline would only time out (timers may also fire a
+# millisecond early), so it is not started.
+_MIN_ATTEMPT_SECONDS = 0.01
 _DELTA_SECONDS = re.compile(r"[0-9]+")
 
 
@@ -242,7 +248,7 @@ class _Call:
 
     def begin_attempt(self) -> None:
         """Cap this attempt's timeouts by what is left of the deadline, so no attempt outlives it."""
-        remaining = max(self.deadline_at - time.monotonic(), 0.001)
+        remaining = max(self.deadline_at - time.monotonic(), _MIN_ATTEMPT_SECONDS)
         if self.timeouts and math.isfinite(remaining):
             self.request.extensions["timeout"] = {
                 name: remaining if value is None else min(value, remaining) for name, value in self.timeouts.items()
@@ -273,7 +279,7 @@ class _Call:
         if self.attempts >= self.retry.attempts:
             raise self._exhausted("attempts", response, error)
         delay = self.retry.delay(self.attempts, retry_after)
-        if time.monotonic() + delay >= self.deadline_at:
+        if time.monotonic() + delay + _MIN_ATTEMPT_SECONDS >= self.deadline_at:
             raise self._exhausted("deadline", response, error)
         logger.debug(
             "retrying %s %s after attempt %d (%s) in %.3fs",
