@@ -676,6 +676,17 @@ def test_a_key_added_to_the_client_headers_later_is_refused(dead_url: str) -> No
             client.post("/charges", json={})
 
 
+def test_a_hook_that_rewrites_the_key_stops_the_retries(dead_url: str) -> None:
+    def rotate(request: httpx.Request) -> None:  # the key-rotation bug, smuggled in through an httpx event hook
+        request.headers["Idempotency-Key"] = str(uuid.uuid4())
+
+    with (
+        IdempotentClient(base_url=dead_url, event_hooks={"request": [rotate]}) as client,
+        pytest.raises(RuntimeError, match="changed between attempts"),
+    ):
+        client.post("/charges", json={})
+
+
 def test_a_streaming_body_is_refused(dead_url: str) -> None:
     with IdempotentClient(base_url=dead_url) as client, pytest.raises(ValueError, match="streaming request body"):
         client.post("/charges", content=iter([b"one", b"two"]))
