@@ -1,0 +1,444 @@
+"""The ``idempotency-mw`` command line: operate the PostgreSQL store from a shell.
+
+``migrate`` creates or upgrades the table, ``gc`` purges expired records in batches, ``inspect`` and ``forget`` look
+at or delete one record, ``stats`` summarises the table, and ``demo`` runs the payments demo. Every expected
+failure (no database URL, a malformed one, a server that does not answer, a database not migrated yet, an unknown
+key) ends in one line on stderr and a non-zero exit status, never a traceback.
+
+Exit statuses: 0 success, 1 no such record, 2 usage error (including no database URL), 3 database error,
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import asyncpg
+
+from idempotency_mw.postgres import PostgresStore
+from idempotency_mw.store import RecordInfo, StoreUnavailable
+from idempotency_mw.tenants import authorization_tenant
+
+PROG = "idempotency-mw"
+EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_DATABASE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+PREVIEW_BYTES = 200
+MIGRATE_HINT = f"run `{PROG} migrate` first"
+
+
+class CommandError(Exception):
+    """An expected failure: printed as one line on stderr, and the process exits with ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_DATABASE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+Command = Callable[[PostgresStore, argparse.Namespace], Awaitable[int]]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; return the exit status (the console script passes it to ``sys.exit``)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        demo = _split_demo(args_list)
+        if demo is not None:
+            return _demo(*demo)
+        args = build_parser().parse_args(args_list)
+        return asyncio.run(_run(args))
+    except CommandError as error:
+        print(f"{PROG}: {error}", file=sys.stderr)
+        return error.code
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+# -- arguments ------------------------------------------------------------------------------------------------
+
+
+def _global_options() -> argparse.ArgumentParser:
+    """Options that come before the subcommand; shared by the full parser and the ``demo`` pre-parser."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument(
+        "--database-url",
+        metavar="URL",
+        help="PostgreSQL URL, postgresql://user:password@host:port/database (default: $DATABASE_URL)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive(float),
+        default=5.0,
+        metavar="SECONDS",
+        help="give up on connecting or on any one statement after this long (default: 5)",
+    )
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Operate the idempotency_mw PostgreSQL store.",
+        parents=[_global_options()],
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    migrate = commands.add_parser("migrate", help="create or upgrade the tables (safe to repeat)")
+    migrate.set_defaults(handler=cmd_migrate)
+
+    gc = commands.add_parser("gc", help="delete expired records in batches")
+    gc.add_argument("--batch-size", type=_positive(int), default=1000, help="records per batch (default: 1000)")
+    gc.add_argument("--max-batches", type=_positive(int), help="stop after this many batches (default: no limit)")
+    gc.add_argument("--pause", type=_non_negative(float), default=0.0, metavar="SECONDS", help="sleep between batches")
+    gc.add_argument("--dry-run", action="store_true", help="count the expired records, delete nothing")
+    gc.set_defaults(handler=cmd_gc)
+
+    for name, handler, summary in (
+        ("inspect", cmd_inspect, "show one record"),
+        ("forget", cmd_forget, "delete one record, whatever its state"),
+    ):
+        sub = commands.add_parser(
+            name,
+            help=summary,
+            usage=f"{PROG} {name} [-h] [--authorization VALUE] [TENANT] KEY"
+            + (" [--json]" if name == "inspect" else ""),
+            description=f"{summary.capitalize()}. TENANT is the tenant string as stored; with the default "
+            "resolver that is the SHA-256 hex of the Authorization header, so --authorization may name it instead.",
+        )
+        sub.add_argument("tenant", nargs="?", metavar="TENANT", help="the tenant as stored ('' for anonymous)")
+        sub.add_argument("key", nargs="?", metavar="KEY", help="the Idempotency-Key as the client sent it")
+        sub.add_argument(
+            "--authorization",
+            metavar="VALUE",
+            help='the client\'s Authorization header value ("Bearer sk_..."), hashed like the default resolver',
+        )
+        if name == "inspect":
+            sub.add_argument("--json", action="store_true", help="machine-readable output")
+        sub.set_defaults(handler=handler)
+
+    stats = commands.add_parser("stats", help="records by state, expired, past their lease, attempts")
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    stats.set_defaults(handler=cmd_stats)
+
+    demo = commands.add_parser(
+        "demo", help="run the payments demo (arguments after `demo` go to it; `demo --help` for its own)"
+    )
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER, metavar="...")
+    return parser
+
+
+def _split_demo(argv: list[str]) -> tuple[str | None, list[str]] | None:
+    """``(database_url, forwarded args)`` if the subcommand is ``demo``, else None.
+
+    ``demo`` hands everything after it to the demo verbatim, options included, which argparse subparsers do not
+    do reliably; so find the ``demo`` token that follows nothing but global options, and split there.
+    """
+    pre = argparse.ArgumentParser(add_help=False, parents=[_global_options()])
+    pre.add_argument("command", nargs="?")
+    for index, token in enumerate(argv):
+        if token != "demo":
+            continue
+        with contextlib.suppress(SystemExit):  # a malformed global option: the full parser will explain
+            known, unknown = pre.parse_known_args(argv[: index + 1])
+            if known.command == "demo" and not unknown:
+                return known.database_url, argv[index + 1 :]
+    return None
+
+
+def _demo(database_url: str | None, argv: list[str]) -> int:
+    """Hand over to ``idempotency_mw.demo.run``, imported only now: it needs the ``demo`` extra."""
+    try:
+        run = importlib.import_module("idempotency_mw.demo.run")
+    except ModuleNotFoundError as error:
+        if error.name is not None and error.name.startswith("idempotency_mw"):
+            raise CommandError(f"the demo is not part of this installation ({error.name} is missing)") from error
+        raise CommandError(
+            f"the demo needs {error.name}, which is missing: pip install 'idempotency-mw[demo]'", EXIT_USAGE
+        ) from error
+    if database_url:  # the demo finds its database the way every tool here does: DATABASE_URL
+        os.environ["DATABASE_URL"] = database_url
+    return int(run.main(argv) or 0)
+
+
+def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
+    return parse
+
+
+def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _record_id(args: argparse.Namespace) -> tuple[str, str]:
+    """``(tenant, key)`` from ``TENANT KEY`` or ``--authorization VALUE KEY``."""
+    if args.authorization is not None:
+        if args.key is not None:
+            raise CommandError("give either TENANT or --authorization, not both", EXIT_USAGE)
+        if args.tenant is None:
+            raise CommandError("KEY is required", EXIT_USAGE)
+        # Servers strip the optional whitespace around a header value before the app sees it; so do we.
+        try:
+            value = args.authorization.strip(" \t").encode("latin-1")
+        except UnicodeEncodeError:
+            raise CommandError("--authorization must be a latin-1 header value", EXIT_USAGE) from None
+        return authorization_tenant({"headers": [(b"authorization", value)]}), args.tenant
+    if args.tenant is None or args.key is None:
+        raise CommandError("TENANT and KEY are required (or --authorization VALUE and KEY)", EXIT_USAGE)
+    return args.tenant, args.key
+
+
+# -- the database ---------------------------------------------------------------------------------------------
+
+
+async def _run(args: argparse.Namespace) -> int:
+    handler: Command = args.handler
+    if handler in (cmd_inspect, cmd_forget):
+        _record_id(args)  # usage errors before any connection attempt
+    async with _open_store(args) as store:
+        try:
+            return await handler(store, args)
+        except CommandError:
+            raise
+        except Exception as error:
+            raise _explain(error, args.timeout) from error
+
+
+@contextlib.asynccontextmanager
+async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
+    url = args.database_url or os.environ.get("DATABASE_URL")
+    if not url:
+        raise CommandError("no database: pass --database-url or set DATABASE_URL", EXIT_USAGE)
+    store = PostgresStore(url, timeout=args.timeout, min_size=1, max_size=1)
+    try:
+        try:
+            await store.pool()
+        except ValueError as error:  # asyncpg's DSN parser, for a malformed port or host
+            raise CommandError(f"invalid database URL: {error}") from error
+        except Exception as error:
+            raise _explain(error, args.timeout) from error
+        yield store
+    finally:
+        await store.close()
+
+
+def _explain(error: BaseException, timeout: float) -> CommandError:
+    """Turn what asyncpg and the store raise into one line a person can act on."""
+    cause = error.__cause__ if isinstance(error, StoreUnavailable) and error.__cause__ else error
+    if isinstance(cause, asyncpg.exceptions.ClientConfigurationError):
+        return CommandError(f"invalid database URL: {cause}")
+    if isinstance(cause, TimeoutError):
+        return CommandError(f"the database did not answer within {timeout:g}s (is it up? see --timeout)")
+    if isinstance(cause, OSError):
+        return CommandError(f"cannot reach the database: {cause.strerror or cause}")
+    if isinstance(cause, asyncpg.exceptions.UndefinedTableError):
+        return CommandError(f"the idempotency tables are missing in this database: {MIGRATE_HINT}")
+    if isinstance(
+        cause,
+        asyncpg.exceptions.InvalidCatalogNameError
+        | asyncpg.exceptions.InvalidAuthorizationSpecificationError
+        | asyncpg.exceptions.InvalidPasswordError,
+    ):
+        return CommandError(f"the database refused the connection: {cause}")
+    if isinstance(cause, asyncpg.exceptions.PostgresError | asyncpg.exceptions.InterfaceError | StoreUnavailable):
+        return CommandError(f"database error: {cause}")
+    raise error  # not an expected failure: let the traceback show
+
+
+# -- commands -------------------------------------------------------------------------------------------------
+
+
+async def cmd_migrate(store: PostgresStore, args: argparse.Namespace) -> int:
+    applied = await store.migrate()
+    for name in applied:
+        print(f"applied {name}")
+    if not applied:
+        print("up to date")
+    return EXIT_OK
+
+
+async def cmd_gc(store: PostgresStore, args: argparse.Namespace) -> int:
+    if args.dry_run:
+        count = await store.count_expired()
+        if args.max_batches is not None:
+            count = min(count, args.max_batches * args.batch_size)
+        print(f"{count} expired record{_s(count)} would be deleted (dry run)")
+        return EXIT_OK
+    total = batches = 0
+    while args.max_batches is None or batches < args.max_batches:
+        deleted = await store.purge_expired(batch_size=args.batch_size)
+        batches += 1
+        total += deleted
+        print(f"batch {batches}: deleted {deleted} ({total} so far)", file=sys.stderr, flush=True)
+        if deleted < args.batch_size:  # the backlog is gone (rows locked by a concurrent gc were skipped)
+            break
+        if args.pause:
+            await asyncio.sleep(args.pause)
+    print(f"deleted {total} expired record{_s(total)}")
+    return EXIT_OK
+
+
+async def cmd_inspect(store: PostgresStore, args: argparse.Namespace) -> int:
+    tenant, key = _record_id(args)
+    record = await store.inspect(tenant, key)
+    if record is None:
+        raise _not_found(args, tenant, key)
+    shown = record_to_dict(record, now=time.time())
+    if args.json:
+        print(json.dumps(shown, indent=2))
+    else:
+        print(format_record(shown))
+    return EXIT_OK
+
+
+async def cmd_forget(store: PostgresStore, args: argparse.Namespace) -> int:
+    tenant, key = _record_id(args)
+    if not await store.forget(tenant, key):
+        raise _not_found(args, tenant, key)
+    print(f"forgot key {key!r} of tenant {tenant!r}")
+    return EXIT_OK
+
+
+async def cmd_stats(store: PostgresStore, args: argparse.Namespace) -> int:
+    stats = await store.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return EXIT_OK
+    oldest = stats["oldest_in_progress_seconds"]
+    rows = [
+        ("in progress", str(stats["in_progress"])),
+        ("completed", str(stats["completed"])),
+        ("expired (awaiting gc)", str(stats["expired"])),
+        ("past their lease", str(stats["past_lease"])),
+        ("oldest in progress", "-" if oldest is None else _duration(oldest)),
+        ("attempts (all records)", str(stats["attempts"])),
+    ]
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        print(f"{label:<{width}}  {value}")
+    return EXIT_OK
+
+
+def _not_found(args: argparse.Namespace, tenant: str, key: str) -> CommandError:
+    message = f"no record for key {key!r} of tenant {tenant!r}"
+    if args.authorization is None and not _looks_like_sha256(tenant):
+        message += " (with the default tenant resolver TENANT is a SHA-256 hex digest: try --authorization)"
+    return CommandError(message, EXIT_NOT_FOUND)
+
+
+# -- presentation ---------------------------------------------------------------------------------------------
+
+
+def record_to_dict(record: RecordInfo, *, now: float) -> dict[str, Any]:
+    """The record as plain JSON types; what ``inspect --json`` prints and the text view is made from."""
+    response = None
+    if record.response is not None:
+        stored = record.response
+        response = {
+            "status": stored.status,
+            "headers": [[name.decode("latin-1"), value.decode("latin-1")] for name, value in stored.headers],
+            "body_size": stored.body_size,
+            "body_stored": stored.body is not None,
+            "body_preview": None,
+            "body_preview_encoding": None,
+        }
+        if stored.body is not None:
+            response["body_preview"], response["body_preview_encoding"] = preview(stored.body)
+    return {
+        "tenant": record.tenant,
+        "key": record.key,
+        "state": record.state,
+        "expired": record.expires_at <= now,
+        "fence": record.fence,
+        "attempts": record.attempts,
+        "created_at": _iso(record.created_at),
+        "expires_at": _iso(record.expires_at),
+        "lease_expires_at": None if record.lease_expires_at is None else _iso(record.lease_expires_at),
+        "fingerprint": record.fingerprint.hex(),
+        "response": response,
+    }
+
+
+def format_record(shown: dict[str, Any]) -> str:
+    state = shown["state"] + (" (expired: counts as absent, awaiting gc)" if shown["expired"] else "")
+    rows: list[tuple[str, str]] = [
+        ("tenant", shown["tenant"] or "'' (anonymous)"),
+        ("key", shown["key"]),
+        ("state", state),
+        ("fence", str(shown["fence"])),
+        ("attempts", str(shown["attempts"])),
+        ("created", shown["created_at"]),
+        ("expires", shown["expires_at"]),
+        ("lease until", shown["lease_expires_at"] or "-"),
+        ("fingerprint", shown["fingerprint"]),
+    ]
+    response = shown["response"]
+    if response is not None:
+        rows.append(("status", str(response["status"])))
+        headers = [f"{name}: {value}" for name, value in response["headers"]] or ["-"]
+        rows.extend(("headers" if i == 0 else "", header) for i, header in enumerate(headers))
+        rows.append(("body size", f"{response['body_size']} bytes"))
+        if not response["body_stored"]:
+            rows.append(("body", "not stored (over max_response_bytes: replays answer 409)"))
+        else:
+            text = response["body_preview"].replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+            more = "…" if response["body_size"] > PREVIEW_BYTES else ""
+            rows.append((f"body ({response['body_preview_encoding']})", text + more))
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def preview(body: bytes) -> tuple[str, str]:
+    """The first ``PREVIEW_BYTES`` of a body: as text when it is printable UTF-8, else as hex."""
+    head = body[:PREVIEW_BYTES]
+    for cut in range(4):  # the cut may split a multi-byte character: drop up to 3 trailing bytes
+        try:
+            text = head[: len(head) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if all(c.isprintable() or c in "\n\r\t" for c in text):
+            return text, "text"
+        break
+    return head.hex(), "hex"
+
+
+def _iso(epoch: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch, tz=datetime.UTC).isoformat(timespec="milliseconds")
+
+
+def _duration(seconds: float) -> str:
+    whole = int(seconds)
+    if whole < 60:
+        return f"{seconds:.1f}s"
+    if whole < 3600:
+        return f"{whole // 60}m {whole % 60:02d}s"
+    return f"{whole // 3600}h {whole % 3600 // 60:02d}m"
+
+
+def _looks_like_sha256(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
+def _s(count: int) -> str:
+    return "" if count == 1 else "s"

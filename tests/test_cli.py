@@ -1,0 +1,434 @@
+"""The ``idempotency-mw`` command line, run in-process (``main([...])``) against a real PostgreSQL.
+
+Each test gets its own schema (``search_path`` in the URL), so ``gc`` and ``stats``, which see the whole table,
+give exact numbers whatever the rest of the suite left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import types
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from idempotency_mw import PostgresStore, StoredResponse
+from idempotency_mw.cli import main
+from idempotency_mw.tenants import authorization_tenant
+from tests.apps import Probe, build_app
+from tests.conftest import client_for
+
+T = TypeVar("T")
+TENANT = "a" * 64
+FINGERPRINT = bytes(range(32))
+
+
+def with_search_path(url: str, schema: str) -> str:
+    """The same server and database, with unqualified table names resolving in ``schema`` (asyncpg passes unknown
+    URL parameters on as server settings)."""
+    parts = urlsplit(url)
+    query = [*parse_qsl(parts.query), ("search_path", schema)]
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+def on_db(url: str, work: Callable[[PostgresStore], Awaitable[T]]) -> T:
+    async def run() -> T:
+        async with PostgresStore(url, min_size=1, max_size=1) as store:
+            return await work(store)
+
+    return asyncio.run(run())
+
+
+def sql(url: str, statement: str, *args: Any) -> str:
+    async def run() -> str:
+        connection = await asyncpg.connect(url)
+        try:
+            return str(await connection.execute(statement, *args))
+        finally:
+            await connection.close()
+
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def empty_url(idempotency_database_url: str) -> Iterator[str]:
+    """A URL whose search_path is a fresh, empty schema (dropped afterwards)."""
+    schema = f"imw_cli_{uuid.uuid4().hex[:12]}"
+    sql(idempotency_database_url, f"CREATE SCHEMA {schema}")
+    try:
+        yield with_search_path(idempotency_database_url, schema)
+    finally:
+        sql(idempotency_database_url, f"DROP SCHEMA {schema} CASCADE")
+
+
+@pytest.fixture
+def url(empty_url: str) -> str:
+    """A migrated, empty store of our own."""
+    on_db(empty_url, lambda store: store.migrate())
+    return empty_url
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+async def completed(store: PostgresStore, tenant: str, key: str, body: bytes, *, retries: int = 0) -> None:
+    claim = await store.claim(tenant, key, FINGERPRINT, lease=60, ttl=3600)
+    headers = [(b"content-type", b"application/json"), (b"set-cookie", b"a=1"), (b"set-cookie", b"b=2")]
+    assert await store.complete(tenant, key, claim.fence, StoredResponse(201, headers, body, len(body)))
+    for _ in range(retries):
+        await store.claim(tenant, key, FINGERPRINT, lease=60, ttl=3600)
+
+
+# -- migrate ----------------------------------------------------------------------------------------------------
+
+
+def test_migrate_applies_then_is_up_to_date(capsys: pytest.CaptureFixture[str], empty_url: str) -> None:
+    assert cli(capsys, "--database-url", empty_url, "migrate") == (0, "applied 0001_initial.sql\n", "")
+    assert cli(capsys, "--database-url", empty_url, "migrate") == (0, "up to date\n", "")
+
+
+def test_unmigrated_database_says_run_migrate(capsys: pytest.CaptureFixture[str], empty_url: str) -> None:
+    for command in (["stats"], ["inspect", TENANT, "k"], ["forget", TENANT, "k"], ["gc"], ["gc", "--dry-run"]):
+        code, out, err = cli(capsys, "--database-url", empty_url, *command)
+        assert (code, out) == (3, "")
+        assert err == (
+            "idempotency-mw: the idempotency tables are missing in this database: run `idempotency-mw migrate` first\n"
+        )
+
+
+# -- inspect and forget ---------------------------------------------------------------------------------------
+
+
+def test_inspect_shows_a_completed_record(capsys: pytest.CaptureFixture[str], url: str) -> None:
+    on_db(url, lambda store: completed(store, TENANT, "order-1", b'{"id": "ch_1",\n"amount": 10}', retries=2))
+    info = on_db(url, lambda store: store.inspect(TENANT, "order-1"))
+    assert info is not None
+    code, out, err = cli(capsys, "--database-url", url, "inspect", TENANT, "order-1")
+    assert (code, err) == (0, "")
+
+    def iso(epoch: float) -> str:
+        return datetime.datetime.fromtimestamp(epoch, datetime.UTC).isoformat(timespec="milliseconds")
+
+    assert out.splitlines() == [
+        f"tenant       {TENANT}",
+        "key          order-1",
+        "state        completed",
+        f"fence        {info.fence}",
+        "attempts     2",
+        f"created      {iso(info.created_at)}",
+        f"expires      {iso(info.expires_at)}",
+        "lease until  -",
+        f"fingerprint  {FINGERPRINT.hex()}",
+        "status       201",
+        "headers      content-type: application/json",
+        "             set-cookie: a=1",
+        "             set-cookie: b=2",
+        "body size    28 bytes",
+        'body (text)  {"id": "ch_1",\\n"amount": 10}',
+    ]
+
+
+def test_inspect_json(capsys: pytest.CaptureFixture[str], url: str) -> None:
+    on_db(url, lambda store: completed(store, TENANT, "k-json", b"\x00\x01binary" * 40))
+    code, out, _ = cli(capsys, "--database-url", url, "inspect", TENANT, "k-json", "--json")
+    assert code == 0
+    shown = json.loads(out)
+    assert shown["tenant"] == TENANT
+    assert shown["key"] == "k-json"
+    assert shown["state"] == "completed"
+    assert shown["expired"] is False
+    assert shown["attempts"] == 0
+    assert shown["lease_expires_at"] is None
+    created = datetime.datetime.fromisoformat(shown["created_at"])
+    expires = datetime.datetime.fromisoformat(shown["expires_at"])
+    assert created.tzinfo is not None
+    assert expires - created == datetime.timedelta(hours=1)
+    assert shown["fingerprint"] == FINGERPRINT.hex()
+    response = shown["response"]
+    assert response["status"] == 201
+    assert response["headers"] == [["content-type", "application/json"], ["set-cookie", "a=1"], ["set-cookie", "b=2"]]
+    assert response["body_size"] == 320
+    assert response["body_stored"] is True
+    assert response["body_preview_encoding"] == "hex"
+    assert response["body_preview"] == ((b"\x00\x01binary" * 40)[:200]).hex()
+
+
+def test_inspect_in_progress_record_shows_its_lease(capsys: pytest.CaptureFixture[str], url: str) -> None:
+    on_db(url, lambda store: store.claim(TENANT, "running", FINGERPRINT, lease=30, ttl=3600))
+    code, out, _ = cli(capsys, "--database-url", url, "inspect", TENANT, "running", "--json")
+    shown = json.loads(out)
+    assert (code, shown["state"], shown["response"]) == (0, "in_progress", None)
+    lease = datetime.datetime.fromisoformat(shown["lease_expires_at"])
+    assert lease - datetime.datetime.fromisoformat(shown["created_at"]) == datetime.timedelta(seconds=30)
+
+
+def test_inspect_by_authorization_finds_what_the_middleware_stored(
+    capsys: pytest.CaptureFixture[str], url: str
+) -> None:
+    """The tenant the default resolver stored is found from the Authorization header the client sent."""
+
+    async def post_twice() -> None:
+        async with PostgresStore(url, min_size=1, max_size=2) as store:
+            client = client_for(build_app(store, Probe()), token="sk_test_alice")
+            for _ in range(2):
+                await client.post("/charge", content=b'{"amount": 10}', headers={"Idempotency-Key": "pay-1"})
+
+    asyncio.run(post_twice())
+    code, out, _ = cli(
+        capsys, "--database-url", url, "inspect", "--authorization", "Bearer sk_test_alice", "pay-1", "--json"
+    )
+    shown = json.loads(out)
+    assert code == 0
+    assert shown["tenant"] == authorization_tenant({"headers": [(b"authorization", b"Bearer sk_test_alice")]})
+    assert (shown["attempts"], shown["response"]["status"]) == (1, 201)
+    assert shown["response"]["body_preview"] == '{"charge":1,"echo":"{\\"amount\\": 10}"}'
+    # The wrong secret is another tenant: no record.
+    code, out, err = cli(capsys, "--database-url", url, "inspect", "--authorization", "Bearer sk_test_bob", "pay-1")
+    assert (code, out) == (1, "")
+    assert "no record for key 'pay-1'" in err
+
+
+def test_unknown_key_is_exit_1_with_a_hint(capsys: pytest.CaptureFixture[str], url: str) -> None:
+    code, out, err = cli(capsys, "--database-url", url, "inspect", "Bearer sk_live_x", "nope")
+    assert (code, out) == (1, "")
+    assert err == (
+        "idempotency-mw: no record for key 'nope' of tenant 'Bearer sk_live_x' "
+        "(with the default tenant resolver TENANT is a SHA-256 hex digest: try --authorization)\n"
+    )
+    assert cli(capsys, "--database-url", url, "inspect", TENANT, "nope", "--json")[:2] == (1, "")
+
+
+def test_forget_deletes_then_reports_absence(capsys: pytest.CaptureFixture[str], url: str) -> None:
+    on_db(url, lambda store: completed(store, "", "anon-key", b"ok"))
+    assert cli(capsys, "--database-url", url, "forget", "", "anon-key") == (
+        0,
+        "forgot key 'anon-key' of tenant ''\n",
+        "",
+    )
+    assert on_db(url, lambda store: store.inspect("", "anon-key")) is None
+    code, _, err = cli(capsys, "--database-url", url, "forget", "", "anon-key")
+    assert code == 1
+    assert "no record for key 'anon-key' of tenant ''" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["inspect", TENANT], ["forget"], ["inspect", "--authorization", "Bearer x", TENANT, "k"]],
+    ids=["no-key", "nothing", "both-tenant-and-authorization"],
+)
+def test_record_arguments_are_checked(capsys: pytest.CaptureFixture[str], url: str, argv: list[str]) -> None:
+    code, out, err = cli(capsys, "--database-url", url, *argv)
+    assert (code, out) == (2, "")
+    assert err.startswith("idempotency-mw: ")
+    assert err.count("\n") == 1
+
+
+# -- stats and gc ---------------------------------------------------------------------------------------------
+
+
+def seed_table(url: str) -> None:
+    """2 completed (one retried 3 times), 2 live in progress (one past its lease, one an hour old), 25 expired."""
+
+    async def work(store: PostgresStore) -> None:
+        await completed(store, TENANT, "done-1", b"1", retries=3)
+        await completed(store, TENANT, "done-2", b"2")
+        await store.claim(TENANT, "running", FINGERPRINT, lease=60, ttl=7200)
+        await store.claim(TENANT, "stalled", FINGERPRINT, lease=60, ttl=7200)
+        for i in range(25):
+            await completed(store, "b" * 64, f"old-{i}", b"x")
+
+    on_db(url, work)
+    sql(url, "UPDATE idempotency_records SET lease_expires_at = now() - interval '1 second' WHERE key = 'stalled'")
+    sql(url, "UPDATE idempotency_records SET created_at = now() - interval '1 hour' WHERE key = 'running'")
+    sql(url, "UPDATE idempotency_records SET expires_at = now() - interval '1 minute' WHERE key LIKE 'old-%'")
+
+
+def test_stats(capsys: pytest.CaptureFixture[str], url: str) -> None:
+    seed_table(url)
+    code, out, _ = cli(capsys, "--database-url", url, "stats", "--json")
+    stats = json.loads(out)
+    oldest = stats.pop("oldest_in_progress_seconds")
+    assert code == 0
+    assert stats == {"in_progress": 2, "completed": 2, "expired": 25, "past_lease": 1, "attempts": 3}
+    assert 3600 <= oldest < 3660
+    code, out, _ = cli(capsys, "--database-url", url, "stats")
+    assert out == (
+        "in progress             2\n"
+        "completed               2\n"
+        "expired (awaiting gc)   25\n"
+        "past their lease        1\n"
+        "oldest in progress      1h 00m\n"
+        "attempts (all records)  3\n"
+    )
+
+
+def test_stats_of_an_empty_table(capsys: pytest.CaptureFixture[str], url: str) -> None:
+    code, out, _ = cli(capsys, "--database-url", url, "stats")
+    assert code == 0
+    assert "oldest in progress      -\n" in out
+
+
+def test_gc_dry_run_then_batches(capsys: pytest.CaptureFixture[str], url: str) -> None:
+    seed_table(url)
+    args = ["--database-url", url, "gc", "--batch-size", "10"]
+    assert cli(capsys, *args, "--dry-run") == (0, "25 expired records would be deleted (dry run)\n", "")
+    assert cli(capsys, *args, "--dry-run", "--max-batches", "2")[1] == "20 expired records would be deleted (dry run)\n"
+    assert on_db(url, lambda store: store.count_expired()) == 25  # a dry run deletes nothing
+
+    assert cli(capsys, *args, "--max-batches", "2") == (
+        0,
+        "deleted 20 expired records\n",
+        "batch 1: deleted 10 (10 so far)\nbatch 2: deleted 10 (20 so far)\n",
+    )
+    assert cli(capsys, *args) == (0, "deleted 5 expired records\n", "batch 1: deleted 5 (5 so far)\n")
+    assert cli(capsys, *args) == (0, "deleted 0 expired records\n", "batch 1: deleted 0 (0 so far)\n")
+    stats = on_db(url, lambda store: store.stats())
+    assert (stats["expired"], stats["completed"], stats["in_progress"]) == (0, 2, 2)  # live records untouched
+
+
+def test_gc_stops_after_a_short_batch(capsys: pytest.CaptureFixture[str], url: str) -> None:
+    seed_table(url)
+    code, out, err = cli(capsys, "--database-url", url, "gc", "--batch-size", "25")
+    assert (code, out) == (0, "deleted 25 expired records\n")
+    assert err.splitlines() == ["batch 1: deleted 25 (25 so far)", "batch 2: deleted 0 (25 so far)"]
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "x"])
+def test_gc_rejects_bad_batch_sizes(capsys: pytest.CaptureFixture[str], url: str, value: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--database-url", url, "gc", "--batch-size", value])
+    assert exit_info.value.code == 2
+    assert "--batch-size" in capsys.readouterr().err
+
+
+# -- connection errors ----------------------------------------------------------------------------------------
+
+
+def test_no_database_url(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    assert cli(capsys, "stats") == (2, "", "idempotency-mw: no database: pass --database-url or set DATABASE_URL\n")
+
+
+def test_database_url_from_the_environment(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    monkeypatch.setenv("DATABASE_URL", url)
+    assert cli(capsys, "migrate") == (0, "up to date\n", "")
+
+
+@pytest.mark.parametrize(
+    ("dsn", "message"),
+    [
+        ("notadsn", 'invalid database URL: invalid DSN: scheme is expected to be either "postgresql" or "postgres"'),
+        ("mysql://localhost/db", "invalid database URL: invalid DSN: scheme is expected"),
+        ("postgresql://u@127.0.0.1:port/db", "invalid database URL: invalid literal for int()"),
+        ("postgresql://u@[::1/db", "invalid database URL: Invalid IPv6 URL"),
+    ],
+)
+def test_bad_database_url(capsys: pytest.CaptureFixture[str], dsn: str, message: str) -> None:
+    code, out, err = cli(capsys, "--database-url", dsn, "stats")
+    assert (code, out) == (3, "")
+    assert err.startswith(f"idempotency-mw: {message}")
+    assert err.count("\n") == 1
+
+
+def test_connection_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code, out, err = cli(capsys, "--database-url", f"postgresql://u@127.0.0.1:{port}/db", "stats")
+    assert (code, out) == (3, "")
+    assert err == f"idempotency-mw: cannot reach the database: Connect call failed ('127.0.0.1', {port})\n"
+
+
+def test_server_that_never_answers_times_out(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as silent:  # accepts connections (the kernel does) and never says a word
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        port = silent.getsockname()[1]
+        code, out, err = cli(
+            capsys, "--timeout", "0.3", "--database-url", f"postgresql://u@127.0.0.1:{port}/db", "stats"
+        )
+    assert (code, out) == (3, "")
+    assert err == "idempotency-mw: the database did not answer within 0.3s (is it up? see --timeout)\n"
+
+
+def test_unknown_database(capsys: pytest.CaptureFixture[str], idempotency_database_url: str) -> None:
+    parts = urlsplit(idempotency_database_url)
+    missing = urlunsplit(parts._replace(path="/no_such_database_here"))
+    code, _, err = cli(capsys, "--database-url", missing, "stats")
+    assert code == 3
+    assert (
+        err == 'idempotency-mw: the database refused the connection: database "no_such_database_here" does not exist\n'
+    )
+
+
+# -- demo -------------------------------------------------------------------------------------------------------
+
+
+def test_demo_gets_every_argument_after_it_verbatim(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo is its own program (idempotency_mw.demo.run); here it is replaced by one that records its call."""
+    calls: list[list[str]] = []
+    environment: list[str | None] = []
+    fake = types.ModuleType("idempotency_mw.demo.run")
+
+    def fake_main(argv: list[str]) -> int:
+        calls.append(argv)
+        environment.append(os.environ.get("DATABASE_URL"))
+        return 7
+
+    fake.main = fake_main  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "idempotency_mw.demo.run", fake)
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+
+    assert main(["demo"]) == 7
+    assert main(["demo", "--port", "0", "-h", "--", "demo", "--database-url", "x"]) == 7
+    assert main(["--database-url", "postgresql://h/db", "--timeout", "2", "demo", "--requests", "5"]) == 7
+    assert calls == [[], ["--port", "0", "-h", "--", "demo", "--database-url", "x"], ["--requests", "5"]]
+    assert environment == [None, None, "postgresql://h/db"]
+    assert capsys.readouterr() == ("", "")  # the command line itself printed nothing
+
+
+def test_demo_is_listed_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("migrate", "gc", "inspect", "forget", "stats", "demo"):
+        assert f"    {command} " in out
+
+
+# -- the installed script ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_installed_console_script(url: str) -> None:
+    script = Path(sys.executable).parent / "idempotency-mw"
+    on_db(url, lambda store: completed(store, TENANT, "via-script", b"{}"))
+    result = subprocess.run(
+        [str(script), "--database-url", url, "stats", "--json"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["completed"] == 1
+    result = subprocess.run(
+        [str(script), "--database-url", url, "inspect", TENANT, "nope"], capture_output=True, text=True, timeout=60
+    )
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == f"idempotency-mw: no record for key 'nope' of tenant '{TENANT}'\n"
