@@ -1,0 +1,280 @@
+"""Observability: the Prometheus hook, OpenTelemetry span attributes and the hook combinator, driven through the
+real middleware on a Starlette (or FastAPI) app."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import sys
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import APIRouter, FastAPI
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route
+
+from idempotency_mw import Event, IdempotencyMiddleware, MemoryStore, Outcome, PostgresStore, StoreUnavailable
+from idempotency_mw.events import hash_key, log_event
+from idempotency_mw.metrics import UNMATCHED, PrometheusMetrics
+from idempotency_mw.telemetry import SpanAttributes, hooks
+from idempotency_mw.tenants import authorization_tenant
+from tests.apps import Probe, build_app
+from tests.conftest import client_for
+from tests.test_cli import empty_url, seed_table, url  # noqa: F401  (fixtures: a store of our own)
+
+
+class Registry:
+    """A fresh registry per test, read back by metric name and labels."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.metrics = PrometheusMetrics(self.registry)
+
+    def count(self, route: str, outcome: str, method: str = "POST") -> float | None:
+        labels = {"method": method, "route": route, "outcome": outcome}
+        return self.registry.get_sample_value("idempotency_requests_total", labels)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        return self.registry.get_sample_value(name, labels or {})
+
+
+def key() -> dict[str, str]:
+    return {"Idempotency-Key": str(uuid.uuid4())}
+
+
+async def test_outcomes_are_counted_by_route_template() -> None:
+    m = Registry()
+    probe = Probe()
+    client = client_for(build_app(MemoryStore(), probe, on_event=m.metrics, max_request_bytes=100))
+    first = key()
+    assert (await client.post("/status/201", headers=first)).status_code == 201
+    assert (await client.post("/status/201", headers=first)).headers["idempotent-replayed"] == "true"
+    assert (await client.post("/status/202", headers=key())).status_code == 202  # another id, the same route
+    assert (await client.post("/status/503", headers=key())).status_code == 503  # transient: released
+    assert (await client.post("/status/201", headers={"Idempotency-Key": ""})).status_code == 400
+    assert (await client.post("/status/201", content=b"x" * 101, headers=key())).status_code == 413
+    reused = key()
+    await client.post("/charge", content=b"a", headers=reused)
+    assert (await client.post("/charge", content=b"b", headers=reused)).status_code == 422
+
+    assert m.count("/status/{code}", "executed") == 2
+    assert m.count("/status/{code}", "replayed") == 1
+    assert m.count("/status/{code}", "released") == 1
+    assert m.count("/status/{code}", "key_invalid") == 1
+    assert m.count("/status/{code}", "request_too_large") == 1
+    assert m.count("/charge", "executed") == 1
+    assert m.count("/charge", "key_reused") == 1
+    # Every outcome of a seen route exists from the start, at 0 (so an alert on its increase can fire).
+    for outcome in Outcome:
+        assert m.count("/status/{code}", outcome.value) is not None
+    assert m.count("/status/{code}", "fenced_out") == 0
+    assert m.value("idempotency_in_flight") == 0
+    # The store was reached by 6 of the 8 keyed requests (not the invalid key, not the oversized body).
+    assert m.value("idempotency_store_duration_seconds_count", {"outcome": "executed"}) == 3
+    assert m.value("idempotency_store_duration_seconds_count", {"outcome": "key_invalid"}) is None
+    durations = m.value(
+        "idempotency_request_duration_seconds_count",
+        {"method": "POST", "route": "/status/{code}", "outcome": "replayed"},
+    )
+    assert durations == 1
+
+
+async def test_in_flight_gauge_follows_requests_and_returns_to_zero() -> None:
+    m = Registry()
+    probe = Probe()
+    client = client_for(build_app(MemoryStore(), probe, on_event=m.metrics))
+    probe.hold()
+    held_key = key()
+    held = [asyncio.create_task(client.post("/charge", content=b"a", headers=held_key))]
+    await asyncio.wait_for(probe.entered.wait(), 5)
+    assert m.value("idempotency_in_flight") == 1
+    conflict = await client.post("/charge", content=b"a", headers=held_key)
+    assert conflict.status_code == 409
+    assert m.count("/charge", "in_progress") == 1
+    assert m.value("idempotency_in_flight") == 1  # the 409 came and went; the held request is still running
+    held.append(asyncio.create_task(client.post("/charge", content=b"b", headers=key())))
+    for _ in range(200):  # bounded: wait for the second request to reach the handler
+        if m.value("idempotency_in_flight") == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert m.value("idempotency_in_flight") == 2
+    probe.release.set()
+    await asyncio.gather(*held)
+    assert m.value("idempotency_in_flight") == 0
+    assert m.count("/charge", "executed") == 2
+
+
+class BrokenStore(MemoryStore):
+    """A store that is down: every claim fails the way PostgresStore does when the server is gone."""
+
+    async def claim(self, *args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailable("connection refused")
+
+
+async def test_store_errors_are_counted_and_leave_nothing_in_flight(caplog: pytest.LogCaptureFixture) -> None:
+    m = Registry()
+    client = client_for(build_app(BrokenStore(), Probe(), on_event=m.metrics))
+    with caplog.at_level(logging.CRITICAL, logger="idempotency_mw"):  # the middleware logs the failure: expected
+        for _ in range(3):
+            assert (await client.post("/charge", headers=key())).status_code == 503
+    assert m.count("/charge", "store_error") == 3
+    assert m.value("idempotency_store_duration_seconds_count", {"outcome": "store_error"}) == 3
+    assert m.value("idempotency_in_flight") == 0
+
+
+async def test_unmatched_paths_share_one_label() -> None:
+    m = Registry()
+    client = client_for(build_app(MemoryStore(), Probe(), on_event=m.metrics))
+    for i in range(20):
+        assert (await client.post(f"/scan/{uuid.uuid4()}/{i}", headers=key())).status_code == 404
+    assert m.count(UNMATCHED, "released") == 20
+    routes = {s.labels["route"] for s in m.registry.collect() for s in s.samples if "route" in s.labels}
+    assert routes == {UNMATCHED}
+
+
+async def test_mounts_and_method_specific_routes_get_their_full_template() -> None:
+    async def create(request: Request) -> Response:
+        return JSONResponse({"id": request.path_params["account"]}, status_code=201)
+
+    async def update(request: Request) -> Response:
+        return JSONResponse({"updated": True})
+
+    accounts = [
+        Route("/{account}/charges", create, methods=["POST"]),
+        Route("/{account}/charges", update, methods=["PATCH"]),
+    ]
+    app = Starlette(routes=[Mount("/v1/accounts", routes=accounts)])
+    m = Registry()
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), on_event=m.metrics)
+    client = client_for(app)
+    repeated = key()
+    for _ in range(2):
+        assert (await client.post("/v1/accounts/acct_1/charges", headers=repeated)).status_code == 201
+    await client.patch("/v1/accounts/acct_2/charges", headers=key())
+    assert m.count("/v1/accounts/{account}/charges", "executed") == 1
+    assert m.count("/v1/accounts/{account}/charges", "replayed") == 1
+    assert m.count("/v1/accounts/{account}/charges", "executed", method="PATCH") == 1
+
+
+async def test_root_path_and_requests_refused_before_the_store() -> None:
+    """Behind a proxy prefix (root_path), and for refusals that never reach the store (no started(scope)): those are
+    matched against the app seen last, and before any request reached the store nothing is known yet."""
+    m = Registry()
+    app = build_app(MemoryStore(), Probe(), on_event=m.metrics)
+    transport = httpx.ASGITransport(app=app, root_path="/api")
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        invalid = {"Idempotency-Key": ""}
+        assert (await client.post("/api/status/201", headers=invalid)).status_code == 400
+        assert (await client.post("/api/status/201", headers=key())).status_code == 201
+        assert (await client.post("/api/status/201", headers=invalid)).status_code == 400
+    assert m.count(UNMATCHED, "key_invalid") == 1
+    assert m.count("/status/{code}", "executed") == 1
+    assert m.count("/status/{code}", "key_invalid") == 1
+
+
+async def test_fastapi_included_router_prefix() -> None:
+    router = APIRouter(prefix="/v1")
+
+    @router.post("/refunds/{refund_id}", status_code=201)
+    async def refund(refund_id: str) -> dict[str, str]:
+        return {"id": refund_id}
+
+    app = FastAPI()
+    app.include_router(router)
+    m = Registry()
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), on_event=m.metrics)
+    client = client_for(app)
+    for refund_id in ("re_1", "re_2"):
+        assert (await client.post(f"/v1/refunds/{refund_id}", headers=key())).status_code == 201
+    assert m.count("/v1/refunds/{refund_id}", "executed") == 2
+
+
+async def test_custom_route_label() -> None:
+    registry = CollectorRegistry()
+    metrics = PrometheusMetrics(registry, prefix="payments_idem", route_label=lambda event: event.path.split("/")[1])
+    client = client_for(build_app(MemoryStore(), Probe(), on_event=metrics))
+    await client.post("/status/201", headers=key())
+    labels = {"method": "POST", "route": "status", "outcome": "executed"}
+    assert registry.get_sample_value("payments_idem_requests_total", labels) == 1
+
+
+async def test_store_gauges_come_from_the_store_stats(url: str) -> None:  # noqa: F811
+    await asyncio.to_thread(seed_table, url)
+    m = Registry()
+    async with PostgresStore(url, min_size=1, max_size=1) as store:
+        await m.metrics.update_from_store(store)
+    assert m.value("idempotency_records", {"state": "in_progress"}) == 2
+    assert m.value("idempotency_records", {"state": "completed"}) == 2
+    assert m.value("idempotency_records", {"state": "expired"}) == 25
+    assert m.value("idempotency_records_past_lease") == 1
+    assert m.value("idempotency_record_attempts") == 3
+    oldest = m.value("idempotency_oldest_in_progress_seconds")
+    assert oldest is not None
+    assert 3600 <= oldest < 3660
+
+
+def test_importing_without_prometheus_client_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # None in sys.modules: "not installed"
+    monkeypatch.delitem(sys.modules, "idempotency_mw.metrics")
+    with pytest.raises(ImportError, match=r"pip install 'idempotency-mw\[metrics\]'"):
+        importlib.import_module("idempotency_mw.metrics")
+
+
+# -- OpenTelemetry and the combinator ---------------------------------------------------------------------------
+
+
+async def test_span_attributes_on_the_current_span() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    m = Registry()
+    client = client_for(build_app(MemoryStore(), Probe(), on_event=hooks(m.metrics, SpanAttributes())))
+    headers = {"Idempotency-Key": "order-17"}
+    for name in ("first", "retry"):
+        with tracer.start_as_current_span(name):  # stands in for the server span of an ASGI instrumentation
+            await client.post("/status/201", headers=headers)
+    first, retry = (span.attributes or {} for span in exporter.get_finished_spans())
+    tenant_hash = hash_key(authorization_tenant({"headers": [(b"authorization", b"Bearer sk_test_alice")]}))
+    assert first["idempotency.outcome"] == "executed"
+    assert first["idempotency.replayed"] is False
+    assert retry["idempotency.outcome"] == "replayed"
+    assert retry["idempotency.replayed"] is True
+    assert first["idempotency.key_hash"] == retry["idempotency.key_hash"] == hash_key("order-17")
+    assert first["idempotency.tenant_hash"] == retry["idempotency.tenant_hash"] == tenant_hash
+    assert all("order-17" not in str(value) for value in first.values())
+    assert m.count("/status/{code}", "replayed") == 1  # the metrics hook ran alongside
+    assert m.value("idempotency_in_flight") == 0  # started() was forwarded through the combinator
+
+
+def test_span_attributes_without_opentelemetry_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "opentelemetry", None)
+    with pytest.raises(ImportError, match=r"pip install 'idempotency-mw\[otel\]'"):
+        SpanAttributes()
+
+
+async def test_a_failing_hook_does_not_silence_the_others(caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[Event] = []
+
+    def broken(event: Event) -> None:
+        raise RuntimeError("hook bug")
+
+    client = client_for(build_app(MemoryStore(), Probe(), on_event=hooks(broken, seen.append, log_event)))
+    with caplog.at_level(logging.DEBUG, logger="idempotency_mw"):
+        await client.post("/status/201", headers={"Idempotency-Key": "k-1"})
+    assert [event.outcome for event in seen] == [Outcome.EXECUTED]
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("on_event hook" in message and "broken" in message for message in messages)
+    logged = [m for m in messages if m.startswith("idempotency executed")]
+    assert len(logged) == 1
+    assert f"POST /status/201 key={hash_key('k-1')} status=201" in logged[0]
+    assert "k-1 " not in logged[0]
