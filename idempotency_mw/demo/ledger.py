@@ -1,0 +1,222 @@
+"""The payments demo's SQL, all of it: accounts, customers, payment intents, refunds, and the ledger behind them.
+
+Writes take the connection of the request's transaction (in transactional mode, the one whose commit also records
+the idempotency response), so an effect and its record commit together or not at all. Refunds lock their payment
+intent's row, and the ``refunds_within_captured`` CHECK constraint (``schema.sql``) makes an over-refund
+impossible even for code that forgets to.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib import resources
+from typing import Any
+
+import asyncpg
+import orjson
+
+from idempotency_mw.demo.wire import new_id
+
+SCHEMA_LOCK = 0x1DE4_0DE1  # pg_advisory_xact_lock key: app instances starting together apply the schema in turn
+
+Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
+
+
+def schema_sql() -> str:
+    return resources.files("idempotency_mw.demo").joinpath("schema.sql").read_text()
+
+
+async def apply_schema(pool: asyncpg.Pool) -> None:
+    """Create the demo's tables if they are missing (every statement in ``schema.sql`` may run again)."""
+    async with pool.acquire() as connection, connection.transaction():
+        await connection.execute("SELECT pg_advisory_xact_lock($1)", SCHEMA_LOCK)
+        await connection.execute(schema_sql())
+
+
+def _json(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+async def ensure_account(db: Connection, account: str) -> None:
+    """Accounts exist from the first write made with their key (a demo convenience: no sign-up)."""
+    await db.execute("INSERT INTO payments.accounts (id) VALUES ($1) ON CONFLICT (id) DO NOTHING", account)
+
+
+# -- customers -------------------------------------------------------------------------------------------------
+
+
+async def insert_customer(
+    db: Connection,
+    account: str,
+    *,
+    email: str | None,
+    name: str | None,
+    description: str | None,
+    metadata: dict[str, str],
+) -> asyncpg.Record:
+    row = await db.fetchrow(
+        "INSERT INTO payments.customers (id, account, email, name, description, metadata, created)"
+        " VALUES ($1, $2, $3, $4, $5, $6::jsonb, $7) RETURNING *",
+        new_id("cus"),
+        account,
+        email,
+        name,
+        description,
+        _json(metadata),
+        _now(),
+    )
+    assert row is not None
+    return row
+
+
+async def find_customer(db: Connection, account: str, customer_id: str) -> asyncpg.Record | None:
+    return await db.fetchrow("SELECT * FROM payments.customers WHERE id = $1 AND account = $2", customer_id, account)
+
+
+# -- payment intents -------------------------------------------------------------------------------------------
+
+
+async def insert_payment_intent(
+    db: Connection,
+    account: str,
+    *,
+    amount: int,
+    currency: str,
+    customer: str | None,
+    payment_method: str | None,
+    description: str | None,
+    metadata: dict[str, str],
+) -> asyncpg.Record:
+    intent_id = new_id("pi")
+    row = await db.fetchrow(
+        "INSERT INTO payments.payment_intents"
+        " (id, account, customer, amount, currency, status, payment_method, client_secret, description, metadata,"
+        "  created)"
+        " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb, $11) RETURNING *",
+        intent_id,
+        account,
+        customer,
+        amount,
+        currency,
+        "requires_confirmation" if payment_method else "requires_payment_method",
+        payment_method,
+        intent_id + "_secret_" + new_id("cs")[3:],
+        description,
+        _json(metadata),
+        _now(),
+    )
+    assert row is not None
+    return row
+
+
+async def find_payment_intent(
+    db: Connection, account: str, intent_id: str, *, lock: bool = False
+) -> asyncpg.Record | None:
+    """The payment intent; with ``lock``, its row stays locked until the transaction ends (refunds, confirms)."""
+    query = "SELECT * FROM payments.payment_intents WHERE id = $1 AND account = $2"
+    return await db.fetchrow(query + (" FOR UPDATE" if lock else ""), intent_id, account)
+
+
+async def capture(
+    db: Connection, intent: asyncpg.Record, payment_method: str, idempotency_key: str | None
+) -> asyncpg.Record:
+    """Capture the full amount: the intent succeeds and the ledger gets its one charge entry."""
+    row = await db.fetchrow(
+        "UPDATE payments.payment_intents"
+        " SET status = 'succeeded', payment_method = $2, amount_received = amount, last_payment_error = NULL"
+        " WHERE id = $1 RETURNING *",
+        intent["id"],
+        payment_method,
+    )
+    assert row is not None
+    await db.execute(
+        "INSERT INTO payments.ledger (account, currency, amount, kind, payment_intent, idempotency_key)"
+        " VALUES ($1, $2, $3, 'charge', $4, $5)",
+        row["account"],
+        row["currency"],
+        row["amount"],
+        row["id"],
+        idempotency_key,
+    )
+    return row
+
+
+async def decline(db: Connection, intent: asyncpg.Record, error: dict[str, str]) -> asyncpg.Record:
+    """The card was declined: nothing is captured, and the intent waits for another payment method."""
+    row = await db.fetchrow(
+        "UPDATE payments.payment_intents"
+        " SET status = 'requires_payment_method', payment_method = NULL, last_payment_error = $2::jsonb"
+        " WHERE id = $1 RETURNING *",
+        intent["id"],
+        _json(error),
+    )
+    assert row is not None
+    return row
+
+
+# -- refunds ---------------------------------------------------------------------------------------------------
+
+
+async def insert_refund(
+    db: Connection,
+    intent: asyncpg.Record,
+    *,
+    amount: int,
+    reason: str | None,
+    metadata: dict[str, str],
+    idempotency_key: str | None,
+) -> asyncpg.Record:
+    """Refund ``amount`` of a captured intent whose row the caller has locked (``find_payment_intent(lock=True)``).
+
+    The intent's ``amount_refunded`` grows first: past ``amount_received`` the CHECK constraint refuses it, so
+    even a caller that skipped the lock could not refund more than was captured.
+    """
+    await db.execute(
+        "UPDATE payments.payment_intents SET amount_refunded = amount_refunded + $2 WHERE id = $1",
+        intent["id"],
+        amount,
+    )
+    row = await db.fetchrow(
+        "INSERT INTO payments.refunds (id, account, payment_intent, amount, currency, reason, metadata, created)"
+        " VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb, $8) RETURNING *",
+        new_id("re"),
+        intent["account"],
+        intent["id"],
+        amount,
+        intent["currency"],
+        reason,
+        _json(metadata),
+        _now(),
+    )
+    assert row is not None
+    await db.execute(
+        "INSERT INTO payments.ledger (account, currency, amount, kind, payment_intent, refund, idempotency_key)"
+        " VALUES ($1, $2, $3, 'refund', $4, $5, $6)",
+        row["account"],
+        row["currency"],
+        -amount,
+        row["payment_intent"],
+        row["id"],
+        idempotency_key,
+    )
+    return row
+
+
+async def find_refund(db: Connection, account: str, refund_id: str) -> asyncpg.Record | None:
+    return await db.fetchrow("SELECT * FROM payments.refunds WHERE id = $1 AND account = $2", refund_id, account)
+
+
+# -- balances --------------------------------------------------------------------------------------------------
+
+
+async def balance(db: Connection, account: str) -> dict[str, int]:
+    """The account's balance per currency: the sum of its ledger entries, nothing else."""
+    rows = await db.fetch(
+        "SELECT currency, sum(amount)::bigint AS total FROM payments.ledger WHERE account = $1 GROUP BY currency",
+        account,
+    )
+    return {row["currency"]: row["total"] for row in rows}

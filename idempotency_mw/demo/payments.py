@@ -1,0 +1,499 @@
+"""The payments example: a Stripe-style API whose every write runs in transactional mode.
+
+``uvicorn idempotency_mw.demo.payments:app`` serves it on ``$DATABASE_URL``; ``create_app(dsn)`` builds one for
+tests. Each POST handler writes through ``db: IdempotencyConnection``, the transaction the middleware opened for it:
+the ledger rows and the idempotency record of the response commit together, and the client hears the answer only
+after that commit. A retried request with the same key gets the recorded answer and never writes again.
+
+Which answers are recorded follows Stripe: a request refused before anything ran (bad parameters, an unknown
+object, a bad API key) frees its key, so the corrected retry may reuse it; a request that ran (a payment, a card
+decline, a refund refused because of what the ledger holds) is recorded and replayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from idempotency_mw import IdempotencyMiddleware, PostgresStore, __version__
+from idempotency_mw.context import mark_not_executed
+from idempotency_mw.demo import ledger, objects, wire
+from idempotency_mw.demo.wire import StripeError
+from idempotency_mw.fastapi import Idempotency, IdempotencyConnection, setup
+
+# The smallest charge (in the currency's smallest unit) is 50 everywhere here; Stripe's minimums vary a little.
+CURRENCIES = ("chf", "eur", "gbp", "jpy", "usd")
+MIN_AMOUNT = 50
+MAX_AMOUNT = 99_999_999
+
+# Stripe's test payment methods: None succeeds; the others are declined with (code, decline_code, message).
+DEFAULT_PAYMENT_METHOD = "pm_card_visa"
+TEST_PAYMENT_METHODS: dict[str, tuple[str, str, str] | None] = {
+    "pm_card_visa": None,
+    "pm_card_mastercard": None,
+    "pm_card_amex": None,
+    "pm_card_chargeDeclined": ("card_declined", "generic_decline", "Your card was declined."),
+    "pm_card_chargeDeclinedInsufficientFunds": (
+        "card_declined",
+        "insufficient_funds",
+        "Your card has insufficient funds.",
+    ),
+}
+REFUND_REASONS = ("duplicate", "fraudulent", "requested_by_customer")
+
+
+# -- dependencies ----------------------------------------------------------------------------------------------
+
+
+async def _account(request: Request) -> str:
+    return wire.authenticate(request.headers.raw)
+
+
+async def _params(request: Request) -> wire.Params:
+    """Parse the form ourselves: FastAPI's ``Form()`` knows nothing of ``metadata[key]=value``."""
+    pairs: list[tuple[str, str]] = []
+    for name, value in (await request.form()).multi_items():
+        if not isinstance(value, str):
+            raise wire.invalid("File uploads are not accepted here.", code="parameter_invalid", param=name)
+        pairs.append((name, value))
+    return wire.Params(wire.decode_form(pairs))
+
+
+Account = Annotated[str, Depends(_account)]
+Params = Annotated[wire.Params, Depends(_params)]
+
+
+# -- OpenAPI: form bodies and error responses ------------------------------------------------------------------------
+
+_METADATA = {
+    "type": "object",
+    "description": "Up to 50 keys, sent as metadata[key]=value",
+    "maxProperties": wire.METADATA_MAX_KEYS,
+    "propertyNames": {"minLength": 1, "maxLength": wire.METADATA_MAX_KEY_LENGTH, "pattern": r"^[^\[\]]+$"},
+    "additionalProperties": {"type": "string", "maxLength": wire.METADATA_MAX_VALUE_LENGTH},
+}
+_PAYMENT_METHOD = {"type": "string", "enum": sorted(TEST_PAYMENT_METHODS)}
+
+
+def _form(properties: dict[str, Any], *, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
+    if required:
+        schema["required"] = list(required)
+    content: dict[str, Any] = {"schema": schema}
+    if "metadata" in properties:
+        content["encoding"] = {"metadata": {"style": "deepObject", "explode": True}}
+    return {"requestBody": {"required": bool(required), "content": {"application/x-www-form-urlencoded": content}}}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    descriptions = {
+        400: "Invalid parameters (invalid_request_error)",
+        401: "Missing or invalid API key",
+        402: "The card was declined (card_error); the payment intent is in the error",
+        404: "No such object (resource_missing)",
+    }
+    return {s: {"model": objects.ErrorEnvelope, "description": descriptions[s]} for s in statuses}
+
+
+def _document(schema: dict[str, Any]) -> dict[str, Any]:
+    """Describe what the app really sends: Stripe envelopes (not problem+json, not FastAPI's 422) and the keys."""
+    envelope = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}}
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.get("responses", {})
+            for status, response in list(responses.items()):
+                content = response.get("content", {})
+                if "application/problem+json" in content:
+                    response["content"] = dict(envelope)
+                elif status == "422":
+                    del responses[status]  # FastAPI's validation error: this app answers 400 in an envelope
+    components = schema.setdefault("components", {})
+    components.get("schemas", {}).pop("IdempotencyProblem", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.get("schemas", {}).pop(name, None)
+    components["securitySchemes"] = {
+        "secretKey": {"type": "http", "scheme": "bearer", "description": "A test-mode secret key: sk_test_..."},
+        "basic": {"type": "http", "scheme": "basic", "description": "The secret key as user name, no password"},
+    }
+    schema["security"] = [{"secretKey": []}, {"basic": []}]
+    return schema
+
+
+# -- endpoints -------------------------------------------------------------------------------------------------
+
+router = APIRouter(prefix="/v1")
+
+
+@router.post(
+    "/customers",
+    summary="Create a customer",
+    response_model=objects.Customer,
+    responses=_errors(400, 401),
+    openapi_extra=_form(
+        {
+            "email": {"type": "string", "maxLength": 512},
+            "name": {"type": "string", "maxLength": 256},
+            "description": {"type": "string", "maxLength": 1000},
+            "metadata": _METADATA,
+        }
+    ),
+)
+async def create_customer(account: Account, params: Params, db: IdempotencyConnection) -> Response:
+    email = params.string("email", max_length=512)
+    name = params.string("name", max_length=256)
+    description = params.string("description", max_length=1000)
+    metadata = params.metadata()
+    params.done()
+    await ledger.ensure_account(db, account)
+    row = await ledger.insert_customer(db, account, email=email, name=name, description=description, metadata=metadata)
+    return JSONResponse(objects.customer(row))
+
+
+@router.get(
+    "/customers/{customer}",
+    summary="Retrieve a customer",
+    response_model=objects.Customer,
+    responses=_errors(401, 404),
+)
+async def retrieve_customer(customer: str, account: Account, request: Request) -> Response:
+    row = await ledger.find_customer(request.app.state.pool, account, customer)
+    if row is None:
+        raise wire.missing("customer", customer, "customer")
+    return JSONResponse(objects.customer(row))
+
+
+@router.post(
+    "/payment_intents",
+    summary="Create a payment intent; with confirm=true, capture it at once",
+    response_model=objects.PaymentIntent,
+    responses=_errors(400, 401, 402, 404),
+    openapi_extra=_form(
+        {
+            "amount": {"type": "integer", "minimum": MIN_AMOUNT, "maximum": MAX_AMOUNT},
+            "currency": {"type": "string", "enum": list(CURRENCIES)},
+            "customer": {"type": "string", "pattern": "^cus_"},
+            "payment_method": _PAYMENT_METHOD,
+            "confirm": {"type": "boolean"},
+            "description": {"type": "string", "maxLength": 1000},
+            "payment_method_types": {"type": "array", "items": {"type": "string", "enum": ["card"]}},
+            "metadata": _METADATA,
+        },
+        required=("amount", "currency"),
+    ),
+)
+async def create_payment_intent(
+    account: Account, params: Params, db: IdempotencyConnection, idempotency: Idempotency
+) -> Response:
+    amount = params.integer("amount", required=True)
+    currency = (params.string("currency", required=True, max_length=3) or "").lower()
+    customer = params.string("customer", max_length=255)
+    payment_method = params.string("payment_method", max_length=255)
+    confirm = params.boolean("confirm") or False
+    description = params.string("description", max_length=1000)
+    methods = params.string_list("payment_method_types")
+    metadata = params.metadata()
+    params.done()
+    assert amount is not None
+    _check_amount(amount, currency)
+    if methods is not None and methods != ["card"]:
+        raise wire.invalid(
+            "Only payment_method_types[]=card is supported.", code="parameter_invalid", param="payment_method_types"
+        )
+    if confirm and payment_method is None:
+        payment_method = DEFAULT_PAYMENT_METHOD
+    _check_payment_method(payment_method)
+
+    await ledger.ensure_account(db, account)
+    if customer is not None and await ledger.find_customer(db, account, customer) is None:
+        raise wire.missing("customer", customer, "customer")
+    intent = await ledger.insert_payment_intent(
+        db,
+        account,
+        amount=amount,
+        currency=currency,
+        customer=customer,
+        payment_method=payment_method,
+        description=description,
+        metadata=metadata,
+    )
+    if not confirm:
+        return JSONResponse(objects.payment_intent(intent))
+    assert payment_method is not None
+    return await _confirm(db, intent, payment_method, idempotency.key)
+
+
+@router.post(
+    "/payment_intents/{intent}/confirm",
+    summary="Confirm a payment intent: capture it with its payment method",
+    response_model=objects.PaymentIntent,
+    responses=_errors(400, 401, 402, 404),
+    openapi_extra=_form({"payment_method": _PAYMENT_METHOD}),
+)
+async def confirm_payment_intent(
+    intent: str, account: Account, params: Params, db: IdempotencyConnection, idempotency: Idempotency
+) -> Response:
+    payment_method = params.string("payment_method", max_length=255)
+    params.done()
+    _check_payment_method(payment_method)
+    row = await ledger.find_payment_intent(db, account, intent, lock=True)
+    if row is None:
+        raise wire.missing("payment_intent", intent, "intent")
+    if row["status"] == "succeeded":
+        return _refused(
+            "You cannot confirm this PaymentIntent because it has a status of succeeded.",
+            code="payment_intent_unexpected_state",
+        )
+    return await _confirm(db, row, payment_method or row["payment_method"] or DEFAULT_PAYMENT_METHOD, idempotency.key)
+
+
+@router.get(
+    "/payment_intents/{intent}",
+    summary="Retrieve a payment intent",
+    response_model=objects.PaymentIntent,
+    responses=_errors(401, 404),
+)
+async def retrieve_payment_intent(intent: str, account: Account, request: Request) -> Response:
+    row = await ledger.find_payment_intent(request.app.state.pool, account, intent)
+    if row is None:
+        raise wire.missing("payment_intent", intent, "intent")
+    return JSONResponse(objects.payment_intent(row))
+
+
+@router.post(
+    "/refunds",
+    summary="Refund part or (by default) the rest of a captured payment intent",
+    response_model=objects.Refund,
+    responses=_errors(400, 401, 404),
+    openapi_extra=_form(
+        {
+            "payment_intent": {"type": "string", "pattern": "^pi_"},
+            "amount": {"type": "integer", "minimum": 1, "maximum": MAX_AMOUNT},
+            "reason": {"type": "string", "enum": list(REFUND_REASONS)},
+            "metadata": _METADATA,
+        },
+        required=("payment_intent",),
+    ),
+)
+async def create_refund(
+    account: Account, params: Params, db: IdempotencyConnection, idempotency: Idempotency
+) -> Response:
+    intent_id = params.string("payment_intent", required=True, max_length=255)
+    amount = params.integer("amount")
+    reason = params.choice("reason", REFUND_REASONS)
+    metadata = params.metadata()
+    params.done()
+    assert intent_id is not None
+    if amount is not None and not 1 <= amount <= MAX_AMOUNT:
+        raise wire.invalid("Invalid positive integer", code="parameter_invalid_integer", param="amount")
+
+    await ledger.ensure_account(db, account)
+    intent = await ledger.find_payment_intent(db, account, intent_id, lock=True)  # concurrent refunds take turns
+    if intent is None:
+        raise wire.missing("payment_intent", intent_id, "payment_intent")
+    # From here on the answer depends on the ledger, so it is recorded: a retry hears the same decision.
+    if intent["status"] != "succeeded":
+        return _refused(
+            f"This PaymentIntent has a status of {intent['status']}: only a succeeded one can be refunded.",
+            code="payment_intent_unexpected_state",
+            param="payment_intent",
+        )
+    refundable = intent["amount_received"] - intent["amount_refunded"]
+    if refundable == 0:
+        return _refused(
+            f"PaymentIntent {intent_id} has already been refunded.",
+            code="charge_already_refunded",
+            param="payment_intent",
+        )
+    if amount is None:
+        amount = refundable
+    elif amount > refundable:
+        return _refused(
+            f"Refund amount ({amount}) is greater than the unrefunded amount of the payment ({refundable}).",
+            code="amount_too_large",
+            param="amount",
+        )
+    row = await ledger.insert_refund(
+        db, intent, amount=amount, reason=reason, metadata=metadata, idempotency_key=idempotency.key
+    )
+    return JSONResponse(objects.refund(row))
+
+
+@router.get(
+    "/refunds/{refund}", summary="Retrieve a refund", response_model=objects.Refund, responses=_errors(401, 404)
+)
+async def retrieve_refund(refund: str, account: Account, request: Request) -> Response:
+    row = await ledger.find_refund(request.app.state.pool, account, refund)
+    if row is None:
+        raise wire.missing("refund", refund, "refund")
+    return JSONResponse(objects.refund(row))
+
+
+@router.get(
+    "/balance",
+    summary="The account's balance per currency: the sum of its ledger entries",
+    response_model=objects.Balance,
+    responses=_errors(401),
+)
+async def retrieve_balance(account: Account, request: Request) -> Response:
+    return JSONResponse(objects.balance(await ledger.balance(request.app.state.pool, account)))
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------
+
+
+def _check_amount(amount: int, currency: str) -> None:
+    if currency not in CURRENCIES:
+        raise wire.invalid(
+            f"Invalid currency: {currency}. This demo supports {', '.join(CURRENCIES)}.",
+            code="parameter_invalid",
+            param="currency",
+        )
+    if amount < MIN_AMOUNT:
+        raise wire.invalid(
+            f"Amount must be at least {MIN_AMOUNT} {currency} (in the smallest unit).",
+            code="amount_too_small",
+            param="amount",
+        )
+    if amount > MAX_AMOUNT:
+        raise wire.invalid(f"Amount must be no more than {MAX_AMOUNT}.", code="amount_too_large", param="amount")
+
+
+def _check_payment_method(payment_method: str | None) -> None:
+    if payment_method is not None and payment_method not in TEST_PAYMENT_METHODS:
+        raise wire.missing("PaymentMethod", payment_method, "payment_method")
+
+
+def _refused(message: str, *, code: str, param: str | None = None) -> Response:
+    """A 400 that was decided by the ledger's state: it is recorded and replayed like any other answer."""
+    return StripeError(400, "invalid_request_error", message, code=code, param=param, executed=True).response()
+
+
+async def _confirm(db: ledger.Connection, intent: Any, payment_method: str, key: str | None) -> Response:
+    decline = TEST_PAYMENT_METHODS[payment_method]
+    if decline is None:
+        return JSONResponse(objects.payment_intent(await ledger.capture(db, intent, payment_method, key)))
+    code, decline_code, message = decline
+    error = {"type": "card_error", "code": code, "decline_code": decline_code, "message": message}
+    declined = await ledger.decline(db, intent, error)
+    # The decline is an outcome, not a refusal: it is committed and recorded, and a retry replays this 402.
+    return StripeError(
+        402,
+        "card_error",
+        message,
+        code=code,
+        executed=True,
+        decline_code=decline_code,
+        payment_intent=objects.payment_intent(declined),
+    ).response()
+
+
+# -- error handlers --------------------------------------------------------------------------------------------
+
+
+async def _stripe_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, StripeError)
+    if not error.executed:
+        mark_not_executed(request)  # nothing ran: the key is released, and a corrected retry may reuse it
+    headers = {"WWW-Authenticate": 'Bearer realm="payments-demo"'} if error.status == 401 else None
+    return error.response(headers)
+
+
+async def _validation_error(request: Request, error: Exception) -> Response:
+    mark_not_executed(request)
+    assert isinstance(error, RequestValidationError)
+    first = error.errors()[0] if error.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    return wire.invalid(str(first.get("msg", "Invalid request")), code="parameter_invalid", param=param).response()
+
+
+async def _http_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, StarletteHTTPException)
+    if error.status_code == 404:
+        message = f"Unrecognized request URL ({request.method}: {request.url.path})."
+    else:
+        message = str(error.detail)
+    body = StripeError(error.status_code, "invalid_request_error", message).body()
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+
+
+async def _server_error(request: Request, error: Exception) -> Response:
+    # Reached only after the middleware rolled the transaction back and released the key: retrying is safe.
+    body = StripeError(500, "api_error", "An unexpected error occurred; nothing was saved. Retry the request.").body()
+    return JSONResponse(body, status_code=500)
+
+
+# -- the app ---------------------------------------------------------------------------------------------------
+
+
+def create_app(dsn: str, *, pool_size: int = 20) -> FastAPI:
+    """The payments API on the PostgreSQL at ``dsn``; migrations and the demo schema are applied at startup.
+
+    One pool serves the idempotency store and the app. A transactional request holds one connection from its
+    claim's commit to its own commit, so ``pool_size`` bounds how many writes run at once; the others wait for a
+    connection (up to the store's timeout, then a 503 the client retries).
+    """
+    store = PostgresStore(dsn, min_size=2, max_size=pool_size)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await store.migrate()
+        pool = await store.pool()
+        await ledger.apply_schema(pool)
+        app.state.pool = pool
+        try:
+            yield
+        finally:
+            await store.close()
+
+    app = FastAPI(
+        title="idempotency_mw payments example",
+        version=__version__,
+        description="A Stripe-style API (customers, payment intents, refunds, balance) whose writes commit their "
+        "Idempotency-Key record in the same transaction as their ledger entries.",
+        lifespan=lifespan,
+    )
+    app.include_router(router)
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=wire.tenant)
+    app.add_middleware(wire.StripeEnvelope)  # added last, so outside: it sees the middleware's own answers
+    setup(app)
+    app.add_exception_handler(StripeError, _stripe_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)  # replaces setup()'s, and releases too
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _server_error)
+
+    documented = app.openapi
+    done = False
+
+    def openapi() -> dict[str, Any]:
+        nonlocal done
+        schema = documented()
+        if not done:
+            _document(schema)
+            done = True
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+_default_app: FastAPI | None = None
+
+
+def __getattr__(name: str) -> FastAPI:
+    """``app``: the API on ``$DATABASE_URL``, built on first use (``uvicorn idempotency_mw.demo.payments:app``)."""
+    global _default_app
+    if name != "app":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if _default_app is None:
+        dsn = os.environ.get("DATABASE_URL")
+        if not dsn:
+            raise RuntimeError("set DATABASE_URL to the PostgreSQL the payments example should use")
+        _default_app = create_app(dsn, pool_size=int(os.environ.get("PAYMENTS_POOL_SIZE", "20")))
+    return _default_app

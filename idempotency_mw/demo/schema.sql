@@ -1,0 +1,81 @@
+-- The payments demo's tables, in their own schema. Applied by the app at startup, after the idempotency
+-- migrations; every statement is safe to run again.
+--
+-- The ledger is the truth: an account's balance is the sum of its ledger entries, per currency. A captured
+-- payment intent has exactly one 'charge' entry (+amount); every refund has exactly one 'refund' entry
+-- (-amount). amount_received and amount_refunded on the payment intent are kept in step with the ledger in the
+-- same transaction, and the CHECK constraints make an over-refund impossible whatever the application does.
+
+CREATE SCHEMA IF NOT EXISTS payments;
+
+CREATE TABLE IF NOT EXISTS payments.accounts (
+    id         text PRIMARY KEY,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE IF NOT EXISTS payments.customers (
+    id          text PRIMARY KEY,
+    account     text NOT NULL REFERENCES payments.accounts (id),
+    email       text,
+    name        text,
+    description text,
+    metadata    jsonb NOT NULL DEFAULT '{}',
+    created     bigint NOT NULL,
+    UNIQUE (account, id)
+);
+
+CREATE TABLE IF NOT EXISTS payments.payment_intents (
+    id                 text PRIMARY KEY,
+    account            text NOT NULL REFERENCES payments.accounts (id),
+    customer           text,
+    amount             bigint NOT NULL CHECK (amount > 0),
+    currency           text NOT NULL,
+    status             text NOT NULL
+        CHECK (status IN ('requires_payment_method', 'requires_confirmation', 'succeeded')),
+    payment_method     text,
+    client_secret      text NOT NULL,
+    amount_received    bigint NOT NULL DEFAULT 0,
+    amount_refunded    bigint NOT NULL DEFAULT 0,
+    last_payment_error jsonb,
+    description        text,
+    metadata           jsonb NOT NULL DEFAULT '{}',
+    created            bigint NOT NULL,
+    UNIQUE (account, id),
+    -- a payment intent, and each of its refunds and ledger entries, belong to one account
+    FOREIGN KEY (account, customer) REFERENCES payments.customers (account, id),
+    CONSTRAINT captured_in_full CHECK (amount_received = CASE WHEN status = 'succeeded' THEN amount ELSE 0 END),
+    CONSTRAINT refunds_within_captured CHECK (amount_refunded BETWEEN 0 AND amount_received)
+);
+
+CREATE TABLE IF NOT EXISTS payments.refunds (
+    id             text PRIMARY KEY,
+    account        text NOT NULL REFERENCES payments.accounts (id),
+    payment_intent text NOT NULL,
+    amount         bigint NOT NULL CHECK (amount > 0),
+    currency       text NOT NULL,
+    reason         text,
+    metadata       jsonb NOT NULL DEFAULT '{}',
+    created        bigint NOT NULL,
+    FOREIGN KEY (account, payment_intent) REFERENCES payments.payment_intents (account, id)
+);
+CREATE INDEX IF NOT EXISTS refunds_payment_intent ON payments.refunds (payment_intent);
+
+CREATE TABLE IF NOT EXISTS payments.ledger (
+    id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    account         text NOT NULL REFERENCES payments.accounts (id),
+    currency        text NOT NULL,
+    amount          bigint NOT NULL,
+    kind            text NOT NULL,
+    payment_intent  text NOT NULL,
+    refund          text UNIQUE REFERENCES payments.refunds (id),
+    -- The Idempotency-Key of the request that wrote the entry (NULL without one): the demo counts entries per
+    -- key to prove that no retried request took effect twice.
+    idempotency_key text,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    FOREIGN KEY (account, payment_intent) REFERENCES payments.payment_intents (account, id),
+    CONSTRAINT entry_shape CHECK (
+        (kind = 'charge' AND amount > 0 AND refund IS NULL) OR (kind = 'refund' AND amount < 0 AND refund IS NOT NULL)
+    )
+);
+CREATE UNIQUE INDEX IF NOT EXISTS ledger_one_charge_per_intent ON payments.ledger (payment_intent) WHERE kind = 'charge';
+CREATE INDEX IF NOT EXISTS ledger_account_currency ON payments.ledger (account, currency);

@@ -1,0 +1,258 @@
+"""Serve an ASGI app with uvicorn on loopback, wait until it answers, and stop it again: for the demo and for tests.
+
+Two ways, one for each need:
+
+- :func:`serve` runs the app in this process, as a task on the running event loop (cheap; for tests that only
+  need a real socket in front of the app);
+- :class:`ServerProcess` runs it in a child process that can be killed mid-request (``kill()``) and started again
+  on the same port (``start()``): for crash tests, and for the demo, whose client, proxy and server then use both
+  cores.
+
+Either way this process binds the listening socket first, so the port is known before the server runs and there
+is no window in which another program could take it. A child process inherits the socket, and while it is down
+(killed, restarting) connections wait in the socket's backlog instead of being refused.
+
+``python -m idempotency_mw.demo.server module:app --fd N`` is the child's side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping
+from types import TracebackType
+from typing import IO
+
+import uvicorn
+from starlette.types import ASGIApp
+
+LOOPBACK = "127.0.0.1"
+
+
+def listen(host: str = LOOPBACK, port: int = 0) -> socket.socket:
+    """A listening TCP socket (port 0: any free port), inheritable by child processes."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _config(app: ASGIApp | str, log_level: str, factory: bool = False) -> uvicorn.Config:
+    return uvicorn.Config(app, factory=factory, log_level=log_level, access_log=False, lifespan="on")
+
+
+@contextlib.asynccontextmanager
+async def serve(
+    app: ASGIApp, *, host: str = LOOPBACK, port: int = 0, log_level: str = "warning", patience: float = 30.0
+) -> AsyncIterator[str]:
+    """Serve ``app`` from this event loop and yield its base URL once its startup (lifespan) has finished."""
+    sock = listen(host, port)
+    server = uvicorn.Server(_config(app, log_level))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        deadline = time.monotonic() + patience
+        while not server.started:
+            if task.done():
+                task.result()  # re-raise what stopped it, if anything did
+                raise RuntimeError("the server stopped during startup (see its log above)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server did not start within {patience}s")
+            await asyncio.sleep(0.01)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(task), patience)
+        except TimeoutError:
+            server.force_exit = True
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        except Exception:  # it failed to start: already reported above
+            pass
+        sock.close()
+
+
+class ServerProcess:
+    """An ASGI app (``"package.module:attribute"``) served by uvicorn in a child process.
+
+    ``async with ServerProcess("idempotency_mw.demo.payments:app", env={"DATABASE_URL": dsn}) as server:``
+    starts it and waits until it answers HTTP; ``server.base_url`` is where. ``kill()`` is a crash (SIGKILL, no
+    cleanup); ``stop()`` a graceful shutdown; ``start()`` again brings it back on the same port. The child's
+    output goes to a log file, whose end ``log_tail()`` returns (errors quote it).
+    """
+
+    def __init__(
+        self,
+        app: str,
+        *,
+        env: Mapping[str, str] | None = None,
+        factory: bool = False,
+        host: str = LOOPBACK,
+        port: int = 0,
+        log_level: str = "warning",
+        ready_timeout: float = 60.0,
+    ) -> None:
+        self.app = app
+        self.env = {**os.environ, **(env or {})}
+        self.factory = factory
+        self.log_level = log_level
+        self.ready_timeout = ready_timeout
+        self.socket = listen(host, port)
+        self.host = host
+        self.port: int = self.socket.getsockname()[1]
+        self.process: asyncio.subprocess.Process | None = None
+        self._log: IO[bytes] = tempfile.NamedTemporaryFile(prefix="imw-server-", suffix=".log")  # noqa: SIM115
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    async def start(self) -> None:
+        """Start the child and return once it answers an HTTP request."""
+        if self.running:
+            raise RuntimeError("the server is already running")
+        command = [
+            sys.executable,
+            "-m",
+            "idempotency_mw.demo.server",
+            self.app,
+            "--fd",
+            str(self.socket.fileno()),
+            "--log-level",
+            self.log_level,
+            "--parent",
+            str(os.getpid()),
+        ]
+        if self.factory:
+            command.append("--factory")
+        self.process = await asyncio.create_subprocess_exec(
+            *command,
+            env=self.env,
+            pass_fds=(self.socket.fileno(),),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        try:
+            await self._wait_until_ready()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if not self.running:
+                raise RuntimeError(f"the server exited during startup:\n{self.log_tail()}")
+            if await answers_http(self.host, self.port, patience=0.5):
+                return
+        raise TimeoutError(f"the server did not answer within {self.ready_timeout}s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies mid-whatever, as in a crash. Connections wait in the backlog meanwhile."""
+        if self.running:
+            assert self.process is not None
+            self.process.kill()
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM (uvicorn's graceful shutdown), then SIGKILL after ``grace`` seconds."""
+        if self.process is None:
+            return
+        if self.process.returncode is None:
+            self.process.terminate()
+            try:
+                await asyncio.wait_for(self.process.wait(), grace)
+            except TimeoutError:
+                self.process.kill()
+        await self.process.wait()
+
+    def log_tail(self, lines: int = 40) -> str:
+        self._log.flush()
+        with open(self._log.name, "rb") as log:
+            return b"\n".join(log.read().splitlines()[-lines:]).decode(errors="replace")
+
+    async def close(self) -> None:
+        """Stop the child and give the port back."""
+        try:
+            await self.stop()
+        finally:
+            self.socket.close()
+            self._log.close()
+
+    async def __aenter__(self) -> ServerProcess:
+        try:
+            await self.start()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        await self.close()
+
+
+async def answers_http(host: str, port: int, *, patience: float) -> bool:
+    """Whether something at ``host:port`` answers an HTTP request (any status) within ``patience`` seconds."""
+    writer: asyncio.StreamWriter | None = None
+    try:
+        reader, opened = await asyncio.wait_for(asyncio.open_connection(host, port), patience)
+        writer = opened
+        opened.write(b"GET / HTTP/1.1\r\nHost: ready\r\nConnection: close\r\n\r\n")
+        line = await asyncio.wait_for(reader.readline(), patience)
+        return line.startswith(b"HTTP/")
+    except (OSError, TimeoutError):
+        await asyncio.sleep(min(patience, 0.05))
+        return False
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+# -- the child's side --------------------------------------------------------------------------------------------
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Stop (SIGTERM to ourselves) when the parent that started us is gone, so no server outlives its owner."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Serve an ASGI app on an inherited listening socket.")
+    parser.add_argument("app", help="module:attribute of the ASGI app")
+    parser.add_argument("--fd", type=int, required=True, help="file descriptor of the listening socket")
+    parser.add_argument("--factory", action="store_true", help="the attribute is a factory returning the app")
+    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--parent", type=int, help="exit when this process is no longer our parent")
+    args = parser.parse_args(argv)
+    if args.parent:
+        _exit_with_parent(args.parent)
+    sock = socket.socket(fileno=args.fd)
+    server = uvicorn.Server(_config(args.app, args.log_level, args.factory))
+    server.run(sockets=[sock])
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,336 @@
+"""Stripe's v1 wire conventions: secret keys, bracketed form parameters, and the ``{"error": {...}}`` envelope.
+
+Close enough to the real thing that a Stripe client library pointed at the demo talks to it unchanged: the secret
+key arrives as ``Authorization: Bearer sk_test_…`` (or as the Basic-auth user name, like ``curl -u sk_test_…:``),
+POST bodies are ``application/x-www-form-urlencoded`` with nesting spelled ``metadata[order_id]=6735``, and every
+error, the middleware's own included, is a JSON object under ``error`` with ``type``, ``code`` and ``message``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import re
+import secrets
+import string
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+API_KEY = re.compile(r"sk_test_[0-9A-Za-z_]{1,200}")
+_ALPHABET = string.ascii_letters + string.digits
+_NESTED = re.compile(r"([^\[\]]+)((?:\[[^\[\]]*\])*)")
+
+METADATA_MAX_KEYS = 50
+METADATA_MAX_KEY_LENGTH = 40
+METADATA_MAX_VALUE_LENGTH = 500
+
+
+def new_id(prefix: str) -> str:
+    """A Stripe-looking object id: ``pi_`` and 24 random letters and digits."""
+    return prefix + "_" + "".join(secrets.choice(_ALPHABET) for _ in range(24))
+
+
+# -- errors ----------------------------------------------------------------------------------------------------
+
+
+class StripeError(Exception):
+    """An error answered in Stripe's envelope.
+
+    ``executed`` says whether the request changed anything before it failed. Raised with ``executed=False``
+    (invalid parameters, unknown objects), the app marks the request as not executed, so the middleware releases
+    the Idempotency-Key and a corrected retry may use it again: Stripe's rule.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        type_: str,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        executed: bool = False,
+        **extra: Any,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+        self.message = message
+        self.code = code
+        self.param = param
+        self.executed = executed
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        error: dict[str, Any] = {"type": self.type, "message": self.message}
+        if self.code is not None:
+            error["code"] = self.code
+        if self.param is not None:
+            error["param"] = self.param
+        error.update(self.extra)
+        return {"error": error}
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def invalid(message: str, *, code: str, param: str | None = None) -> StripeError:
+    """A 400 ``invalid_request_error`` for a bad parameter: nothing ran."""
+    return StripeError(400, "invalid_request_error", message, code=code, param=param)
+
+
+def missing(kind: str, object_id: str, param: str) -> StripeError:
+    """A 404 ``resource_missing``: the request names an object this account does not have."""
+    return StripeError(
+        404, "invalid_request_error", f"No such {kind}: '{object_id}'", code="resource_missing", param=param
+    )
+
+
+# -- authentication: the secret key is the account ---------------------------------------------------------------
+
+
+def api_key(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """The well-formed test-mode secret key of a request (Bearer, or Basic with the key as user name), or None."""
+    for name, value in headers:
+        if name != b"authorization":
+            continue
+        scheme, _, credentials = value.decode("latin-1").strip().partition(" ")
+        credentials = credentials.strip()
+        if scheme.lower() == "basic":
+            try:
+                credentials = base64.b64decode(credentials, validate=True).decode("latin-1").partition(":")[0]
+            except (binascii.Error, ValueError):
+                return None
+        elif scheme.lower() != "bearer":
+            return None
+        return credentials if API_KEY.fullmatch(credentials) else None
+    return None
+
+
+def account_id(key: str) -> str:
+    """The account a secret key belongs to. The demo creates accounts on first use, so this is a pure function."""
+    return "acct_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def tenant(scope: Scope) -> str:
+    """The middleware's tenant resolver: the account id, or ``""`` for requests the app will refuse with 401."""
+    key = api_key(scope["headers"])
+    return account_id(key) if key else ""
+
+
+def authenticate(headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """The account id of a request, or a 401 in Stripe's envelope."""
+    key = api_key(headers)
+    if key is None:
+        raise StripeError(
+            401,
+            "invalid_request_error",
+            "Invalid API Key provided. This demo accepts test-mode secret keys (sk_test_ followed by letters, "
+            "digits or underscores) as 'Authorization: Bearer sk_test_...' or as the Basic-auth user name.",
+            code="api_key_invalid",
+        )
+    return account_id(key)
+
+
+# -- form parameters ------------------------------------------------------------------------------------------
+
+
+def decode_form(pairs: Iterable[tuple[str, str]]) -> dict[str, Any]:
+    """Turn ``a[b][c]=v`` pairs into nested dicts, and ``a[]=v`` into lists, as Stripe's clients encode them."""
+    decoded: dict[str, Any] = {}
+    for name, value in pairs:
+        match = _NESTED.fullmatch(name)
+        if match is None:
+            raise invalid(f"Invalid parameter name: {name!r}", code="parameter_unknown", param=name)
+        path = [match.group(1), *(part[1:-1] for part in re.findall(r"\[[^\[\]]*\]", match.group(2)))]
+        _insert(decoded, path, value, name)
+    return decoded
+
+
+def _insert(target: dict[str, Any], path: list[str], value: str, name: str) -> None:
+    head, rest = path[0], path[1:]
+    if not rest:
+        if head in target:
+            raise invalid(f"Received the parameter {name!r} more than once.", code="parameter_duplicate", param=name)
+        target[head] = value
+        return
+    if rest[0] == "":  # a[]=x: append
+        if len(rest) > 1:
+            raise invalid(f"Invalid array parameter: {name!r}", code="parameter_unknown", param=name)
+        existing = target.setdefault(head, [])
+        if not isinstance(existing, list):
+            raise invalid(f"Invalid mix of array and scalar for {head!r}.", code="parameter_unknown", param=head)
+        existing.append(value)
+        return
+    child = target.setdefault(head, {})
+    if not isinstance(child, dict):
+        raise invalid(f"Invalid mix of nested and plain values for {head!r}.", code="parameter_unknown", param=head)
+    _insert(child, rest, value, name)
+
+
+class Params:
+    """Typed access to decoded form parameters; ``done()`` refuses the ones nobody asked for."""
+
+    def __init__(self, decoded: dict[str, Any]) -> None:
+        self._values = dict(decoded)
+
+    def _take(self, name: str, required: bool) -> Any:
+        if name not in self._values:
+            if required:
+                raise invalid(f"Missing required param: {name}.", code="parameter_missing", param=name)
+            return None
+        return self._values.pop(name)
+
+    def string(self, name: str, *, required: bool = False, max_length: int = 5000) -> str | None:
+        value = self._take(name, required)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise invalid(f"Invalid string: {name} must be a plain value.", code="parameter_invalid", param=name)
+        if value == "":
+            if required:
+                raise invalid(
+                    f"You passed an empty string for '{name}', which cannot be unset.",
+                    code="parameter_invalid_empty",
+                    param=name,
+                )
+            return None
+        if len(value) > max_length:
+            raise invalid(
+                f"Invalid string: {name} is longer than {max_length} characters.", code="parameter_invalid", param=name
+            )
+        return value
+
+    def integer(self, name: str, *, required: bool = False) -> int | None:
+        value = self.string(name, required=required, max_length=20)
+        if value is None:
+            return None
+        if not re.fullmatch(r"-?[0-9]{1,18}", value):
+            raise invalid(f"Invalid integer: {value}", code="parameter_invalid_integer", param=name)
+        return int(value)
+
+    def boolean(self, name: str) -> bool | None:
+        value = self.string(name, max_length=5)
+        if value is None:
+            return None
+        if value not in ("true", "false"):
+            raise invalid(f"Invalid boolean: {value}", code="parameter_invalid_boolean", param=name)
+        return value == "true"
+
+    def choice(self, name: str, options: Iterable[str], *, required: bool = False) -> str | None:
+        value = self.string(name, required=required, max_length=100)
+        allowed = sorted(options)
+        if value is not None and value not in allowed:
+            raise invalid(f"Invalid {name}: must be one of {', '.join(allowed)}", code="parameter_invalid", param=name)
+        return value
+
+    def string_list(self, name: str) -> list[str] | None:
+        """``a[]=x`` or ``a[0]=x`` (Stripe's clients send the second)."""
+        value = self._take(name, False)
+        if value is None:
+            return None
+        if isinstance(value, dict) and all(k.isdigit() for k in value):
+            value = [value[k] for k in sorted(value, key=int)]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise invalid(f"Invalid array: {name}", code="parameter_invalid", param=name)
+        return list(value)
+
+    def metadata(self) -> dict[str, str]:
+        """``metadata[key]=value`` pairs, within Stripe's limits; ``metadata=`` (empty) means none."""
+        value = self._take("metadata", False)
+        if value is None or value == "":
+            return {}
+        if not isinstance(value, dict):
+            raise invalid(
+                "Invalid metadata: send it as metadata[key]=value pairs.", code="parameter_invalid", param="metadata"
+            )
+        if len(value) > METADATA_MAX_KEYS:
+            raise invalid(
+                f"Invalid metadata: at most {METADATA_MAX_KEYS} keys.", code="parameter_invalid", param="metadata"
+            )
+        for key, item in value.items():
+            param = f"metadata[{key}]"
+            if not isinstance(item, str):
+                raise invalid(
+                    f"Invalid metadata value for {key!r}: nesting is not allowed.",
+                    code="parameter_invalid",
+                    param=param,
+                )
+            if len(key) > METADATA_MAX_KEY_LENGTH or len(item) > METADATA_MAX_VALUE_LENGTH:
+                raise invalid(
+                    f"Metadata keys are at most {METADATA_MAX_KEY_LENGTH} and values at most "
+                    f"{METADATA_MAX_VALUE_LENGTH} characters long.",
+                    code="parameter_invalid",
+                    param=param,
+                )
+            if "\x00" in key or "\x00" in item:
+                raise invalid("Metadata may not contain NUL characters.", code="parameter_invalid", param=param)
+        return dict(value)
+
+    def done(self) -> None:
+        if self._values:
+            name = sorted(self._values)[0]
+            raise invalid(f"Received unknown parameter: {name}", code="parameter_unknown", param=name)
+
+
+# -- the middleware's own errors, in Stripe's envelope ---------------------------------------------------------------
+
+
+class StripeEnvelope:
+    """Rewrite ``application/problem+json`` answers (the idempotency middleware's own) into Stripe's envelope.
+
+    Goes outside ``IdempotencyMiddleware``. The status, the ``code`` and the ``Retry-After`` header are kept, so a
+    Stripe client sees a 409 ``idempotency_error`` it knows how to retry, and the retrying client still finds the
+    code it looks for. Other responses pass through untouched.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start: Message | None = None
+        chunks: list[bytes] = []
+
+        async def rewrite(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                content_type = dict(message.get("headers", ())).get(b"content-type", b"")
+                if content_type.startswith(b"application/problem+json"):
+                    start = message
+                    return
+            elif message["type"] == "http.response.body" and start is not None:
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    await _send_envelope(send, start, b"".join(chunks))
+                return
+            await send(message)
+
+        await self.app(scope, receive, rewrite)
+
+
+async def _send_envelope(send: Send, start: Message, problem: bytes) -> None:
+    status = int(start["status"])
+    try:
+        details = orjson.loads(problem)
+    except orjson.JSONDecodeError:
+        details = {}
+    code = str(details.get("code", "idempotency_error"))
+    if status == 503:
+        kind = "api_error"
+    elif status in (409, 422):
+        kind = "idempotency_error"
+    else:
+        kind = "invalid_request_error"
+    body = orjson.dumps({"error": {"type": kind, "code": code, "message": str(details.get("detail", ""))}})
+    headers = [(k, v) for k, v in start.get("headers", ()) if k not in (b"content-type", b"content-length")]
+    headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
