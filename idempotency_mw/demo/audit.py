@@ -83,7 +83,8 @@ def _nonzero(totals: dict[tuple[str, str], int]) -> dict[tuple[str, str], int]:
     return {k: v for k, v in totals.items() if v}
 
 
-async def audit(workload: Workload, dsn: str, server_url: str) -> Audit:
+async def audit(workload: Workload, dsn: str, api: httpx.AsyncClient) -> Audit:
+    """Compare the workload's answers with the database at ``dsn`` and the balances ``api`` (the server) reports."""
     accounts = {account_id(key): key for key in workload.api_keys}
     ids = list(accounts)
     connection = await asyncpg.connect(dsn)
@@ -95,13 +96,12 @@ async def audit(workload: Workload, dsn: str, server_url: str) -> Audit:
     finally:
         await connection.close()
 
-    api: dict[tuple[str, str], int] = {}
-    async with httpx.AsyncClient(base_url=server_url, timeout=10.0) as http:
-        for account, key in accounts.items():
-            response = await http.get("/v1/balance", headers={"Authorization": f"Bearer {key}"})
-            response.raise_for_status()
-            for entry in response.json()["available"]:
-                api[account, entry["currency"]] = entry["amount"]
+    reported: dict[tuple[str, str], int] = {}
+    for account, key in accounts.items():
+        response = await api.get("/v1/balance", headers={"Authorization": f"Bearer {key}"})
+        response.raise_for_status()
+        for entry in response.json()["available"]:
+            reported[account, entry["currency"]] = entry["amount"]
 
     per_name: dict[str, list[tuple[str, str, str | None]]] = defaultdict(list)
     for row in objects:
@@ -111,7 +111,7 @@ async def audit(workload: Workload, dsn: str, server_url: str) -> Audit:
     result = Audit(
         believed={(account_id(key), currency): v for (key, currency), v in workload.believed_balances().items()},
         ledger={(row["account"], row["currency"]): row["total"] for row in ledger_rows},
-        api=api,
+        api=reported,
         duplicate_entries=duplicate_entries,
         duplicate_objects=duplicate_objects,
         out_of_step=out_of_step,

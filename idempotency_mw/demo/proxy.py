@@ -66,8 +66,8 @@ class LossyProxy:
         for name, rate in (("drop_rate", drop_rate), ("reset_rate", reset_rate), ("cut_rate", cut_rate)):
             if not 0.0 <= rate <= 1.0:
                 raise ValueError(f"{name} must be between 0 and 1, got {rate}")
-        if reset_rate + drop_rate + cut_rate > 0.95:
-            raise ValueError("reset_rate + drop_rate + cut_rate must leave some requests through (at most 0.95)")
+        if reset_rate + drop_rate + cut_rate > 1.0:
+            raise ValueError("reset_rate + drop_rate + cut_rate add up to more than 1")
         self.upstream = (upstream_host, upstream_port)
         self.rates = (reset_rate, drop_rate, cut_rate)
         self.random = random.Random(seed)

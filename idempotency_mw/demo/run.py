@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
+import httpx
+
 from idempotency_mw.client import AsyncIdempotentClient, Retry
 from idempotency_mw.demo.audit import Audit, audit
 from idempotency_mw.demo.proxy import LossyProxy, ProxyStats
@@ -80,7 +82,8 @@ async def run_demo(mix: Mix, network: Network, dsn: str, *, stream: TextIO = sys
                     await client.aclose()
             progress.finish(workload, proxy.stats)
         seconds = time.monotonic() - started
-        result = await audit(workload, dsn, server.base_url)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=10.0) as direct:  # not through the proxy
+            result = await audit(workload, dsn, direct)
         return Report(mix, network, workload, proxy.stats, result, seconds, server.log_tail())
 
 
