@@ -1,0 +1,102 @@
+"""Worker processes for the scenarios: the payments example and the ledger app, each a uvicorn child process.
+
+Both run through the demo's :class:`~idempotency_mw.demo.server.ServerProcess` (kill, restart on the same port);
+this module only knows which app, with which settings, and how to count what they wrote.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import asyncpg
+
+from idempotency_mw.demo.server import ServerProcess
+
+REPO = str(Path(__file__).resolve().parent.parent)
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": REPO + (os.pathsep + path if path else ""), **extra}
+
+
+def payments_worker(dsn: str, *, pool_size: int = 20) -> ServerProcess:
+    """The payments example (transactional, Stripe-style) on ``dsn``."""
+    return ServerProcess(
+        "idempotency_mw.demo.payments:app",
+        env=_env({"DATABASE_URL": dsn, "PAYMENTS_POOL_SIZE": str(pool_size)}),
+    )
+
+
+def ledger_worker(
+    dsn: str,
+    *,
+    transactional: bool = True,
+    lease: float = 2.0,
+    store_timeout: float = 5.0,
+    max_response_bytes: int = 8 * 1024 * 1024,
+    port: int = 0,
+) -> ServerProcess:
+    """The ledger app (:mod:`faults.ledger_app`) on ``dsn``."""
+    return ServerProcess(
+        "faults.ledger_app:create_app",
+        factory=True,
+        port=port,
+        env=_env(
+            {
+                "FAULTS_DSN": dsn,
+                "FAULTS_TRANSACTIONAL": "1" if transactional else "0",
+                "FAULTS_LEASE": str(lease),
+                "FAULTS_STORE_TIMEOUT": str(store_timeout),
+                "FAULTS_MAX_RESPONSE_BYTES": str(max_response_bytes),
+            }
+        ),
+    )
+
+
+async def effects_per_key(dsn: str, keys: Sequence[str]) -> Counter[str]:
+    """How many ``faults_effects`` rows each key wrote (keys that wrote none are absent)."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        rows = await connection.fetch(
+            "SELECT key, count(*) AS n FROM faults_effects WHERE key = ANY($1::text[]) GROUP BY key", list(keys)
+        )
+    finally:
+        await connection.close()
+    return Counter({row["key"]: row["n"] for row in rows})
+
+
+async def charges_per_key(dsn: str, keys: Sequence[str]) -> Counter[str]:
+    """How many charge entries the payments ledger holds per Idempotency-Key."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        rows = await connection.fetch(
+            "SELECT idempotency_key AS key, count(*) AS n FROM payments.ledger "
+            "WHERE kind = 'charge' AND idempotency_key = ANY($1::text[]) GROUP BY idempotency_key",
+            list(keys),
+        )
+    finally:
+        await connection.close()
+    return Counter({row["key"]: row["n"] for row in rows})
+
+
+async def violations(dsn: str, keys: Sequence[str]) -> list[str]:
+    """Handlers of these keys that ran without a committed claim (see :mod:`faults.ledger_app`)."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        rows = await connection.fetch(
+            "SELECT key, pid, what FROM faults_violations WHERE key = ANY($1::text[])", list(keys)
+        )
+    finally:
+        await connection.close()
+    return [f"{row['key']} (pid {row['pid']}): {row['what']}" for row in rows]
+
+
+def tally(counts: Counter[str], keys: Sequence[str]) -> tuple[int, int]:
+    """(extra effects beyond one per key, keys with no effect at all)."""
+    duplicates = sum(max(counts.get(key, 0) - 1, 0) for key in keys)
+    lost = sum(1 for key in keys if counts.get(key, 0) == 0)
+    return duplicates, lost
