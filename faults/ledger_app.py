@@ -15,7 +15,7 @@ key is committed; a handler that finds none writes ``faults_violations``. ``POST
 
 Served in a child process with ``ServerProcess("faults.ledger_app:create_app", factory=True, env=...)``; the
 settings come from the environment: ``FAULTS_DSN``, ``FAULTS_TRANSACTIONAL``, ``FAULTS_LEASE`` (seconds),
-``FAULTS_STORE_TIMEOUT`` (seconds) and ``FAULTS_MAX_RESPONSE_BYTES``.
+``FAULTS_STORE_TIMEOUT`` (seconds), ``FAULTS_MAX_RESPONSE_BYTES`` and ``FAULTS_MAX_REQUEST_BYTES``.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def create_app(
     lease: float | None = None,
     store_timeout: float | None = None,
     max_response_bytes: int | None = None,
+    max_request_bytes: int | None = None,
     store: PostgresStore | None = None,
 ) -> Starlette:
     """The app on ``dsn`` (default ``$FAULTS_DSN``); every argument left out is read from the environment."""
@@ -75,6 +76,8 @@ def create_app(
     store_timeout = float(os.environ.get("FAULTS_STORE_TIMEOUT", "5")) if store_timeout is None else store_timeout
     if max_response_bytes is None:
         max_response_bytes = int(os.environ.get("FAULTS_MAX_RESPONSE_BYTES", str(8 * 1024 * 1024)))
+    if max_request_bytes is None:
+        max_request_bytes = int(os.environ.get("FAULTS_MAX_REQUEST_BYTES", str(1024 * 1024)))
     store = store or PostgresStore(dsn, timeout=store_timeout, max_size=20)
     pid = os.getpid()
     pools: dict[str, asyncpg.Pool] = {}
@@ -170,6 +173,7 @@ def create_app(
         transactional=transactional,
         lease=lease,
         max_response_bytes=max_response_bytes,
+        max_request_bytes=max_request_bytes,
         on_event=None,
     )
     return app

@@ -1,0 +1,36 @@
+"""Database outage (issue 4): PostgreSQL stopped or frozen mid-run, then back; the middleware recovers alone.
+
+Runs on a PostgreSQL of its own (never the suite's shared one, which other tests are using).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from faults.outage import run_outage
+from faults.pg import DisposablePostgres
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def own_postgres() -> Iterator[DisposablePostgres]:
+    with DisposablePostgres() as pg:
+        yield pg
+
+
+@pytest.mark.parametrize("mode", ["stop", "freeze"])
+async def test_outage_fails_closed_then_recovers_with_nothing_lost(own_postgres: DisposablePostgres, mode: str) -> None:
+    result, findings = await run_outage(
+        mode=mode, clients=6, downtime=2.0, warmup=0.7, cooldown_calls=3, store_timeout=1.0, pg=own_postgres
+    )
+    # Every call got its final answer (asyncio.wait_for inside run_outage enforces the hard deadline).
+    assert findings.unanswered == 0
+    assert findings.recovered_calls >= 6 * 3, "traffic did not resume after the database came back"
+    assert findings.during["503"] > 0, f"no 503 while the database was away: {findings.during}"
+    assert findings.violations == [], "a handler ran without a committed claim"
+    assert result.duplicates == 0
+    assert result.lost == 0
+    assert own_postgres.running

@@ -1,0 +1,22 @@
+"""Storm across processes (issue 4): 200 payments, each sent 5 times at once over two worker processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from faults.storm import run_storm
+
+pytestmark = pytest.mark.slow
+
+
+async def test_every_payment_takes_effect_once_and_every_copy_is_a_conflict_or_a_replay(
+    idempotency_database_url: str,
+) -> None:
+    result, answers = await run_storm(idempotency_database_url, payments=200, copies=5)
+    assert result.duplicates == 0
+    assert result.lost == 0
+    assert not answers.other, f"copies answered with something else than 409 or a replay: {answers.other}"
+    assert answers.mismatched_replays == 0
+    # Exactly one copy ran per payment (a payment whose copies all met a live claim was settled afterwards).
+    assert answers.originals == 200 - answers.payments_without_original
+    assert answers.originals + answers.replays + answers.conflicts == 200 * 5
