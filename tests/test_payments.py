@@ -104,7 +104,7 @@ async def test_confirmed_payment_intent_captures_and_credits_the_balance(
     client: httpx.AsyncClient, db: asyncpg.Connection
 ) -> None:
     customer = (await client.post("/v1/customers", data={"email": "a@example.com"})).json()["id"]
-    intent = await pay(client, 2500, "EUR", customer=customer, **{"metadata[order]": "17"})
+    intent = await pay(client, 2500, "EUR", customer=customer, payment_method_types="card", **{"metadata[order]": "17"})
     assert intent["id"].startswith("pi_")
     assert intent["object"] == "payment_intent"
     assert intent["status"] == "succeeded"
@@ -137,9 +137,16 @@ async def test_unconfirmed_intent_is_captured_by_confirm(client: httpx.AsyncClie
 async def test_decode_form_nests_brackets_and_lists() -> None:
     decoded = wire.decode_form([("a", "1"), ("m[x]", "2"), ("m[y][z]", "3"), ("l[]", "4"), ("l[]", "5")])
     assert decoded == {"a": "1", "m": {"x": "2", "y": {"z": "3"}}, "l": ["4", "5"]}
-    indexed = wire.Params(wire.decode_form([("t[1]", "b"), ("t[0]", "a")]))
-    assert indexed.string_list("t") == ["a", "b"]
-    for pairs in ([("a", "1"), ("a", "2")], [("a", "1"), ("a[b]", "2")], [("a[b]", "1"), ("a[]", "2")], [("a]", "1")]):
+    lists = wire.Params(wire.decode_form([("t[1]", "b"), ("t[0]", "a"), ("r", "x"), ("r", "y"), ("s", "z")]))
+    assert (lists.string_list("t"), lists.string_list("r"), lists.string_list("s")) == (["a", "b"], ["x", "y"], ["z"])
+    with pytest.raises(wire.StripeError, match="single plain value"):
+        wire.Params(wire.decode_form([("a", "1"), ("a", "2")])).string("a")
+    for pairs in (
+        [("a", "1"), ("a[b]", "2")],
+        [("a[b]", "1"), ("a[]", "2")],
+        [("a[b]", "1"), ("a", "2")],
+        [("a]", "1")],
+    ):
         with pytest.raises(wire.StripeError) as refused:
             wire.decode_form(pairs)
         assert refused.value.status == 400
@@ -198,6 +205,8 @@ async def test_bearer_and_basic_are_the_same_account(client: httpx.AsyncClient, 
         ({"amount": "1000", "currency": "usd", "metadata[a][b]": "x"}, "parameter_invalid", "metadata[a]"),
         ({"amount": "1000", "currency": "usd", "metadata[k]": "v" * 501}, "parameter_invalid", "metadata[k]"),
         ({"amount": "1000", "currency": "usd", "payment_method_types[]": "sepa"}, "parameter_invalid", None),
+        ({"amount": "1000", "currency": "usd", "description": "a\x00b"}, "parameter_invalid", "description"),
+        ({"amount": "1000", "currency": "usd", "metadata[a\x00]": "b"}, "parameter_invalid", "metadata"),
     ],
 )
 async def test_invalid_parameters(client: httpx.AsyncClient, data: dict[str, str], code: str, param: str) -> None:
@@ -237,6 +246,7 @@ async def test_unknown_objects_are_404(client: httpx.AsyncClient, app: FastAPI) 
         "/v1/payment_intents", data={"amount": "1000", "currency": "usd", "payment_method": "pm_x"}, headers=keyed()
     )
     assert error(no_method, 404)["param"] == "payment_method"
+    assert error(await client.get("/v1/payment_intents/pi_%00"), 404)["code"] == "resource_missing"  # NUL: no such id
     no_route = error(await client.post("/v1/charges", data={"amount": "1"}), 404)
     assert "Unrecognized request URL" in no_route["message"]
 

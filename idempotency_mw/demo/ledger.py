@@ -73,7 +73,14 @@ async def insert_customer(
     return row
 
 
+def _storable(object_id: str) -> bool:
+    """PostgreSQL text cannot hold NUL, so an id containing one names nothing (and must not reach the database)."""
+    return "\x00" not in object_id
+
+
 async def find_customer(db: Connection, account: str, customer_id: str) -> asyncpg.Record | None:
+    if not _storable(customer_id):
+        return None
     return await db.fetchrow("SELECT * FROM payments.customers WHERE id = $1 AND account = $2", customer_id, account)
 
 
@@ -117,6 +124,8 @@ async def find_payment_intent(
     db: Connection, account: str, intent_id: str, *, lock: bool = False
 ) -> asyncpg.Record | None:
     """The payment intent; with ``lock``, its row stays locked until the transaction ends (refunds, confirms)."""
+    if not _storable(intent_id):
+        return None
     query = "SELECT * FROM payments.payment_intents WHERE id = $1 AND account = $2"
     return await db.fetchrow(query + (" FOR UPDATE" if lock else ""), intent_id, account)
 
@@ -207,6 +216,8 @@ async def insert_refund(
 
 
 async def find_refund(db: Connection, account: str, refund_id: str) -> asyncpg.Record | None:
+    if not _storable(refund_id):
+        return None
     return await db.fetchrow("SELECT * FROM payments.refunds WHERE id = $1 AND account = $2", refund_id, account)
 
 

@@ -72,12 +72,18 @@ Params = Annotated[wire.Params, Depends(_params)]
 
 # -- OpenAPI: form bodies and error responses ------------------------------------------------------------------------
 
+
+def _text(max_length: int, prefix: str = "") -> dict[str, Any]:
+    """A string parameter. PostgreSQL text cannot hold NUL characters, so strings with one are refused (400)."""
+    return {"type": "string", "maxLength": max_length, "pattern": f"^{prefix}[^\\u0000]*$"}
+
+
 _METADATA = {
     "type": "object",
     "description": "Up to 50 keys, sent as metadata[key]=value",
     "maxProperties": wire.METADATA_MAX_KEYS,
-    "propertyNames": {"minLength": 1, "maxLength": wire.METADATA_MAX_KEY_LENGTH, "pattern": r"^[^\[\]]+$"},
-    "additionalProperties": {"type": "string", "maxLength": wire.METADATA_MAX_VALUE_LENGTH},
+    "propertyNames": {"minLength": 1, "maxLength": wire.METADATA_MAX_KEY_LENGTH, "pattern": r"^[^\[\]\u0000]+$"},
+    "additionalProperties": _text(wire.METADATA_MAX_VALUE_LENGTH),
 }
 _PAYMENT_METHOD = {"type": "string", "enum": sorted(TEST_PAYMENT_METHODS)}
 
@@ -87,8 +93,13 @@ def _form(properties: dict[str, Any], *, required: tuple[str, ...] = ()) -> dict
     if required:
         schema["required"] = list(required)
     content: dict[str, Any] = {"schema": schema}
+    encoding = {}
     if "metadata" in properties:
-        content["encoding"] = {"metadata": {"style": "deepObject", "explode": True}}
+        encoding["metadata"] = {"style": "deepObject", "explode": True}
+    if "payment_method_types" in properties:
+        encoding["payment_method_types"] = {"style": "form", "explode": True}  # also accepted: a[]=x, a[0]=x
+    if encoding:
+        content["encoding"] = encoding
     return {"requestBody": {"required": bool(required), "content": {"application/x-www-form-urlencoded": content}}}
 
 
@@ -100,6 +111,21 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
         404: "No such object (resource_missing)",
     }
     return {s: {"model": objects.ErrorEnvelope, "description": descriptions[s]} for s in statuses}
+
+
+def _link(operation: str, parameter: str) -> dict[str, Any]:
+    return {"operationId": operation, "parameters": {parameter: "$response.body#/id"}}
+
+
+# What each create answers with leads to: for readers of the schema, and for schemathesis' stateful tests.
+_LINKS = {
+    ("/v1/customers", "post"): {"RetrieveCustomer": _link("RetrieveCustomer", "customer")},
+    ("/v1/payment_intents", "post"): {
+        "RetrievePaymentIntent": _link("RetrievePaymentIntent", "intent"),
+        "ConfirmPaymentIntent": _link("ConfirmPaymentIntent", "intent"),
+    },
+    ("/v1/refunds", "post"): {"RetrieveRefund": _link("RetrieveRefund", "refund")},
+}
 
 
 def _document(schema: dict[str, Any]) -> dict[str, Any]:
@@ -114,6 +140,10 @@ def _document(schema: dict[str, Any]) -> dict[str, Any]:
                     response["content"] = dict(envelope)
                 elif status == "422":
                     del responses[status]  # FastAPI's validation error: this app answers 400 in an envelope
+    for (path, method), links in _LINKS.items():
+        operation = schema.get("paths", {}).get(path, {}).get(method)
+        if operation is not None:
+            operation["responses"]["200"]["links"] = links
     components = schema.setdefault("components", {})
     components.get("schemas", {}).pop("IdempotencyProblem", None)
     for name in ("HTTPValidationError", "ValidationError"):
@@ -134,13 +164,14 @@ router = APIRouter(prefix="/v1")
 @router.post(
     "/customers",
     summary="Create a customer",
+    operation_id="CreateCustomer",
     response_model=objects.Customer,
     responses=_errors(400, 401),
     openapi_extra=_form(
         {
-            "email": {"type": "string", "maxLength": 512},
-            "name": {"type": "string", "maxLength": 256},
-            "description": {"type": "string", "maxLength": 1000},
+            "email": _text(512),
+            "name": _text(256),
+            "description": _text(1000),
             "metadata": _METADATA,
         }
     ),
@@ -159,6 +190,7 @@ async def create_customer(account: Account, params: Params, db: IdempotencyConne
 @router.get(
     "/customers/{customer}",
     summary="Retrieve a customer",
+    operation_id="RetrieveCustomer",
     response_model=objects.Customer,
     responses=_errors(401, 404),
 )
@@ -172,16 +204,17 @@ async def retrieve_customer(customer: str, account: Account, request: Request) -
 @router.post(
     "/payment_intents",
     summary="Create a payment intent; with confirm=true, capture it at once",
+    operation_id="CreatePaymentIntent",
     response_model=objects.PaymentIntent,
     responses=_errors(400, 401, 402, 404),
     openapi_extra=_form(
         {
             "amount": {"type": "integer", "minimum": MIN_AMOUNT, "maximum": MAX_AMOUNT},
             "currency": {"type": "string", "enum": list(CURRENCIES)},
-            "customer": {"type": "string", "pattern": "^cus_"},
+            "customer": _text(255, "cus_"),
             "payment_method": _PAYMENT_METHOD,
             "confirm": {"type": "boolean"},
-            "description": {"type": "string", "maxLength": 1000},
+            "description": _text(1000),
             "payment_method_types": {"type": "array", "items": {"type": "string", "enum": ["card"]}},
             "metadata": _METADATA,
         },
@@ -202,7 +235,7 @@ async def create_payment_intent(
     params.done()
     assert amount is not None
     _check_amount(amount, currency)
-    if methods is not None and methods != ["card"]:
+    if methods is not None and set(methods) != {"card"}:
         raise wire.invalid(
             "Only payment_method_types[]=card is supported.", code="parameter_invalid", param="payment_method_types"
         )
@@ -232,6 +265,7 @@ async def create_payment_intent(
 @router.post(
     "/payment_intents/{intent}/confirm",
     summary="Confirm a payment intent: capture it with its payment method",
+    operation_id="ConfirmPaymentIntent",
     response_model=objects.PaymentIntent,
     responses=_errors(400, 401, 402, 404),
     openapi_extra=_form({"payment_method": _PAYMENT_METHOD}),
@@ -256,6 +290,7 @@ async def confirm_payment_intent(
 @router.get(
     "/payment_intents/{intent}",
     summary="Retrieve a payment intent",
+    operation_id="RetrievePaymentIntent",
     response_model=objects.PaymentIntent,
     responses=_errors(401, 404),
 )
@@ -269,11 +304,12 @@ async def retrieve_payment_intent(intent: str, account: Account, request: Reques
 @router.post(
     "/refunds",
     summary="Refund part or (by default) the rest of a captured payment intent",
+    operation_id="CreateRefund",
     response_model=objects.Refund,
     responses=_errors(400, 401, 404),
     openapi_extra=_form(
         {
-            "payment_intent": {"type": "string", "pattern": "^pi_"},
+            "payment_intent": _text(255, "pi_"),
             "amount": {"type": "integer", "minimum": 1, "maximum": MAX_AMOUNT},
             "reason": {"type": "string", "enum": list(REFUND_REASONS)},
             "metadata": _METADATA,
@@ -326,7 +362,11 @@ async def create_refund(
 
 
 @router.get(
-    "/refunds/{refund}", summary="Retrieve a refund", response_model=objects.Refund, responses=_errors(401, 404)
+    "/refunds/{refund}",
+    summary="Retrieve a refund",
+    operation_id="RetrieveRefund",
+    response_model=objects.Refund,
+    responses=_errors(401, 404),
 )
 async def retrieve_refund(refund: str, account: Account, request: Request) -> Response:
     row = await ledger.find_refund(request.app.state.pool, account, refund)
@@ -338,6 +378,7 @@ async def retrieve_refund(refund: str, account: Account, request: Request) -> Re
 @router.get(
     "/balance",
     summary="The account's balance per currency: the sum of its ledger entries",
+    operation_id="RetrieveBalance",
     response_model=objects.Balance,
     responses=_errors(401),
 )

@@ -141,7 +141,12 @@ def authenticate(headers: Iterable[tuple[bytes, bytes]]) -> str:
 
 
 def decode_form(pairs: Iterable[tuple[str, str]]) -> dict[str, Any]:
-    """Turn ``a[b][c]=v`` pairs into nested dicts, and ``a[]=v`` into lists, as Stripe's clients encode them."""
+    """Turn ``a[b][c]=v`` pairs into nested dicts, as Stripe's clients encode them, and lists into lists.
+
+    A list arrives as ``a[]=x&a[]=y`` or ``a[0]=x&a[1]=y`` from Stripe's clients, and as ``a=x&a=y`` from OpenAPI
+    tools (form style, exploded). A repeated name therefore makes a list, which a parameter expecting one value
+    refuses.
+    """
     decoded: dict[str, Any] = {}
     for name, value in pairs:
         match = _NESTED.fullmatch(name)
@@ -155,9 +160,15 @@ def decode_form(pairs: Iterable[tuple[str, str]]) -> dict[str, Any]:
 def _insert(target: dict[str, Any], path: list[str], value: str, name: str) -> None:
     head, rest = path[0], path[1:]
     if not rest:
-        if head in target:
-            raise invalid(f"Received the parameter {name!r} more than once.", code="parameter_duplicate", param=name)
-        target[head] = value
+        existing = target.get(head)
+        if existing is None:
+            target[head] = value
+        elif isinstance(existing, list):
+            existing.append(value)
+        elif isinstance(existing, str):
+            target[head] = [existing, value]
+        else:
+            raise invalid(f"Invalid mix of nested and plain values for {head!r}.", code="parameter_unknown", param=head)
         return
     if rest[0] == "":  # a[]=x: append
         if len(rest) > 1:
@@ -191,7 +202,9 @@ class Params:
         if value is None:
             return None
         if not isinstance(value, str):
-            raise invalid(f"Invalid string: {name} must be a plain value.", code="parameter_invalid", param=name)
+            raise invalid(f"Invalid string: {name} must be a single plain value.", code="parameter_invalid", param=name)
+        if "\x00" in value:
+            raise invalid(f"Invalid string: {name} contains a NUL character.", code="parameter_invalid", param=name)
         if value == "":
             if required:
                 raise invalid(
@@ -230,10 +243,12 @@ class Params:
         return value
 
     def string_list(self, name: str) -> list[str] | None:
-        """``a[]=x`` or ``a[0]=x`` (Stripe's clients send the second)."""
+        """``a[]=x``, ``a[0]=x`` (Stripe's clients send this one), or ``a=x`` once or more."""
         value = self._take(name, False)
         if value is None:
             return None
+        if isinstance(value, str):
+            value = [value]
         if isinstance(value, dict) and all(k.isdigit() for k in value):
             value = [value[k] for k in sorted(value, key=int)]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -268,8 +283,8 @@ class Params:
                     code="parameter_invalid",
                     param=param,
                 )
-            if "\x00" in key or "\x00" in item:
-                raise invalid("Metadata may not contain NUL characters.", code="parameter_invalid", param=param)
+            if "\x00" in key or "\x00" in item:  # PostgreSQL text cannot hold them
+                raise invalid("Metadata may not contain NUL characters.", code="parameter_invalid", param="metadata")
         return dict(value)
 
     def done(self) -> None:
