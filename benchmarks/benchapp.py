@@ -1,0 +1,155 @@
+"""The one app every benchmark serves: the same Starlette endpoints, bare or behind one idempotency middleware.
+
+Variants (``BENCH_VARIANT`` for uvicorn's ``benchapp:create_app --factory``):
+
+- ``bare``: no middleware.
+- ``ours``: ``IdempotencyMiddleware`` with ``PostgresStore`` (defaults; the pool is 2..20 connections).
+- ``ours-noreset``: the same, but on an asyncpg pool the app passes in, created with ``reset=`` a no-op (the
+  store's statements leave no session state behind, so asyncpg's 4-statement reset on every release is skipped).
+- ``ours-memory``: ``IdempotencyMiddleware`` with ``MemoryStore``.
+- ``fastidempotent``: fastidempotent's middleware with its ``PostgresBackend`` (SQLAlchemy + asyncpg, pool 10 + 10
+  overflow, so at most 20 connections like ours).
+- ``fastapi-idempotency``: fastapi-idempotency's middleware with its ``TortoiseStore`` (asyncpg pool 1..20), with
+  ``wait_seconds=0`` so an in-flight duplicate gets its 409 at once instead of polling the database every 50 ms.
+
+The peers are imported only for their own variant, so the module also loads where they are not installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from pgserver import Database
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+VARIANTS = ("bare", "ours", "ours-noreset", "ours-memory", "fastidempotent", "fastapi-idempotency")
+PEERS = ("fastidempotent", "fastapi-idempotency")
+MiB = 1024 * 1024
+
+Hook = Callable[[], Awaitable[Any]]
+
+
+def routes(gate: asyncio.Event | None = None) -> list[Route]:
+    """``/orders``: a small JSON write (201); ``/slow``: held until ``gate`` is set; ``/big``: a large response."""
+    counter = itertools.count(1)
+
+    async def orders(request: Request) -> Response:
+        order = await request.json()
+        return JSONResponse({"id": next(counter), "status": "accepted", **order}, status_code=201)
+
+    async def slow(request: Request) -> Response:
+        await request.body()
+        if gate is not None:
+            await gate.wait()
+        return JSONResponse({"id": next(counter)}, status_code=201)
+
+    async def big(request: Request) -> Response:
+        await request.body()
+        size = int(request.query_params.get("size", MiB))
+        return Response(b"x" * size, media_type="application/octet-stream")  # a fresh buffer per request
+
+    return [
+        Route("/orders", orders, methods=["POST"]),
+        Route("/slow", slow, methods=["POST"]),
+        Route("/big", big, methods=["POST"]),
+    ]
+
+
+def build(variant: str, db: Database | None, gate: asyncio.Event | None = None) -> tuple[Starlette, Hook, Hook]:
+    """The app plus its startup and shutdown coroutines (called by the lifespan, or by an in-process driver)."""
+    middleware: list[Middleware] = []
+    startup: Hook = _nothing
+    shutdown: Hook = _nothing
+    if variant == "ours":
+        from idempotency_mw import IdempotencyMiddleware, PostgresStore
+
+        assert db is not None
+        store = PostgresStore(db.url)
+        middleware.append(Middleware(IdempotencyMiddleware, store=store))
+        startup, shutdown = store.pool, store.close
+    elif variant == "ours-noreset":
+        import asyncpg
+
+        from idempotency_mw import IdempotencyMiddleware, PostgresStore
+
+        assert db is not None
+        pool = asyncpg.create_pool(db.url, min_size=2, max_size=20, reset=_keep_session)  # opened at startup
+        middleware.append(Middleware(IdempotencyMiddleware, store=PostgresStore(pool)))
+
+        async def open_pool() -> None:
+            await pool
+
+        startup, shutdown = open_pool, pool.close
+    elif variant == "ours-memory":
+        from idempotency_mw import IdempotencyMiddleware, MemoryStore
+
+        middleware.append(Middleware(IdempotencyMiddleware, store=MemoryStore()))
+    elif variant == "fastidempotent":
+        from fastidempotent import IdempotencyMiddleware as FastIdempotent
+        from fastidempotent.backends.postgres import PostgresBackend
+
+        assert db is not None
+        backend = PostgresBackend(url=db.sqlalchemy_url(), pool_size=10)
+        middleware.append(Middleware(FastIdempotent, backend=backend, methods=["POST", "PATCH"]))
+        startup, shutdown = backend.init, backend.close
+    elif variant == "fastapi-idempotency":
+        from fastapi_idempotency import IdempotencyMiddleware as FastAPIIdempotency
+        from fastapi_idempotency.stores.tortoise import TortoiseStore
+        from tortoise import Tortoise
+
+        assert db is not None
+        config = {
+            "connections": {
+                "default": {
+                    "engine": "tortoise.backends.asyncpg",
+                    "credentials": {**db.tortoise_credentials(), "minsize": 1, "maxsize": 20},
+                }
+            },
+            "apps": {"models": {"models": ["fastapi_idempotency.stores.tortoise"], "default_connection": "default"}},
+        }
+
+        async def tortoise_up() -> None:
+            # Tortoise 1.x keeps its state in a context; without the global fallback the request tasks (not the
+            # lifespan task that ran init) find no connection.
+            await Tortoise.init(config=config, _enable_global_fallback=True)
+            await Tortoise.generate_schemas(safe=True)
+
+        middleware.append(Middleware(FastAPIIdempotency, store=TortoiseStore(), wait_seconds=0))
+        startup, shutdown = tortoise_up, Tortoise.close_connections
+    elif variant != "bare":
+        raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await startup()
+        try:
+            yield
+        finally:
+            await shutdown()
+
+    return Starlette(routes=routes(gate), middleware=middleware, lifespan=lifespan), startup, shutdown
+
+
+async def _nothing() -> None:
+    return None
+
+
+async def _keep_session(connection: Any) -> None:
+    """A pool ``reset`` that sends nothing (asyncpg still rolls back an open transaction itself)."""
+
+
+def create_app() -> Any:
+    """uvicorn factory: ``BENCH_VARIANT`` picks the variant, ``BENCH_DSN`` the database."""
+    dsn = os.environ.get("BENCH_DSN")
+    db = Database(dsn, embedded=False, settings={}) if dsn else None
+    app, _, _ = build(os.environ["BENCH_VARIANT"], db)
+    return app

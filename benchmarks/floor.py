@@ -1,0 +1,74 @@
+"""The database's own floor: what PostgreSQL and asyncpg can do for idempotent requests with no HTTP at all.
+
+Each worker owns one connection (no pool, so no pool bookkeeping) and loops over the two statements a fresh request
+needs, taken from the store's own ``sql/queries.sql``: ``claim`` (a new key) then ``complete`` (a small stored
+response), each committed on its own. ``--connections`` workers run for ``--seconds``. Runs under uvloop, like the
+servers. Prints JSON: pairs per second and p50/p99 of one claim+complete pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+import uuid
+
+import asyncpg
+
+from idempotency_mw.capture import encode_headers
+from idempotency_mw.sql import queries
+
+TENANT = "floor-tenant"
+FINGERPRINT = bytes(32)
+BODY = b'{"id":1,"status":"accepted","amount":1250,"currency":"eur","customer":"cus_42"}'
+HEADERS = encode_headers([(b"content-length", str(len(BODY)).encode()), (b"content-type", b"application/json")])
+
+
+async def worker(dsn: str, run: str, deadline: float, latencies: list[float]) -> None:
+    sql = queries()
+    connection = await asyncpg.connect(dsn)
+    try:
+        claim, complete = await connection.prepare(sql["claim"]), await connection.prepare(sql["complete"])
+        i = 0
+        while time.perf_counter() < deadline:
+            i += 1
+            started = time.perf_counter()
+            row = await claim.fetchrow(TENANT, f"{run}-{i}", FINGERPRINT, 60.0, 86400.0)
+            await complete.fetch(TENANT, f"{run}-{i}", row["fence"], 201, HEADERS, BODY, len(BODY))
+            latencies.append(time.perf_counter() - started)
+    finally:
+        await connection.close()
+
+
+async def main(dsn: str, connections: int, seconds: float) -> dict[str, float]:
+    latencies: list[float] = []
+    run = uuid.uuid4().hex[:8]
+    started = time.perf_counter()
+    deadline = started + seconds
+    await asyncio.gather(*(worker(dsn, f"{run}-{n}", deadline, latencies) for n in range(connections)))
+    elapsed = time.perf_counter() - started
+    cuts = statistics.quantiles(latencies, n=100)
+    return {
+        "requests": len(latencies),
+        "seconds": elapsed,
+        "rps": len(latencies) / elapsed,
+        "p50_ms": cuts[49] * 1000,
+        "p99_ms": cuts[98] * 1000,
+        "connections": connections,
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dsn", required=True)
+    parser.add_argument("--connections", type=int, default=20)
+    parser.add_argument("--seconds", type=float, default=10)
+    args = parser.parse_args()
+    try:
+        from uvloop import run as run_loop
+    except ImportError:
+        run_loop = asyncio.run
+    json.dump(run_loop(main(args.dsn, args.connections, args.seconds)), sys.stdout)

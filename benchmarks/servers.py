@@ -1,0 +1,152 @@
+"""Starting and stopping the servers under test: one uvicorn process per variant, on 127.0.0.1 only.
+
+Every variant runs in the benchmark venv (``benchmarks/.work/venv``: the peers, uvloop, httptools) with this
+repository on ``PYTHONPATH``, so bare, ours and the peers share one interpreter, one Starlette, one uvicorn and one
+event loop implementation. ``Server`` is a context manager: the process is always terminated, then killed.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORK = HERE / ".work"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def bench_env(python_path: str = str(REPO)) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IDEMPOTENCY_")}  # fastidempotent reads these
+    env["PYTHONPATH"] = python_path
+    return env
+
+
+class Server:
+    """``uvicorn benchapp:create_app`` for one variant; ``url`` is its base URL once started."""
+
+    def __init__(self, python: str, variant: str, dsn: str | None, *, log_name: str | None = None) -> None:
+        self.python = python
+        self.variant = variant
+        self.dsn = dsn
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = WORK / "logs" / f"{log_name or variant}.log"
+
+    def __enter__(self) -> Server:
+        env = bench_env()
+        env["BENCH_VARIANT"] = self.variant
+        if self.dsn:
+            env["BENCH_DSN"] = self.dsn
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [
+                    self.python,
+                    "-m",
+                    "uvicorn",
+                    "benchapp:create_app",
+                    "--factory",
+                    "--app-dir",
+                    str(HERE),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--loop",
+                    "uvloop",
+                    "--http",
+                    "httptools",
+                    "--no-access-log",
+                    "--log-level",
+                    "warning",
+                ],
+                cwd=str(HERE),  # no .env here: fastidempotent would read one from the working directory
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            self._wait_ready(timeout=30.0)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object | TracebackType) -> None:
+        self.stop()
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.variant} server exited: {self.log_path.read_text()[-2000:]}")
+            try:
+                connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                connection.request("GET", "/")
+                connection.getresponse().read()
+                connection.close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError(f"{self.variant} server did not answer within {timeout} s")
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def rss(self) -> int:
+        return int(psutil.Process(self.pid).memory_info().rss)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)  # uvicorn shuts down gracefully: lifespan closes the pools
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=5)
+
+
+class PeakRss:
+    """Samples a process's resident set size every few milliseconds in a thread; ``peak`` is the largest seen."""
+
+    def __init__(self, pid: int, interval: float = 0.002) -> None:
+        self.process = psutil.Process(pid)
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __enter__(self) -> PeakRss:
+        self.peak = self.process.memory_info().rss
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
