@@ -23,7 +23,7 @@ from idempotency_mw.demo import run
 from idempotency_mw.demo.audit import audit
 from idempotency_mw.demo.payments import create_app
 from idempotency_mw.demo.proxy import LossyProxy
-from idempotency_mw.demo.server import ServerProcess, serve
+from idempotency_mw.demo.server import ServerProcess, ServerStartFailed, serve
 from idempotency_mw.demo.workload import Mix, Workload
 
 
@@ -149,7 +149,7 @@ async def test_server_process_survives_a_kill_on_the_same_port() -> None:
 
 @pytest.mark.slow
 async def test_server_process_reports_a_failed_start() -> None:
-    with pytest.raises(RuntimeError, match="exited during startup"):
+    with pytest.raises(ServerStartFailed, match="exited during startup"):
         async with ServerProcess("idempotency_mw.demo.proxy:no_such_app", ready_timeout=30):
             pass
 

@@ -24,7 +24,7 @@ import httpx
 from idempotency_mw.client import AsyncIdempotentClient, Retry
 from idempotency_mw.demo.audit import Audit, audit
 from idempotency_mw.demo.proxy import LossyProxy, ProxyStats
-from idempotency_mw.demo.server import ServerProcess
+from idempotency_mw.demo.server import ServerProcess, ServerStartFailed
 from idempotency_mw.demo.workload import Mix, Workload
 from idempotency_mw.devdb import local_database
 
@@ -257,5 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: the server, the proxy and the database the demo started are stopped", file=sys.stderr)
         return 130
+    except ServerStartFailed as error:
+        print(f"idempotency-mw demo: the payments server did not start. {error}", file=sys.stderr)
+        return 1
     print(render(report))
     return 0 if report.audit.ok else 1

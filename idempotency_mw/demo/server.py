@@ -37,6 +37,10 @@ from starlette.types import ASGIApp
 LOOPBACK = "127.0.0.1"
 
 
+class ServerStartFailed(RuntimeError):
+    """The child server exited or did not answer during startup; the message ends with its log."""
+
+
 def listen(host: str = LOOPBACK, port: int = 0) -> socket.socket:
     """A listening TCP socket (port 0: any free port), inheritable by child processes."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -157,10 +161,10 @@ class ServerProcess:
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if not self.running:
-                raise RuntimeError(f"the server exited during startup:\n{self.log_tail()}")
+                raise ServerStartFailed(f"the server exited during startup:\n{self.log_tail()}")
             if await answers_http(self.host, self.port, patience=0.5):
                 return
-        raise TimeoutError(f"the server did not answer within {self.ready_timeout}s:\n{self.log_tail()}")
+        raise ServerStartFailed(f"the server did not answer within {self.ready_timeout}s:\n{self.log_tail()}")
 
     def kill(self) -> None:
         """SIGKILL: the process dies mid-whatever, as in a crash. Connections wait in the backlog meanwhile."""
