@@ -32,7 +32,7 @@ INSERT INTO idempotency_records
     (tenant, key, fingerprint, state, fence, status, headers, body, body_size, attempts,
      created_at, completed_at, expires_at)
 SELECT CASE WHEN i % $6 = 0 THEN $1 ELSE 'tenant-' || (i % 997) END,
-       $2 || '-' || i, $3, 'completed', i, 201, $4::jsonb, $5, length($5), 0,
+       $2 || '-' || i, $3, 'completed', i, 201, $4::jsonb, $5::bytea, octet_length($5::bytea), 0,
        now() - interval '1 hour', now() - interval '1 hour',
        CASE WHEN $9 THEN now() - interval '1 hour' - (i % 3600) * interval '1 second'
             ELSE now() + interval '24 hours' END
@@ -56,28 +56,31 @@ async def add_records(url: str, start: int, stop: int, *, prefix: str, expired: 
                 await connection.execute(f'ALTER TABLE idempotency_records DROP CONSTRAINT "{index["conname"]}"')
             else:
                 await connection.execute(f'DROP INDEX "{index["indexname"]}"')
-        for low in range(start, stop, CHUNK):
-            high = min(stop, low + CHUNK) - 1
-            await connection.execute(
-                INSERT,
-                BENCH_TENANT,
-                prefix,
-                BENCH_FINGERPRINT,
-                STORED_HEADERS,
-                STORED_BODY,
-                REPLAYABLE_EVERY,
-                low,
-                high,
-                expired,
-            )
-        for index in indexes:
-            await connection.execute(index["indexdef"])
-            if index["conname"]:
-                kind = {"p": "PRIMARY KEY", "u": "UNIQUE"}[index["contype"]]
+        try:
+            for low in range(start, stop, CHUNK):
+                high = min(stop, low + CHUNK) - 1
                 await connection.execute(
-                    f'ALTER TABLE idempotency_records ADD CONSTRAINT "{index["conname"]}" '
-                    f'{kind} USING INDEX "{index["indexname"]}"'
+                    INSERT,
+                    BENCH_TENANT,
+                    prefix,
+                    BENCH_FINGERPRINT,
+                    STORED_HEADERS,
+                    STORED_BODY,
+                    REPLAYABLE_EVERY,
+                    low,
+                    high,
+                    expired,
                 )
+        finally:  # the indexes come back even if the load failed
+            for index in indexes:
+                await connection.execute(index["indexdef"])
+                if index["conname"]:
+                    code = index["contype"]  # a "char": asyncpg returns it as bytes
+                    kind = {"p": "PRIMARY KEY", "u": "UNIQUE"}[code.decode() if isinstance(code, bytes) else code]
+                    await connection.execute(
+                        f'ALTER TABLE idempotency_records ADD CONSTRAINT "{index["conname"]}" '
+                        f'{kind} USING INDEX "{index["indexname"]}"'
+                    )
         await connection.execute("VACUUM ANALYZE idempotency_records")
         await connection.execute("CHECKPOINT")
     finally:

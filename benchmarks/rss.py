@@ -39,11 +39,12 @@ def measure_variant(ctx: Context, variant: str, replay: bool) -> dict[str, Any]:
     reset(ctx.db.url)
     tag = uuid.uuid4().hex[:6]
     server_variant = variant.removesuffix(" replay")
+    primed = [f"primed-{tag}-{i}" for i in range(CONCURRENT)]
+    if replay:  # stored by another process, so the measured one starts from the same idle state as the others
+        with Server(ctx.python, server_variant, ctx.db.url, log_name=f"rss-{server_variant}-prime") as server:
+            asyncio.run(burst(server.url, primed))
     with Server(ctx.python, server_variant, ctx.db.url, log_name=f"rss-{server_variant}") as server:
         asyncio.run(burst(server.url, [f"warm-{tag}-{i}" for i in range(4)]))
-        primed = [f"primed-{tag}-{i}" for i in range(CONCURRENT)]
-        if replay:
-            asyncio.run(burst(server.url, primed))
         idle = server.rss()
         statuses: dict[int, int] = {}
         with PeakRss(server.pid) as peak:

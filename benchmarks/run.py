@@ -39,6 +39,17 @@ from idempotency_mw import PostgresStore
 RESULTS = HERE / "results"
 RAW = RESULTS / "raw"
 MEASUREMENTS = ("overhead", "roundtrips", "endtoend", "scale", "gc", "memory")
+VERSIONS = (
+    "starlette",
+    "uvicorn",
+    "uvloop",
+    "httptools",
+    "asyncpg",
+    "fastidempotent",
+    "fastapi-idempotency",
+    "sqlalchemy",
+    "tortoise-orm",
+)
 ROUNDTRIP_VARIANTS = ("ours", "ours-noreset", "fastidempotent", "fastapi-idempotency")
 
 
@@ -106,9 +117,9 @@ async def prepare_database(url: str) -> tuple[bool, str]:
 def header(meta: dict[str, Any]) -> str:
     m = meta["machine"]
     return (
-        f"_Run {meta['started']} ({meta['mode']} mode, {meta['minutes']:.1f} min) on {m['cpu']}, {m['cores']} cores, "
-        f"{m['memory']}, {m['os']}; Python {m['python']}, PostgreSQL {meta['postgres']} "
-        f"({meta['database']}). Load average at start {meta['load_start']}, at end {meta['load_end']}: this is a "
+        f"_Measured {meta['started']} ({meta['mode']} mode, {meta['minutes']:.1f} min) on {m['cpu']}, "
+        f"{m['cores']} cores, {m['memory']}, {m['os']}; Python {m['python']}, PostgreSQL {meta['postgres']} "
+        f"({meta['database']}). Load average before {meta['load_start']}, after {meta['load_end']}: this is a "
         "shared machine, so compare ratios within one run, not absolute numbers across runs._"
     )
 
@@ -240,7 +251,6 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown measurement(s): {', '.join(sorted(unknown))}")
     started = time.time()
-    load_start = load_average()
     loadgen.ensure_wrk()
     log("benchmark venv and peers…")
     python, peer_status, versions = peers.ensure()
@@ -248,49 +258,41 @@ def main() -> None:
         log(f"  {name}: {'ok' if problem is None else problem}")
     mode = "quick" if args.quick else "full"
     seconds = args.seconds or (6.0 if args.quick else 15.0)
-    results: dict[str, dict[str, Any]] = {}
+    failed: list[str] = []
     with pgserver.database() as db:
         stats, postgres = asyncio.run(prepare_database(db.url))
         if not stats:
             log("pg_stat_statements is not available on this server: round trips cannot be counted")
         ctx = Context(db, python, args.quick, seconds, 2 if args.quick else 3, peer_status)
         for name in chosen:
-            measure = STEPS[name][0]
             if name == "roundtrips" and not stats:
                 continue
-            log(f"{name}…")
-            began = time.time()
-            results[name] = measure(ctx)
+            log(f"{name}...")
+            began, load_before = time.time(), load_average()
+            try:
+                result = STEPS[name][0](ctx)
+            except Exception as error:  # one broken measurement must not hide the others
+                log(f"{name} FAILED: {error!r}")
+                failed.append(name)
+                continue
+            meta = {
+                "started": datetime.datetime.fromtimestamp(began).strftime("%Y-%m-%d %H:%M"),
+                "mode": mode,
+                "minutes": (time.time() - began) / 60,
+                "machine": machine(),
+                "postgres": postgres,
+                "database": "embedded, shared_buffers=1GB, pg_stat_statements" if db.embedded else "DATABASE_URL",
+                "load_start": load_before,
+                "load_end": load_average(),
+                "versions": {k: versions.get(k) for k in VERSIONS},
+                "seconds_per_run": seconds,
+            }
+            write(name, STEPS[name][1](result, ctx), result, meta)
             log(f"{name} done in {time.time() - began:.0f} s")
-    meta = {
-        "started": datetime.datetime.fromtimestamp(started).strftime("%Y-%m-%d %H:%M"),
-        "mode": mode,
-        "minutes": (time.time() - started) / 60,
-        "machine": machine(),
-        "postgres": postgres,
-        "database": "embedded, shared_buffers=1GB, pg_stat_statements" if db.embedded else "DATABASE_URL",
-        "load_start": load_start,
-        "load_end": load_average(),
-        "versions": {
-            k: versions.get(k)
-            for k in (
-                "starlette",
-                "uvicorn",
-                "uvloop",
-                "httptools",
-                "asyncpg",
-                "fastidempotent",
-                "fastapi-idempotency",
-                "sqlalchemy",
-                "tortoise-orm",
-            )
-        },
-        "seconds_per_run": seconds,
-    }
-    for name, result in results.items():
-        write(name, STEPS[name][1](result, ctx), result, meta)
     (RESULTS / "README.md").write_text(summary(ctx) + "\n")
     log(f"done in {(time.time() - started) / 60:.1f} min; tables in {RESULTS}")
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
