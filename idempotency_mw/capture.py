@@ -77,8 +77,9 @@ class ResponseRecorder:
             await self._send(message)
 
     def stored_response(self) -> StoredResponse:
+        """What to record; without a body when it is over the cap or was cut short (then it cannot be replayed)."""
         assert self.status is not None
-        body = None if self.overflowed else b"".join(self._chunks)
+        body = b"".join(self._chunks) if self.finished and not self.overflowed else None
         return StoredResponse(self.status, self.headers, body, self.body_size)
 
 

@@ -91,14 +91,18 @@ def store_unavailable(retry_after: int) -> Problem:
     )
 
 
-def response_not_replayable(status: int, limit: int) -> Problem:
+def response_not_replayable(status: int, size: int, limit: int) -> Problem:
+    """A completed operation whose response was not stored in full: over the cap, or cut short mid-stream."""
+    if size > limit:
+        why = f"its response was larger than the {limit}-byte storage limit"
+    else:
+        why = "its response was cut short before it was complete (the client disconnected, or the handler failed)"
     return Problem(
         409,
         "idempotency_response_not_replayable",
         "Original response cannot be replayed",
-        f"The original request with this Idempotency-Key completed with status {status}, but its "
-        f"response was larger than the {limit}-byte storage limit, so it cannot be replayed. The "
-        "operation was not run again.",
+        f"The original request with this Idempotency-Key completed with status {status}, but {why}, so it "
+        "cannot be replayed. The operation was not run again.",
     )
 
 

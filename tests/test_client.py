@@ -471,7 +471,7 @@ def test_timeout_then_in_progress_then_replay(server: MisbehavingServer, flavour
         Canned(400, {}),
         Canned(401, {}),
         Canned(404, {}),
-        canned_problem(problems.response_not_replayable(201, 1024)),  # a 409 that is not "in progress"
+        canned_problem(problems.response_not_replayable(201, 2048, 1024)),  # a 409 that is not "in progress"
         canned_problem(problems.key_reused()),
     ],
     ids=["400", "401", "404", "409-not-replayable", "422"],

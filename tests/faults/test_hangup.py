@@ -88,12 +88,6 @@ async def test_transactional_hang_up_mid_stream_takes_effect_once(
     assert retry.status == 409 or retry.replayed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="middleware.py _execute releases the key when a started, final response is cut short by a client "
-    "disconnect (StreamingResponse stops on http.disconnect, or send raises OSError under ASGI 2.4): the effect "
-    "already ran, and the retry runs it again",
-)
 @pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
 async def test_plain_hang_up_mid_stream_takes_effect_once(
     idempotency_store: PostgresStore, pool: asyncpg.Pool, db: asyncpg.Connection, spec_version: str
