@@ -2,7 +2,8 @@
 
 SHA-256 over length-prefixed parts (method, path, query, body kind, canonical body), so no two different
 requests can produce the same byte stream. Bodies are canonicalised where their format allows: JSON is parsed and
-re-serialised with sorted keys (key order and whitespace do not matter), form bodies become their decoded pairs
+re-serialised with sorted keys (key order and whitespace do not matter; numbers keep the precision Python's own
+``json`` gives them, so two amounts past 64 bits stay apart), form bodies become their decoded pairs
 sorted by name (the order of repeated names is kept, it can matter); anything else is hashed as sent.
 Only the digest is stored, never the body.
 """
@@ -10,6 +11,8 @@ Only the digest is stored, never the body.
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from urllib.parse import parse_qsl
 
 import orjson
@@ -36,12 +39,24 @@ def canonical_body(content_type: bytes, body: bytes) -> tuple[bytes, bytes]:
     media_type = content_type.split(b";", 1)[0].strip().lower()
     if media_type == b"application/json" or media_type.endswith(b"+json"):
         try:
-            return b"json", orjson.dumps(orjson.loads(body), option=orjson.OPT_SORT_KEYS)
-        except (orjson.JSONDecodeError, orjson.JSONEncodeError):
-            pass  # not valid JSON (or beyond orjson's ranges): the raw bytes are the payload
+            return b"json", _canonical_json(body)
+        except (ValueError, RecursionError):  # not valid JSON, or nested too deep to parse
+            pass  # the raw bytes are the payload
     elif media_type == b"application/x-www-form-urlencoded":
         return b"form", _canonical_pairs(body)
     return b"raw", body
+
+
+# orjson reads integers past 64 bits as floats, which would make 2**70 and 2**70 + 1 the same amount. Such integers
+# have 20 digits or more, so a body with a 20-digit run takes the exact (slower) path of Python's json module.
+_LONG_DIGIT_RUN = re.compile(rb"[0-9]{20}")
+
+
+def _canonical_json(body: bytes) -> bytes:
+    if _LONG_DIGIT_RUN.search(body) is None:
+        return orjson.dumps(orjson.loads(body), option=orjson.OPT_SORT_KEYS)
+    value = json.loads(body)
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def _canonical_pairs(encoded: bytes) -> bytes:
