@@ -43,7 +43,7 @@ class MemoryStore:
         record = self._records.get((tenant, key))
         if record is None or record.expires_at <= now:
             fence = next(self._fences)
-            attempts = record.attempts + 1 if record else 0
+            attempts = 0  # an expired record's attempts belong to the operation it recorded, not to this one
             self._records[(tenant, key)] = _Record(fingerprint, fence, now, now + ttl, now + lease, attempts=attempts)
             return Claim(ClaimOutcome.OWNED, fence=fence, attempts=attempts)
         record.attempts += 1

@@ -346,6 +346,18 @@ async def test_expired_record_runs_anew(store: Store, key: str) -> None:
     assert probe.calls["charge"] == 2
 
 
+async def test_expired_record_takeover_starts_counting_attempts_afresh(store: Store, key: str) -> None:
+    first = await store.claim("t", key, b"a" * 32, lease=0.1, ttl=0.3)
+    for _ in range(3):
+        await store.claim("t", key, b"a" * 32, lease=0.1, ttl=0.3)  # in progress, then a lapsed lease: counted
+    await asyncio.sleep(0.4)
+    taken_over = await store.claim("t", key, b"a" * 32, lease=60, ttl=60)
+    assert taken_over.fence != first.fence
+    assert taken_over.attempts == 0  # the new operation's count, not the expired one's
+    again = await store.claim("t", key, b"a" * 32, lease=60, ttl=60)
+    assert again.attempts == 1
+
+
 # -- replay fidelity ---------------------------------------------------------------------------------------
 
 

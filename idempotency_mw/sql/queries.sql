@@ -24,7 +24,7 @@ ON CONFLICT (tenant, key) DO UPDATE SET
     completed_at     = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.completed_at END,
     created_at       = CASE WHEN r.expires_at <= now() THEN excluded.created_at ELSE r.created_at END,
     expires_at       = CASE WHEN r.expires_at <= now() THEN excluded.expires_at ELSE r.expires_at END,
-    attempts         = r.attempts + 1
+    attempts         = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.attempts + 1 END
 RETURNING
     r.fence = (SELECT fence FROM new) AS owned,
     r.fence,
