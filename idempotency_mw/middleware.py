@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import sys
 import time
 from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
@@ -35,7 +34,7 @@ from idempotency_mw.events import Event, EventHook, Outcome, hash_key, log_event
 from idempotency_mw.fingerprint import fingerprint
 from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers, uuid7_time
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
-from idempotency_mw.store import Claim, ClaimOutcome, Store
+from idempotency_mw.store import Claim, ClaimOutcome, Store, StoreUnavailable
 from idempotency_mw.tenants import TenantResolver, authorization_tenant
 
 T = TypeVar("T")
@@ -110,11 +109,11 @@ class IdempotencyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if not self.policies.scanned:  # first request: the app's routes are all declared by now
-            self.policies.scan(scope.get("app", self.app))
-            self._check_transactional(*self.policies.route_policies())
+            if scope["type"] == "lifespan":
+                return await self._lifespan(scope, receive, send)
+            return await self.app(scope, receive, send)
+        if not self.policies.scanned:  # no lifespan (a test transport): the first request scans instead
+            self._scan(scope)
         if scope["method"] not in self.policies.methods:
             await self.app(scope, receive, send)
             return
@@ -123,6 +122,31 @@ class IdempotencyMiddleware:
             await self.app(scope, receive, send)
             return
         await IdempotentRequest(self, policy, scope, receive, send).run()
+
+    def _scan(self, scope: Scope) -> None:
+        """Read the ``@idempotent`` declarations of the app's routes, which are all declared by now."""
+        self.policies.scan(scope.get("app", self.app))
+        self._check_transactional(*self.policies.route_policies())
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Check the per-route policies at startup, so a bad one stops the server instead of the first payment."""
+        first = await receive()
+        if first["type"] == "lifespan.startup" and not self.policies.scanned:
+            try:
+                self._scan(scope)
+            except (TypeError, ValueError) as error:
+                await send({"type": "lifespan.startup.failed", "message": f"idempotency_mw: {error}"})
+                return
+        delivered = False
+
+        async def receive_again() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return first
+            return await receive()
+
+        await self.app(scope, receive_again, send)
 
 
 class IdempotentRequest:
@@ -205,9 +229,12 @@ class IdempotentRequest:
             await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.IN_PROGRESS)
         elif claim.outcome is ClaimOutcome.COMPLETED:
             assert claim.response is not None
-            if claim.response.body is None:  # completed, but too large to have been stored
+            if claim.response.body is None:  # completed, but not stored in full (over the cap, or cut short)
+                response = claim.response
                 await self._refuse(
-                    problems.response_not_replayable(claim.response.status, self.policy.max_response_bytes),
+                    problems.response_not_replayable(
+                        response.status, response.body_size, self.policy.max_response_bytes
+                    ),
                     Outcome.NOT_REPLAYABLE,
                 )
             else:
@@ -230,15 +257,28 @@ class IdempotentRequest:
         assert self.key is not None
         self._set_context(IdempotencyContext(self.tenant, self.key))
         recorder = ResponseRecorder(self.send, max_body=self.policy.max_response_bytes)
-        async with self._heartbeat(fence):
-            try:
-                await self.middleware.app(self.scope, self._receive_buffered, recorder.send)
-            except BaseException:  # an error, or a cancelled request: the retry must run afresh
-                self.status = recorder.status
-                await self._release(fence)
-                raise
+        heartbeat = self._heartbeat(fence)
+        try:
+            await self.middleware.app(self.scope, self._receive_buffered, recorder.send)
+        except BaseException:
+            # An error, or a cancelled request (a client that hung up). Settle it all the same: shielded, because
+            # a cancelled request must still free its key, or keep it if its final answer had started going out.
+            self.status = recorder.status
+            await asyncio.shield(self._settle(fence, recorder))
+            raise
+        finally:
+            heartbeat.stop()
         self.status = recorder.status
-        if recorder.finished and self._is_final(recorder.status):
+        await self._settle(fence, recorder)
+
+    async def _settle(self, fence: int, recorder: ResponseRecorder) -> None:
+        """Record a final answer, release anything else.
+
+        A final answer that started going out is recorded even when it was cut short (the client hung up
+        mid-stream, or the handler failed mid-stream): its effect has happened, so the retry must not run it again.
+        Such a record has no body, and a retry is told that the response cannot be replayed.
+        """
+        if self._is_final(recorder.status):
             await self._complete(fence, recorder)
         else:
             await self._release(fence)
@@ -289,10 +329,11 @@ class IdempotentRequest:
             ):
                 await transaction.rollback()
                 raise _FencedOut
-            await transaction.commit()
+            await store.commit(transaction)
 
+        heartbeat = self._heartbeat(fence)
         try:
-            async with store.connection() as connection, self._heartbeat(fence):
+            async with store.connection() as connection:
                 transaction = connection.transaction()
                 await transaction.start()
                 self._set_context(IdempotencyContext(self.tenant, self.key, connection))
@@ -320,13 +361,24 @@ class IdempotentRequest:
         except _FencedOut:
             # A newer claim owns the key: our writes are rolled back, and the client hears what a retry would.
             return await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.FENCED_OUT)
-        except BaseException:
+        except BaseException as error:
             if fence is not None:
                 await self._release(fence)
-            if handler_failed or not isinstance(sys.exc_info()[1], Exception):
-                raise
-            logger.exception("idempotency transaction failed in the store")
-            return await self._refuse(problems.store_unavailable(self.middleware.retry_after), Outcome.STORE_ERROR)
+            if isinstance(error, StoreUnavailable) and not handler_failed:
+                logger.exception("idempotency store unreachable during the handler's transaction")
+                return await self._refuse(problems.store_unavailable(self.middleware.retry_after), Outcome.STORE_ERROR)
+            if not handler_failed and isinstance(error, Exception):
+                # The database refused the transaction itself: a deferred constraint at COMMIT, or an error the
+                # handler caught but that aborted the transaction. Nothing was committed; the key is free again.
+                logger.error(
+                    "idempotency: the handler's transaction could not commit (%s); nothing was committed. If the "
+                    "handler recovers from database errors, run the statements that may fail in a savepoint "
+                    "(async with connection.transaction(): ...)",
+                    type(error).__name__,
+                )
+            raise
+        finally:
+            heartbeat.stop()
         self.status = recorder.status
         if fence is not None:
             if self._is_final(recorder.status):
@@ -349,31 +401,8 @@ class IdempotentRequest:
 
     # -- helpers --------------------------------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def _heartbeat(self, fence: int | None) -> Any:
-        """Renew the lease every third of its length while the handler runs, so a slow handler keeps its key."""
-        if fence is None:
-            yield
-            return
-        assert self.key is not None
-        key = self.key
-
-        async def beat() -> None:
-            interval = self.policy.lease / 3
-            while True:
-                await asyncio.sleep(interval)
-                try:
-                    if not await self.store.renew(self.tenant, key, fence, lease=self.policy.lease):
-                        logger.warning("idempotency lease of key %s was taken over", hash_key(key))
-                        return
-                except Exception:
-                    logger.warning("idempotency lease renewal failed; retrying", exc_info=True)
-
-        task = asyncio.create_task(beat())
-        try:
-            yield
-        finally:
-            task.cancel()
+    def _heartbeat(self, fence: int | None) -> _Heartbeat:
+        return _Heartbeat(self.store, self.tenant, self.key, fence, self.policy.lease)
 
     async def _resolve_tenant(self) -> str:
         tenant = self.middleware.tenant(self.scope)
@@ -466,6 +495,40 @@ class IdempotentRequest:
             hook(event)
         except Exception:
             logger.exception("idempotency on_event hook failed")
+
+
+class _Heartbeat:
+    """Renew the lease every third of its length while the handler runs, so a slow handler keeps its key.
+
+    A timer rather than a task: most handlers finish long before the first beat, and arming a timer costs a
+    fraction of starting a task. Without a fence (a keyless request on a transactional route) it does nothing.
+    """
+
+    def __init__(self, store: Store, tenant: str, key: str | None, fence: int | None, lease: float) -> None:
+        self._store, self._tenant, self._key, self._fence, self._lease = store, tenant, key, fence, lease
+        self._loop = asyncio.get_running_loop()
+        self._renewal: asyncio.Task[None] | None = None
+        self._timer = None if fence is None else self._loop.call_later(lease / 3, self._beat)
+
+    def _beat(self) -> None:
+        self._renewal = self._loop.create_task(self._renew())
+
+    async def _renew(self) -> None:
+        assert self._key is not None
+        assert self._fence is not None
+        try:
+            if not await self._store.renew(self._tenant, self._key, self._fence, lease=self._lease):
+                logger.warning("idempotency lease of key %s was taken over", hash_key(self._key))
+                return
+        except Exception:
+            logger.warning("idempotency lease renewal failed; retrying", exc_info=True)
+        self._timer = self._loop.call_later(self._lease / 3, self._beat)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._renewal is not None:
+            self._renewal.cancel()
 
 
 class _FencedOut(Exception):

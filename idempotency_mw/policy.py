@@ -53,6 +53,12 @@ class Policy:
                 f"idempotency ttl ({self.ttl}s) is shorter than the declared retry_window ({self.retry_window}s): "
                 "a retry arriving after the record expired would run the operation again"
             )
+        if self.fail_open and self.transactional:
+            raise ValueError(
+                "idempotency fail_open cannot be combined with transactional: the handler's transaction lives in "
+                "the same PostgreSQL as the records, so when the store is down there is no transaction to run in "
+                "(set fail_open=False on transactional routes)"
+            )
         if self.lease >= self.ttl:
             raise ValueError(f"idempotency lease ({self.lease}s) must be shorter than ttl ({self.ttl}s)")
         for name in ("max_request_bytes", "max_response_bytes"):

@@ -76,6 +76,7 @@ class PostgresStore:
                             max_size=max_size,
                             timeout=self.timeout,
                             command_timeout=self.timeout,
+                            reset=_keep_session,
                         )
                     except UNAVAILABLE as error:
                         raise StoreUnavailable(str(error)) from error
@@ -95,22 +96,55 @@ class PostgresStore:
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
-        """A pooled connection, waited for no longer than ``timeout``."""
+        """A pooled connection for code other than ours (a transactional handler), waited for no longer than
+        ``timeout``; its session is reset when it goes back (the handler may have SET, LISTENed or locked)."""
+        async with self._connection() as connection:
+            try:
+                yield connection
+            finally:
+                await self._reset(connection)
+
+    async def _reset(self, connection: asyncpg.pool.PoolConnectionProxy) -> None:
+        """Asyncpg's default reset on release, run here because our pool skips it for our own statements."""
+        try:
+            if connection.is_closed():
+                return
+            if connection.is_in_transaction():
+                await connection.execute("ROLLBACK", timeout=self.timeout)
+            reset = connection.get_reset_query()
+            if reset:
+                await connection.execute(reset, timeout=self.timeout)
+        except Exception:  # broken or busy: a fresh connection is cheaper than a doubtful one
+            connection.terminate()
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+        """A pooled connection; only waiting for one (or connecting) turns into :class:`StoreUnavailable` here."""
         pool = await self.pool()
         try:
-            async with pool.acquire(timeout=self.timeout) as connection:
-                yield connection
+            connection = await pool.acquire(timeout=self.timeout)
+        except UNAVAILABLE as error:
+            raise StoreUnavailable(str(error) or type(error).__name__) from error
+        try:
+            yield connection
+        finally:
+            with contextlib.suppress(*UNAVAILABLE):  # a broken connection: asyncpg has terminated it already
+                await pool.release(connection, timeout=self.timeout)
+
+    async def _fetchrow(self, name: str, *args: Any) -> asyncpg.Record | None:
+        try:
+            async with self._connection() as connection:
+                return await connection.fetchrow(self._sql[name], *args, timeout=self.timeout)
         except UNAVAILABLE as error:
             raise StoreUnavailable(str(error) or type(error).__name__) from error
 
-    async def _fetchrow(self, name: str, *args: Any) -> asyncpg.Record | None:
-        async with self.connection() as connection:
-            return await connection.fetchrow(self._sql[name], *args, timeout=self.timeout)
-
     async def _execute(self, name: str, *args: Any) -> str:
-        async with self.connection() as connection:
-            status: str = await connection.execute(self._sql[name], *args, timeout=self.timeout)
-            return status
+        try:
+            async with self._connection() as connection:
+                status: str = await connection.execute(self._sql[name], *args, timeout=self.timeout)
+                return status
+        except UNAVAILABLE as error:
+            raise StoreUnavailable(str(error) or type(error).__name__) from error
 
     # -- the Store protocol --------------------------------------------------------------------------------
 
@@ -172,7 +206,15 @@ class PostgresStore:
         """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names."""
         if connection is None:
             return await self._execute("forget", tenant, key) == "DELETE 1"
-        return bool(await connection.execute(self._sql["forget"], tenant, key) == "DELETE 1")
+        return bool(await connection.execute(self._sql["forget"], tenant, key, timeout=self.timeout) == "DELETE 1")
+
+    async def commit(self, transaction: asyncpg.transaction.Transaction) -> None:
+        """Commit a transaction of :meth:`connection`; a lost connection is :class:`StoreUnavailable`, while the
+        database refusing the commit (a deferred constraint, an aborted transaction) surfaces as it is."""
+        try:
+            await transaction.commit()
+        except UNAVAILABLE as error:
+            raise StoreUnavailable(str(error) or type(error).__name__) from error
 
     async def inspect(self, tenant: str, key: str) -> RecordInfo | None:
         row = await self._fetchrow("inspect", tenant, key)
@@ -214,7 +256,7 @@ class PostgresStore:
         Safe to run repeatedly and from several processes at once (they take turns on an advisory lock).
         """
         applied: list[str] = []
-        async with self.connection() as connection:
+        async with self._connection() as connection:
             await connection.execute(
                 "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations ("
                 " version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
@@ -233,6 +275,12 @@ class PostgresStore:
                     )
                     applied.append(name)
         return applied
+
+
+async def _keep_session(connection: asyncpg.Connection) -> None:
+    """The pool's reset on release. Our own statements change no session state, so the default reset (a round trip
+    running ``RESET ALL``, ``UNLISTEN *``, …) is skipped; asyncpg still rolls back a transaction left open, and
+    :meth:`PostgresStore.connection` resets the connections it lends to other code itself."""
 
 
 def claim_from_row(row: asyncpg.Record) -> Claim:

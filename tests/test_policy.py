@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
 import pytest
 from fastapi import APIRouter, FastAPI
 from starlette.applications import Starlette
@@ -23,6 +27,7 @@ from tests.conftest import client_for
         ({"methods": ("P0ST",)}, "method names"),
         ({"released_statuses": frozenset({999})}, "status codes"),
         ({"ttl": 3600, "retry_window": 7200}, "retry_window"),
+        ({"fail_open": True, "transactional": True}, "fail_open cannot be combined with transactional"),
         ({"retry_after": -1}, "retry_after"),
         ({"routes": {"/x": {"tll": 5}}}, "unknown idempotency setting"),
     ],
@@ -133,3 +138,61 @@ def test_transactional_route_on_a_memory_store_fails_at_first_request() -> None:
 
     with pytest.raises(TypeError, match="PostgresStore"):
         asyncio.run(client_for(app).post("/t"))
+
+
+async def lifespan_startup(app: Starlette) -> dict[str, object]:
+    """Drive an ASGI lifespan up to startup, as a server does, and return the app's answer."""
+    messages: list[dict[str, object]] = [{"type": "lifespan.startup"}]
+    answers: list[dict[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        if messages:
+            return messages.pop()
+        await asyncio.sleep(3600)  # a server would send lifespan.shutdown much later
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, object]) -> None:
+        answers.append(message)
+
+    task = asyncio.ensure_future(app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send))
+    for _ in range(100):
+        if answers or task.done():
+            break
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert answers, "the app answered nothing to lifespan.startup"
+    return answers[0]
+
+
+async def test_a_bad_route_policy_stops_the_server_at_startup() -> None:
+    @idempotent(ttl=600)
+    async def endpoint(request: Request) -> Response:
+        return PlainTextResponse("")
+
+    app = Starlette(routes=[Route("/short", endpoint, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), retry_window=3600)
+    answer = await lifespan_startup(app)
+    assert answer["type"] == "lifespan.startup.failed"
+    assert "retry_window" in str(answer["message"])
+
+
+async def test_good_route_policies_start_and_keep_the_apps_own_lifespan() -> None:
+    started: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        started.append("app")
+        yield
+
+    @idempotent(required=True)
+    async def endpoint(request: Request) -> Response:
+        return PlainTextResponse("")
+
+    app = Starlette(routes=[Route("/ok", endpoint, methods=["POST"])], lifespan=lifespan)
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    answer = await lifespan_startup(app)
+    assert answer["type"] == "lifespan.startup.complete"
+    assert started == ["app"]
+    assert (await client_for(app).post("/ok")).status_code == 400  # the scan at startup is the one in use

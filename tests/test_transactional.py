@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -246,3 +247,71 @@ async def test_forget_in_the_deleting_transaction(pg_store: PostgresStore, db: a
     again = await client.post("/write", headers={"Idempotency-Key": key})
     assert "idempotent-replayed" not in again.headers
     assert await effects(db, key) == 1
+
+
+def build_refusing(store: PostgresStore) -> Starlette:
+    """A handler whose transaction the database refuses: at COMMIT (a deferred unique constraint), or earlier (an
+    error the handler catches, which still aborts the transaction)."""
+
+    async def write(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        connection = context.connection
+        how = request.query_params["how"]
+        await connection.execute("INSERT INTO tx_effects VALUES ($1, $2)", context.key, how)
+        if how == "deferred":
+            await connection.execute("INSERT INTO tx_deferred VALUES (1), (1)")  # refused only at COMMIT
+        elif how == "swallowed":
+            with contextlib.suppress(asyncpg.DivisionByZeroError):
+                await connection.execute("SELECT 1 / 0")  # caught, but the transaction is now aborted
+        return JSONResponse({"written": how}, status_code=201)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+    return app
+
+
+@pytest.mark.parametrize("how", ["deferred", "swallowed"])
+async def test_a_transaction_the_database_refuses_is_a_handler_failure(
+    pg_store: PostgresStore, db: asyncpg.Connection, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not a 503 "store unavailable" (the store is fine, and a retry would fail the same way): the request fails
+    like a handler error, nothing is committed, and the key is free for a corrected retry."""
+    await db.execute(
+        "CREATE TABLE IF NOT EXISTS tx_deferred (id int, CONSTRAINT tx_deferred_once UNIQUE (id) "
+        "DEFERRABLE INITIALLY DEFERRED)"
+    )
+    key = str(uuid.uuid4())
+    client = client_for(build_refusing(pg_store))
+    with pytest.raises(asyncpg.PostgresError):
+        await client.post(f"/write?how={how}", headers={"Idempotency-Key": key})
+    assert await effects(db, key) == 0
+    assert await pg_store.inspect(_tenant(), key) is None
+    assert "savepoint" in caplog.text
+    retry = await client.post("/write?how=fixed", headers={"Idempotency-Key": key})
+    assert retry.status_code == 201
+    assert await effects(db, key) == 1
+
+
+async def test_a_lent_connection_goes_back_to_the_pool_reset(idempotency_database_url: str, key: str) -> None:
+    """The pool skips asyncpg's reset round trip for the store's own statements; a connection lent to a handler is
+    still reset, so a session setting of the handler (here a row-level-security tenant) does not follow the
+    connection to whoever uses it next."""
+
+    async def write(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await context.connection.execute("SET app.tenant = 'alice'")
+        return JSONResponse({"ok": True}, status_code=201)
+
+    async with PostgresStore(idempotency_database_url, min_size=1, max_size=1) as store:  # one connection for all
+        app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+        client = client_for(app)
+        assert (await client.post("/write", headers={"Idempotency-Key": key})).status_code == 201
+        again = await client.post("/write", headers={"Idempotency-Key": key})
+        assert again.headers["idempotent-replayed"] == "true"
+        async with store.connection() as connection:
+            assert not await connection.fetchval("SELECT current_setting('app.tenant', true)")
