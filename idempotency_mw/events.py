@@ -50,9 +50,16 @@ def hash_key(key: str | None) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12] if key else ""
 
 
+WARNING_OUTCOMES = frozenset({Outcome.FENCED_OUT, Outcome.STORE_ERROR})
+
+
+def log_level(outcome: Outcome) -> int:
+    return logging.WARNING if outcome in WARNING_OUTCOMES else logging.DEBUG
+
+
 def log_event(event: Event) -> None:
     """The default hook: a debug line per request, a warning for the outcomes an operator should see."""
-    level = logging.WARNING if event.outcome in (Outcome.FENCED_OUT, Outcome.STORE_ERROR) else logging.DEBUG
+    level = log_level(event.outcome)
     if logger.isEnabledFor(level):
         logger.log(
             level,

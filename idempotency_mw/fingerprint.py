@@ -1,9 +1,9 @@
 """The request fingerprint: what makes two requests "the same request" for one idempotency key.
 
-SHA-256 over length-prefixed parts (method, path, query, body kind, canonical body), so no two different
-requests can produce the same byte stream. Bodies are canonicalised where their format allows: JSON is parsed and
-re-serialised with sorted keys (key order and whitespace do not matter; numbers keep the precision Python's own
-``json`` gives them, so two amounts past 64 bits stay apart), form bodies become their decoded pairs
+SHA-256 over the lengths of five parts (method, path, query, body kind, canonical body), then the parts, so no two
+different requests can produce the same byte stream. Bodies are canonicalised where their format allows: JSON is
+parsed and re-serialised with sorted keys (key order and whitespace do not matter; numbers keep the precision
+Python's own ``json`` gives them, so two amounts past 64 bits stay apart), form bodies become their decoded pairs
 sorted by name (the order of repeated names is kept, it can matter); anything else is hashed as sent.
 Only the digest is stored, never the body.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import struct
 from urllib.parse import parse_qsl
 
 import orjson
@@ -21,11 +22,12 @@ import orjson
 def fingerprint(method: str, path: str, query_string: bytes, content_type: bytes, body: bytes) -> bytes:
     """Return the 32-byte SHA-256 digest that identifies this request's payload."""
     kind, canonical = canonical_body(content_type, body)
-    digest = hashlib.sha256()
-    for part in (method.encode(), path.encode(), canonical_query(query_string), kind, canonical):
-        digest.update(len(part).to_bytes(8, "big"))
-        digest.update(part)
-    return digest.digest()
+    parts = (method.encode(), path.encode(), canonical_query(query_string), kind, canonical)
+    lengths = _LENGTHS.pack(*map(len, parts))  # all lengths first, then the parts: one way to read it back
+    return hashlib.sha256(lengths + b"".join(parts)).digest()
+
+
+_LENGTHS = struct.Struct(">5Q")
 
 
 def canonical_query(query_string: bytes) -> bytes:

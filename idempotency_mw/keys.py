@@ -7,6 +7,7 @@ with a reason, never repaired: a key we rewrote silently could collide with anot
 
 from __future__ import annotations
 
+import re
 import uuid
 
 HEADER = b"idempotency-key"
@@ -48,7 +49,13 @@ def parse_key(raw: bytes) -> str:
     return key
 
 
+# Visible ASCII except the comma: every byte a bare key may hold (the loop below only runs to say what is wrong).
+_BARE_TOKEN = re.compile(rb"[\x21-\x2b\x2d-\x7e]+")
+
+
 def _parse_token(value: bytes) -> str:
+    if _BARE_TOKEN.fullmatch(value):
+        return value.decode("ascii")
     for byte in value:
         if byte > 0x7E:
             raise InvalidKey("an idempotency key must be ASCII")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from idempotency_mw.store import Claim, ClaimOutcome, RecordInfo, StoredResponse
 
@@ -76,7 +76,7 @@ class MemoryStore:
         record = self._held(tenant, key, fence)
         if record is None:
             return False
-        record.response = replace(response, headers=list(response.headers))
+        record.response = StoredResponse(response.status, list(response.headers), response.body, response.body_size)
         record.lease_expires_at = None
         return True
 

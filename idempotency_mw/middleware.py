@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from idempotency_mw import problems
 from idempotency_mw.capture import ResponseRecorder, replay
 from idempotency_mw.context import NOT_EXECUTED_KEY, STATE_KEY, IdempotencyContext
-from idempotency_mw.events import Event, EventHook, Outcome, hash_key, log_event, logger
+from idempotency_mw.events import Event, EventHook, Outcome, hash_key, log_event, log_level, logger
 from idempotency_mw.fingerprint import fingerprint
 from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers, uuid7_time
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
@@ -97,6 +97,7 @@ class IdempotencyMiddleware:
         self.tenant_is_async = inspect.iscoroutinefunction(tenant)
         self.policies = PolicyResolver.build(default, routes or {})
         self.on_event = on_event
+        self.on_started = getattr(on_event, "started", None)
         self.retry_after = retry_after
         self._check_transactional(default, *(p for _, p in self.policies.patterns))
 
@@ -209,16 +210,17 @@ class IdempotentRequest:
         # 4. The claim: one store call decides what happens next.
         self.outcome = Outcome.STORE_ERROR  # until something better is known: every started request ends
         self._notify_started()
+        started = time.perf_counter()
         try:
-            claim = await self._timed(
-                self.store.claim(self.tenant, self.key, digest, lease=self.policy.lease, ttl=self.policy.ttl)
-            )
+            claim = await self.store.claim(self.tenant, self.key, digest, lease=self.policy.lease, ttl=self.policy.ttl)
         except Exception:
+            self.store_seconds += time.perf_counter() - started
             logger.exception("idempotency store failed to claim a key")
             if self.policy.fail_open:
                 self.outcome = Outcome.UNPROTECTED
                 return await self.middleware.app(self.scope, self._receive_buffered, self._send_tracked)
             return await self._refuse(problems.store_unavailable(self.middleware.retry_after), Outcome.STORE_ERROR)
+        self.store_seconds += time.perf_counter() - started
         await self._act_on(claim)
 
     async def _act_on(self, claim: Claim) -> None:
@@ -285,13 +287,16 @@ class IdempotentRequest:
 
     async def _complete(self, fence: int, recorder: ResponseRecorder) -> None:
         assert self.key is not None
+        started = time.perf_counter()
         try:
-            completed = await self._timed(self.store.complete(self.tenant, self.key, fence, recorder.stored_response()))
+            completed = await self.store.complete(self.tenant, self.key, fence, recorder.stored_response())
         except Exception:
             # The client has its response; the claim stays until its lease lapses, then a retry runs again.
             logger.exception("idempotency store failed to record a completed response")
             self.outcome = Outcome.STORE_ERROR
             return
+        finally:
+            self.store_seconds += time.perf_counter() - started
         self.outcome = Outcome.EXECUTED if completed else Outcome.FENCED_OUT
 
     async def _release(self, fence: int) -> None:
@@ -469,7 +474,7 @@ class IdempotentRequest:
             self.store_seconds += time.perf_counter() - started
 
     def _notify_started(self) -> None:
-        started = getattr(self.middleware.on_event, "started", None)
+        started = self.middleware.on_started
         if started is not None:
             try:
                 started(self.scope)
@@ -480,6 +485,8 @@ class IdempotentRequest:
         hook = self.middleware.on_event
         if hook is None or self.outcome is None:
             return
+        if hook is log_event and not logger.isEnabledFor(log_level(self.outcome)):
+            return  # the default hook would drop this event: do not build it
         event = Event(
             self.outcome,
             self.scope["method"],
@@ -503,6 +510,8 @@ class _Heartbeat:
     A timer rather than a task: most handlers finish long before the first beat, and arming a timer costs a
     fraction of starting a task. Without a fence (a keyless request on a transactional route) it does nothing.
     """
+
+    __slots__ = ("_fence", "_key", "_lease", "_loop", "_renewal", "_store", "_tenant", "_timer")
 
     def __init__(self, store: Store, tenant: str, key: str | None, fence: int | None, lease: float) -> None:
         self._store, self._tenant, self._key, self._fence, self._lease = store, tenant, key, fence, lease

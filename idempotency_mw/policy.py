@@ -144,29 +144,32 @@ class PolicyResolver:
     default: Policy
     patterns: list[tuple[re.Pattern[str], Policy]] = field(default_factory=list)
     _routes: list[tuple[RouteEntry, re.Pattern[str], Policy]] | None = None
+    methods: frozenset[str] = frozenset()  # every method any policy covers: the cheap first test of a request
+
+    def __post_init__(self) -> None:
+        self._collect_methods()
 
     @classmethod
     def build(cls, default: Policy, routes: Mapping[str, Mapping[str, Any]]) -> PolicyResolver:
         patterns = [(re.compile(fnmatch.translate(p)), default.override(c)) for p, c in routes.items()]
         return cls(default, patterns)
 
-    @property
-    def methods(self) -> frozenset[str]:
-        """Every method any policy covers: the cheap first test of each request."""
+    def _collect_methods(self) -> None:
         found = set(self.default.methods)
         for _, policy in self.patterns:
             found |= policy.methods
         for _, _, policy in self._routes or ():
             found |= policy.methods
-        return frozenset(found)
+        self.methods = frozenset(found)
 
     def scan(self, app: ASGIApp | None) -> None:
-        """Collect the decorated endpoints of a Starlette/FastAPI app, once, at its first request."""
+        """Collect the decorated endpoints of a Starlette/FastAPI app: at startup, or else at its first request."""
         self._routes = [
             (entry, compile_path(entry.path)[0], self.default.override(getattr(entry.endpoint, ENDPOINT_ATTRIBUTE)))
             for entry in iter_routes(getattr(app, "routes", ()))
             if hasattr(entry.endpoint, ENDPOINT_ATTRIBUTE)
         ]
+        self._collect_methods()
 
     def for_endpoint(self, endpoint: Any, path: str) -> Policy:
         """The policy of a route known by its endpoint and path template (for documentation, not requests)."""
