@@ -34,6 +34,7 @@ UNMATCHED = "<unmatched>"  # the route label of requests no route of the app mat
 
 # Time spent waiting on the store: a claim, then a complete or release; one to a few round trips.
 STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+ATTEMPT_BUCKETS = (0, 1, 2, 3, 5, 10, 25, 100)
 # Whole requests: a replay takes about a store round trip, an execution whatever the handler takes.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -106,6 +107,14 @@ class PrometheusMetrics:
             buckets=tuple(store_buckets),
             registry=registry,
         )
+        self.key_attempts = Histogram(
+            f"{prefix}_key_attempts",
+            "Earlier requests the key had already seen when this one reached the store, by route and outcome: "
+            "replays with many attempts show a retry layer (or several) re-sending more than it should.",
+            ["method", "route", "outcome"],
+            buckets=ATTEMPT_BUCKETS,
+            registry=registry,
+        )
         self.in_flight = Gauge(
             f"{prefix}_in_flight",
             "Keyed requests that reached the store and have not finished.",
@@ -170,6 +179,7 @@ class PrometheusMetrics:
         self.request_duration.labels(event.method, route, outcome).observe(event.duration)
         if request is not None:  # the request reached the store (earlier refusals spent no store time)
             self.store_duration.labels(outcome).observe(event.store_seconds)
+            self.key_attempts.labels(event.method, route, outcome).observe(event.attempts)
 
     def _route(self, event: Event, request: tuple[Any, str] | None) -> str:
         if request is None:

@@ -198,6 +198,20 @@ async def test_fastapi_included_router_prefix() -> None:
     assert m.count("/v1/refunds/{refund_id}", "executed") == 2
 
 
+async def test_attempts_per_key_are_observed_by_route_and_outcome() -> None:
+    m = Registry()
+    client = client_for(build_app(MemoryStore(), Probe(), on_event=m.metrics))
+    same = key()
+    for _ in range(4):  # the first runs, three replays that saw 1, 2 and 3 earlier requests
+        assert (await client.post("/status/201", headers=same)).status_code == 201
+    replayed = {"method": "POST", "route": "/status/{code}", "outcome": "replayed"}
+    executed = {"method": "POST", "route": "/status/{code}", "outcome": "executed"}
+    assert m.value("idempotency_key_attempts_count", replayed) == 3
+    assert m.value("idempotency_key_attempts_sum", replayed) == 1 + 2 + 3
+    assert m.value("idempotency_key_attempts_bucket", {**replayed, "le": "1.0"}) == 1
+    assert m.value("idempotency_key_attempts_sum", executed) == 0
+
+
 async def test_custom_route_label() -> None:
     registry = CollectorRegistry()
     metrics = PrometheusMetrics(registry, prefix="payments_idem", route_label=lambda event: event.path.split("/")[1])
