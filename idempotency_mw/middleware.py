@@ -8,7 +8,7 @@ covered request from start to finish:
 3. buffer the body (413 over the cap) and fingerprint it;
 4. claim ``(tenant, key)`` in one store call: 422 for a different request, a replay for a completed one, 409 for
    one still running, or the key is ours with a fresh fence token;
-5. run the handler under a lease heartbeat, copying its response as it goes out;
+5. run the handler while its lease is renewed (``leases.py``), copying its response as it goes out;
 6. record a final response, or release the key for a transient one, always naming our fence;
 7. (on a later retry) replay the stored response byte for byte, with ``Idempotent-Replayed: true``.
 
@@ -33,6 +33,7 @@ from idempotency_mw.context import NOT_EXECUTED_KEY, STATE_KEY, IdempotencyConte
 from idempotency_mw.events import Event, EventHook, Outcome, hash_key, log_event, log_level, logger
 from idempotency_mw.fingerprint import fingerprint
 from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers, uuid7_time
+from idempotency_mw.leases import LeaseKeeper
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
 from idempotency_mw.store import Claim, ClaimOutcome, Store, StoreUnavailable
 from idempotency_mw.tenants import TenantResolver, authorization_tenant
@@ -96,6 +97,7 @@ class IdempotencyMiddleware:
         self.tenant = tenant
         self.tenant_is_async = inspect.iscoroutinefunction(tenant)
         self.policies = PolicyResolver.build(default, routes or {})
+        self.leases = LeaseKeeper(store)  # renews the lease of every handler still running
         self.on_event = on_event
         self.on_started = getattr(on_event, "started", None)
         self.retry_after = retry_after
@@ -259,7 +261,7 @@ class IdempotentRequest:
         assert self.key is not None
         self._set_context(IdempotencyContext(self.tenant, self.key))
         recorder = ResponseRecorder(self.send, max_body=self.policy.max_response_bytes)
-        heartbeat = self._heartbeat(fence)
+        held = self.middleware.leases.hold(self.tenant, self.key, fence, self.policy.lease)
         try:
             await self.middleware.app(self.scope, self._receive_buffered, recorder.send)
         except BaseException:
@@ -269,7 +271,7 @@ class IdempotentRequest:
             await asyncio.shield(self._settle(fence, recorder))
             raise
         finally:
-            heartbeat.stop()
+            self.middleware.leases.drop(held)
         self.status = recorder.status
         await self._settle(fence, recorder)
 
@@ -336,7 +338,10 @@ class IdempotentRequest:
                 raise _FencedOut
             await store.commit(transaction)
 
-        heartbeat = self._heartbeat(fence)
+        held = None
+        if fence is not None:
+            assert self.key is not None
+            held = self.middleware.leases.hold(self.tenant, self.key, fence, self.policy.lease)
         try:
             async with store.connection() as connection:
                 transaction = connection.transaction()
@@ -383,7 +388,8 @@ class IdempotentRequest:
                 )
             raise
         finally:
-            heartbeat.stop()
+            if held is not None:
+                self.middleware.leases.drop(held)
         self.status = recorder.status
         if fence is not None:
             if self._is_final(recorder.status):
@@ -405,9 +411,6 @@ class IdempotentRequest:
         return self.policy.records(status)
 
     # -- helpers --------------------------------------------------------------------------------------------
-
-    def _heartbeat(self, fence: int | None) -> _Heartbeat:
-        return _Heartbeat(self.store, self.tenant, self.key, fence, self.policy.lease)
 
     async def _resolve_tenant(self) -> str:
         tenant = self.middleware.tenant(self.scope)
@@ -502,42 +505,6 @@ class IdempotentRequest:
             hook(event)
         except Exception:
             logger.exception("idempotency on_event hook failed")
-
-
-class _Heartbeat:
-    """Renew the lease every third of its length while the handler runs, so a slow handler keeps its key.
-
-    A timer rather than a task: most handlers finish long before the first beat, and arming a timer costs a
-    fraction of starting a task. Without a fence (a keyless request on a transactional route) it does nothing.
-    """
-
-    __slots__ = ("_fence", "_key", "_lease", "_loop", "_renewal", "_store", "_tenant", "_timer")
-
-    def __init__(self, store: Store, tenant: str, key: str | None, fence: int | None, lease: float) -> None:
-        self._store, self._tenant, self._key, self._fence, self._lease = store, tenant, key, fence, lease
-        self._loop = asyncio.get_running_loop()
-        self._renewal: asyncio.Task[None] | None = None
-        self._timer = None if fence is None else self._loop.call_later(lease / 3, self._beat)
-
-    def _beat(self) -> None:
-        self._renewal = self._loop.create_task(self._renew())
-
-    async def _renew(self) -> None:
-        assert self._key is not None
-        assert self._fence is not None
-        try:
-            if not await self._store.renew(self._tenant, self._key, self._fence, lease=self._lease):
-                logger.warning("idempotency lease of key %s was taken over", hash_key(self._key))
-                return
-        except Exception:
-            logger.warning("idempotency lease renewal failed; retrying", exc_info=True)
-        self._timer = self._loop.call_later(self._lease / 3, self._beat)
-
-    def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._renewal is not None:
-            self._renewal.cancel()
 
 
 class _FencedOut(Exception):
