@@ -66,6 +66,59 @@ def reset(url: str) -> None:
     asyncio.run(reset_tables(url))
 
 
+COUNTERS = """
+SELECT sum(calls)::bigint AS statements, sum(total_exec_time) AS exec_ms, sum(shared_blks_hit)::bigint AS blks_hit,
+       sum(shared_blks_read)::bigint AS blks_read, sum(wal_fpi)::bigint AS wal_fpi, sum(wal_bytes)::bigint AS wal_bytes
+FROM pg_stat_statements
+WHERE query NOT ILIKE '%pg_stat_statements%'
+  AND ($1::text IS NULL OR dbid = (SELECT oid FROM pg_database WHERE datname = $1))
+"""
+
+
+async def _counters(url: str, database: str | None) -> dict[str, float] | None:
+    connection = await asyncpg.connect(url)
+    try:
+        row = await connection.fetchrow(COUNTERS, database)
+    except asyncpg.PostgresError:  # pg_stat_statements is not loaded (a DATABASE_URL server)
+        return None
+    finally:
+        await connection.close()
+    return {name: float(value or 0) for name, value in row.items()} if row else None
+
+
+def server_counters(url: str, database: str | None = None) -> dict[str, float] | None:
+    """What the server's statements have done so far, summed over ``pg_stat_statements`` (updated as each statement
+    ends, so exact at any moment): statements, execution ms, shared-buffer hits and reads (a read is a page that
+    was not in shared_buffers), WAL full-page images and WAL bytes; of one ``database`` or all. None where the
+    extension is not loaded.
+
+    The difference between two calls divided by the requests in between says where a run's database time went.
+    """
+    return asyncio.run(_counters(url, database))
+
+
+async def _wal_position(url: str) -> int:
+    connection = await asyncpg.connect(url)
+    try:
+        return int(await connection.fetchval("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint"))
+    finally:
+        await connection.close()
+
+
+def wal_position(url: str) -> int:
+    """Bytes of WAL the server has written since it was created: the difference between two calls is the WAL
+    generated in between, by everyone."""
+    return asyncio.run(_wal_position(url))
+
+
+def per_request(
+    before: dict[str, float] | None, after: dict[str, float] | None, requests: int
+) -> dict[str, float] | None:
+    if before is None or after is None or not requests:
+        return None
+    return {name: (after[name] - before[name]) / requests for name in before}
+
+
 def median(values: Iterable[float]) -> float:
     return float(statistics.median(list(values)))
 
@@ -80,8 +133,26 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "n/a"
 
 
-def verdict(ok: bool) -> str:
-    return "met" if ok else "**missed**"
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else "met" if ok else "**missed**"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target of issue 5 with what a run measured: the per-measurement files and the summary both list these."""
+
+    what: str  # the target, in words
+    goal: str  # e.g. "≥ 2x"
+    measured: str
+    ok: bool | None  # None: nothing to judge (no target set, or not measurable in this run)
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.ok)
+
+
+def target_table(targets: Iterable[Target]) -> str:
+    return table(["target", "goal", "measured", "verdict"], [[t.what, t.goal, t.measured, t.verdict] for t in targets])
 
 
 def machine() -> dict[str, str]:

@@ -37,6 +37,7 @@ async def worker(dsn: str, run: str, deadline: float, latencies: list[float]) ->
             i += 1
             started = time.perf_counter()
             row = await claim.fetchrow(TENANT, f"{run}-{i}", FINGERPRINT, 60.0, 86400.0)
+            assert row is not None  # the claim always returns the record
             await complete.fetch(TENANT, f"{run}-{i}", row["fence"], 201, HEADERS, BODY, len(BODY))
             latencies.append(time.perf_counter() - started)
     finally:

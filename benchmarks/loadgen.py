@@ -36,6 +36,7 @@ class Load:
     statuses: dict[str, int]
     replayed: int
     errors: dict[str, int] = field(default_factory=dict)
+    odd: list[dict[str, Any]] = field(default_factory=list)  # the first unexpected answers (see the Lua script)
 
     @property
     def rps(self) -> float:
@@ -99,6 +100,7 @@ def _parse(output: str) -> Load:
                 statuses=data["statuses"],
                 replayed=data["replayed"],
                 errors=data["errors"],
+                odd=data.get("odd", []),
             )
     raise RuntimeError(f"wrk printed no result:\n{output[-2000:]}")
 

