@@ -80,6 +80,13 @@ async def run_zombie(
                 os.kill(pids[0], signal.SIGCONT)
             paused_for = time.monotonic() - paused
             answer = await asyncio.wait_for(first, 60)
+            # Plain mode settles the record after the answer has gone out: wait for the new owner's completion.
+            await _until(
+                lambda: connection.fetchval(
+                    "SELECT state <> 'in_progress' FROM idempotency_records WHERE key = $1", key
+                ),
+                patience=10.0,
+            )
             record = await connection.fetchrow("SELECT state, body FROM idempotency_records WHERE key = $1", key)
             assert record is not None
             survivors = await connection.fetch("SELECT pid FROM faults_effects WHERE key = $1 ORDER BY id", key)
