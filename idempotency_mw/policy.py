@@ -78,10 +78,14 @@ class Policy:
         return status < 500 and status not in self.released_statuses
 
     def override(self, changes: Mapping[str, Any]) -> Policy:
-        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
-        if unknown:
-            raise TypeError(f"unknown idempotency setting(s): {', '.join(sorted(unknown))}")
+        _check_names(changes)
         return dataclasses.replace(self, **changes)
+
+
+def _check_names(changes: Mapping[str, Any]) -> None:
+    unknown = set(changes) - {f.name for f in dataclasses.fields(Policy)}
+    if unknown:
+        raise TypeError(f"unknown idempotency setting(s): {', '.join(sorted(unknown))}")
 
 
 ENDPOINT_ATTRIBUTE = "__idempotency_policy__"
@@ -94,7 +98,7 @@ def idempotent(**changes: Any) -> Callable[[F], F]:
     Works on Starlette endpoints and FastAPI path operations (put it below the ``@app.post`` line, or above
     it: the attribute is read from the endpoint object either way). Names are the fields of :class:`Policy`.
     """
-    Policy().override(changes)  # validate now: a typo fails at import, not at the first request
+    _check_names(changes)  # a typo fails at import; values are checked at startup, against the app's own defaults
 
     def mark(endpoint: F) -> F:
         setattr(endpoint, ENDPOINT_ATTRIBUTE, dict(changes))
@@ -162,13 +166,19 @@ class PolicyResolver:
             found |= policy.methods
         self.methods = frozenset(found)
 
-    def scan(self, app: ASGIApp | None) -> None:
-        """Collect the decorated endpoints of a Starlette/FastAPI app: at startup, or else at its first request."""
-        self._routes = [
+    def scan(self, app: ASGIApp | None, check: Callable[[list[Policy]], None] | None = None) -> None:
+        """Collect the decorated endpoints of a Starlette/FastAPI app: at startup, or else at its first request.
+
+        ``check`` may refuse the policies found (by raising); then nothing is kept, and the next scan fails again.
+        """
+        routes = [
             (entry, compile_path(entry.path)[0], self.default.override(getattr(entry.endpoint, ENDPOINT_ATTRIBUTE)))
             for entry in iter_routes(getattr(app, "routes", ()))
             if hasattr(entry.endpoint, ENDPOINT_ATTRIBUTE)
         ]
+        if check is not None:
+            check([policy for _, _, policy in routes])
+        self._routes = routes
         self._collect_methods()
 
     def for_endpoint(self, endpoint: Any, path: str) -> Policy:
@@ -177,9 +187,6 @@ class PolicyResolver:
         if changes is not None:
             return self.default.override(changes)
         return self._by_pattern(path)
-
-    def route_policies(self) -> list[Policy]:
-        return [policy for _, _, policy in self._routes or ()]
 
     @property
     def scanned(self) -> bool:

@@ -42,6 +42,23 @@ def test_decorator_validates_at_import() -> None:
         idempotent(requird=True)
 
 
+async def test_a_route_policy_is_checked_against_the_apps_own_defaults() -> None:
+    # ttl=30 is fine beside the app's lease of 10 s, though not beside the library's default lease of 60 s.
+    @idempotent(ttl=30)
+    async def short(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route("/short", short, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), lease=10)
+    assert (await lifespan_startup(app))["type"] == "lifespan.startup.complete"
+
+    strict = Starlette(routes=[Route("/short", short, methods=["POST"])])
+    strict.add_middleware(IdempotencyMiddleware, store=MemoryStore())  # lease 60 s: not shorter than ttl 30 s
+    answer = await lifespan_startup(strict)
+    assert answer["type"] == "lifespan.startup.failed"
+    assert "shorter than ttl" in str(answer["message"])
+
+
 def test_policy_records() -> None:
     policy = Policy()
     assert policy.records(201)
@@ -127,17 +144,21 @@ async def test_fastapi_router_prefixes_and_decorators() -> None:
     assert hits == ["note", "charge"]
 
 
-def test_transactional_route_on_a_memory_store_fails_at_first_request() -> None:
+async def test_transactional_route_on_a_memory_store_fails_every_request_without_a_lifespan() -> None:
+    hits: list[str] = []
+
     @idempotent(transactional=True)
     async def endpoint(request: Request) -> Response:
+        hits.append("ran")
         return PlainTextResponse("")
 
     app = Starlette(routes=[Route("/t", endpoint, methods=["POST"])])
     app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
-    import asyncio
-
-    with pytest.raises(TypeError, match="PostgresStore"):
-        asyncio.run(client_for(app).post("/t"))
+    client = client_for(app)
+    for _ in range(2):  # the first failure is not forgotten: the route never runs unprotected
+        with pytest.raises(TypeError, match="PostgresStore"):
+            await client.post("/t", headers={"Idempotency-Key": "k"})
+    assert hits == []
 
 
 async def lifespan_startup(app: Starlette) -> dict[str, object]:
