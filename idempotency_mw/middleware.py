@@ -115,7 +115,7 @@ class IdempotencyMiddleware:
             if scope["type"] == "lifespan":
                 return await self._lifespan(scope, receive, send)
             return await self.app(scope, receive, send)
-        if not self.policies.scanned:  # no lifespan (a test transport): the first request scans instead
+        if not self.policies.scanned:  # no lifespan (a test transport): requests scan until a scan succeeds
             self._scan(scope)
         if scope["method"] not in self.policies.methods:
             await self.app(scope, receive, send)
@@ -128,8 +128,7 @@ class IdempotencyMiddleware:
 
     def _scan(self, scope: Scope) -> None:
         """Read the ``@idempotent`` declarations of the app's routes, which are all declared by now."""
-        self.policies.scan(scope.get("app", self.app))
-        self._check_transactional(*self.policies.route_policies())
+        self.policies.scan(scope.get("app", self.app), check=lambda found: self._check_transactional(*found))
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Check the per-route policies at startup, so a bad one stops the server instead of the first payment."""
@@ -321,10 +320,11 @@ class IdempotentRequest:
         store: Any = self.store
         recorder: ResponseRecorder
         settled = False  # the transaction was committed or rolled back
+        committed = False  # the record landed (a response over the cap commits before the handler returns)
         handler_failed = False  # an exception came out of the app, not out of the store
 
         async def settle() -> None:
-            nonlocal settled
+            nonlocal settled, committed
             if settled:
                 return
             settled = True
@@ -337,6 +337,7 @@ class IdempotentRequest:
                 await transaction.rollback()
                 raise _FencedOut
             await store.commit(transaction)
+            committed = fence is not None
 
         held = None
         if fence is not None:
@@ -344,8 +345,7 @@ class IdempotentRequest:
             held = self.middleware.leases.hold(self.tenant, self.key, fence, self.policy.lease)
         try:
             async with store.connection() as connection:
-                transaction = connection.transaction()
-                await transaction.start()
+                transaction = await store.begin(connection)
                 self._set_context(IdempotencyContext(self.tenant, self.key, connection))
                 recorder = ResponseRecorder(
                     self.send, max_body=self.policy.max_response_bytes, hold=True, on_overflow=settle
@@ -372,6 +372,11 @@ class IdempotentRequest:
             # A newer claim owns the key: our writes are rolled back, and the client hears what a retry would.
             return await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.FENCED_OUT)
         except BaseException as error:
+            if committed:
+                # The record and the effect committed together (the response had outgrown the cap); the handler
+                # failed after that. Nothing can be undone: the key stays completed, and a retry gets 409.
+                self.outcome, self.status = Outcome.EXECUTED, recorder.status
+                raise
             if fence is not None:
                 await self._release(fence)
             if isinstance(error, StoreUnavailable) and not handler_failed:

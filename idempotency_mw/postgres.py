@@ -97,25 +97,28 @@ class PostgresStore:
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
         """A pooled connection for code other than ours (a transactional handler), waited for no longer than
-        ``timeout``; its session is reset when it goes back (the handler may have SET, LISTENed or locked)."""
+        ``timeout``; its session is reset when it goes back (the handler may have SET, LISTENed or locked). A pool
+        the app passed in keeps its own reset on release, so it is not run twice."""
         async with self._connection() as connection:
             try:
                 yield connection
             finally:
-                await self._reset(connection)
+                if self._dsn is not None:
+                    await self._reset(connection)
 
     async def _reset(self, connection: asyncpg.pool.PoolConnectionProxy) -> None:
         """Asyncpg's default reset on release, run here because our pool skips it for our own statements."""
         try:
-            if connection.is_closed():
+            if connection.is_closed():  # a lost connection is detached from its proxy: this raises InterfaceError
                 return
             if connection.is_in_transaction():
                 await connection.execute("ROLLBACK", timeout=self.timeout)
             reset = connection.get_reset_query()
             if reset:
                 await connection.execute(reset, timeout=self.timeout)
-        except Exception:  # broken or busy: a fresh connection is cheaper than a doubtful one
-            connection.terminate()
+        except Exception:  # lost, broken or busy: a fresh connection is cheaper than a doubtful one
+            with contextlib.suppress(Exception):
+                connection.terminate()
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
@@ -207,6 +210,15 @@ class PostgresStore:
         if connection is None:
             return await self._execute("forget", tenant, key) == "DELETE 1"
         return bool(await connection.execute(self._sql["forget"], tenant, key, timeout=self.timeout) == "DELETE 1")
+
+    async def begin(self, connection: asyncpg.pool.PoolConnectionProxy) -> asyncpg.transaction.Transaction:
+        """Open a transaction on a connection of :meth:`connection`; a lost connection is :class:`StoreUnavailable`."""
+        try:
+            transaction = connection.transaction()
+            await transaction.start()
+        except UNAVAILABLE as error:
+            raise StoreUnavailable(str(error) or type(error).__name__) from error
+        return transaction
 
     async def commit(self, transaction: asyncpg.transaction.Transaction) -> None:
         """Commit a transaction of :meth:`connection`; a lost connection is :class:`StoreUnavailable`, while the

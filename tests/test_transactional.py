@@ -12,10 +12,12 @@ import asyncpg
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotency_context
+from idempotency_mw.events import Event, Outcome
+from idempotency_mw.store import StoreUnavailable
 from tests.conftest import client_for
 
 
@@ -315,3 +317,69 @@ async def test_a_lent_connection_goes_back_to_the_pool_reset(idempotency_databas
         assert again.headers["idempotent-replayed"] == "true"
         async with store.connection() as connection:
             assert not await connection.fetchval("SELECT current_setting('app.tenant', true)")
+
+
+async def test_a_lent_connection_of_the_apps_own_pool_is_reset_by_that_pool(
+    idempotency_database_url: str, key: str
+) -> None:
+    """A pool the app passes in keeps asyncpg's reset on release; the store does not run a second one."""
+
+    async def write(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await context.connection.execute("SET app.tenant = 'alice'")
+        return JSONResponse({"ok": True}, status_code=201)
+
+    pool = await asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=1)
+    try:
+        store = PostgresStore(pool)
+        app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+        assert (await client_for(app).post("/write", headers={"Idempotency-Key": key})).status_code == 201
+        async with pool.acquire() as connection:
+            assert not await connection.fetchval("SELECT current_setting('app.tenant', true)")
+    finally:
+        await pool.close()
+
+
+async def test_a_connection_lost_before_begin_is_store_unavailable(pg_store: PostgresStore) -> None:
+    async with pg_store.connection() as connection:
+        connection.terminate()
+        with pytest.raises(StoreUnavailable):
+            await pg_store.begin(connection)
+
+
+async def test_a_handler_failing_after_an_over_cap_commit_keeps_its_record(
+    pg_store: PostgresStore, db: asyncpg.Connection
+) -> None:
+    """Past the cap the transaction commits so the response can stream; a later failure cannot undo that. The
+    event says what happened (executed, not released) and the retry gets 409 instead of a second effect."""
+    key = str(uuid.uuid4())
+    events: list[Event] = []
+
+    async def write(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await context.connection.execute("INSERT INTO tx_effects VALUES ($1, 'stream')", context.key)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(3):
+                yield b"z" * 800
+            raise RuntimeError("failed mid-stream")
+
+        return StreamingResponse(chunks())
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(
+        IdempotencyMiddleware, store=pg_store, transactional=True, max_response_bytes=1000, on_event=events.append
+    )
+    client = client_for(app)
+    with pytest.raises(RuntimeError, match="mid-stream"):
+        await client.post("/write", headers={"Idempotency-Key": key})
+    assert [event.outcome for event in events] == [Outcome.EXECUTED]
+    retry = await client.post("/write", headers={"Idempotency-Key": key})
+    assert retry.status_code == 409
+    assert retry.json()["code"] == "idempotency_response_not_replayable"
+    assert await effects(db, key) == 1
