@@ -234,7 +234,7 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
     try:
         try:
             await store.pool()
-        except ValueError as error:  # asyncpg's DSN parser, for a malformed port or host
+        except (ValueError, OverflowError) as error:  # asyncpg's DSN parser, a malformed or out-of-range port
             raise CommandError(f"invalid database URL: {error}") from error
         except Exception as error:
             raise _explain(error, args.timeout) from error
@@ -400,7 +400,7 @@ def format_record(shown: dict[str, Any]) -> str:
         rows.extend(("headers" if i == 0 else "", header) for i, header in enumerate(headers))
         rows.append(("body size", f"{response['body_size']} bytes"))
         if not response["body_stored"]:
-            rows.append(("body", "not stored (over max_response_bytes: replays answer 409)"))
+            rows.append(("body", "not stored (over max_response_bytes, or cut short: replays answer 409)"))
         else:
             text = response["body_preview"].replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
             more = "…" if response["body_size"] > PREVIEW_BYTES else ""

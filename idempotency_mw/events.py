@@ -26,7 +26,7 @@ class Outcome(enum.Enum):
     RELEASED = "released"  # the handler ran but the outcome was transient: the key is free again
     FENCED_OUT = "fenced_out"  # our lease was taken over; our completion was refused
     STORE_ERROR = "store_error"  # the store failed (503, or a record that could not be written)
-    NOT_REPLAYABLE = "not_replayable"  # the original response was over the storage cap
+    NOT_REPLAYABLE = "not_replayable"  # the original response was not stored in full (over the cap, or cut short)
     UNPROTECTED = "unprotected"  # fail-open: the handler ran without a record
 
 

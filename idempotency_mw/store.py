@@ -17,7 +17,8 @@ Headers = list[tuple[bytes, bytes]]
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
-    """A response as the client first received it. ``body`` is None when it exceeded the storage cap."""
+    """A response as the client first received it. ``body`` is None when it was not
+    stored in full: over the storage cap, or cut short before it finished (``body_size`` is what went out)."""
 
     status: int
     headers: Headers

@@ -338,6 +338,7 @@ def test_database_url_from_the_environment(
         ("mysql://localhost/db", "invalid database URL: invalid DSN: scheme is expected"),
         ("postgresql://u@127.0.0.1:port/db", "invalid database URL: invalid literal for int()"),
         ("postgresql://u@[::1/db", "invalid database URL: Invalid IPv6 URL"),
+        ("postgresql://u@127.0.0.1:99999/db", "invalid database URL: connect(): port must be 0-65535"),
     ],
 )
 def test_bad_database_url(capsys: pytest.CaptureFixture[str], dsn: str, message: str) -> None:
