@@ -3,8 +3,8 @@
 Variants (``BENCH_VARIANT`` for uvicorn's ``benchapp:create_app --factory``):
 
 - ``bare``: no middleware.
-- ``ours``: ``IdempotencyMiddleware`` with ``PostgresStore`` (defaults: the store opens its own pool, 2..20
-  connections, which skips asyncpg's reset query on release, so a fresh request is 2 round trips).
+- ``ours``: ``IdempotencyMiddleware`` with ``PostgresStore`` (defaults: the store opens its own connections,
+  2..20, without a reset on release, so a fresh request is 2 round trips).
 - ``ours-memory``: ``IdempotencyMiddleware`` with ``MemoryStore``.
 - ``fastidempotent``: fastidempotent's middleware with its ``PostgresBackend`` (SQLAlchemy + asyncpg, pool 10 + 10
   overflow, so at most 20 connections like ours).
@@ -74,7 +74,7 @@ def build(variant: str, db: Database | None, gate: asyncio.Event | None = None) 
         assert db is not None
         store = PostgresStore(db.url)
         middleware.append(Middleware(IdempotencyMiddleware, store=store))
-        startup, shutdown = store.pool, store.close
+        startup, shutdown = store.open, store.close
     elif variant == "ours-memory":
         from idempotency_mw import IdempotencyMiddleware, MemoryStore
 

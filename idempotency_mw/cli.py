@@ -233,7 +233,7 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
     store = PostgresStore(url, timeout=args.timeout, min_size=1, max_size=1)
     try:
         try:
-            await store.pool()
+            await store.open()
         except (ValueError, OverflowError) as error:  # asyncpg's DSN parser, a malformed or out-of-range port
             raise CommandError(f"invalid database URL: {error}") from error
         except Exception as error:

@@ -7,14 +7,14 @@ hung request.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 
 from idempotency_mw.capture import decode_headers, encode_headers
+from idempotency_mw.connections import ConnectionPool
 from idempotency_mw.sql import migrations, queries
 from idempotency_mw.store import Claim, ClaimOutcome, RecordInfo, StoredResponse, StoreUnavailable
 
@@ -39,9 +39,10 @@ MIGRATION_LOCK = 0x1DE4_0001  # pg_advisory_xact_lock key: concurrent migrate() 
 class PostgresStore:
     """Records in one PostgreSQL table (see ``sql/migrations``).
 
-    ``PostgresStore("postgresql://…")`` opens its own pool on first use (sized by ``min_size``/``max_size``);
-    ``PostgresStore(pool)`` uses an asyncpg pool the app already has and leaves closing it to the app.
-    ``timeout`` bounds every database call in seconds, connecting and waiting for a pooled connection included.
+    ``PostgresStore("postgresql://…")`` opens its own connections on first use, at most ``max_size`` (see
+    ``connections.py`` for why they are not an asyncpg pool); ``PostgresStore(pool)`` uses an asyncpg pool the app
+    already has and leaves closing it to the app. ``timeout`` bounds every database call in seconds, connecting
+    and waiting for a free connection included.
     """
 
     def __init__(
@@ -54,100 +55,121 @@ class PostgresStore:
     ) -> None:
         if timeout <= 0:
             raise ValueError("PostgresStore timeout must be positive")
-        if isinstance(dsn_or_pool, str):
-            self._dsn: str | None = dsn_or_pool
-            self._pool: asyncpg.Pool | None = None
-        else:
-            self._dsn, self._pool = None, dsn_or_pool
         self.timeout = timeout
-        self._pool_size = (min_size, max_size)
-        self._opening = asyncio.Lock()
+        self._pool_args = (min_size, max_size)
+        self._own: ConnectionPool | None = None
+        self._borrowed: asyncpg.Pool | None = None
+        if isinstance(dsn_or_pool, str):
+            self._own = self._new_pool(dsn_or_pool)
+        else:
+            self._borrowed = dsn_or_pool
         self._sql = queries()
 
-    async def pool(self) -> asyncpg.Pool:
-        if self._pool is None:
-            async with self._opening:
-                if self._pool is None:
-                    min_size, max_size = self._pool_size
-                    try:
-                        self._pool = await asyncpg.create_pool(
-                            self._dsn,
-                            min_size=min_size,
-                            max_size=max_size,
-                            timeout=self.timeout,
-                            command_timeout=self.timeout,
-                            reset=_keep_session,
-                        )
-                    except UNAVAILABLE as error:
-                        raise StoreUnavailable(str(error)) from error
-        return self._pool
+    def _new_pool(self, dsn: str) -> ConnectionPool:
+        min_size, max_size = self._pool_args
+        return ConnectionPool(dsn, min_size=min_size, max_size=max_size, timeout=self.timeout)
+
+    async def open(self) -> None:
+        """Connect now (``min_size`` connections), so that a database that cannot be reached fails at startup."""
+        if self._own is not None:
+            try:
+                await self._own.open()
+            except UNAVAILABLE as error:
+                raise _unavailable(error) from error
 
     async def close(self) -> None:
-        if self._dsn is not None and self._pool is not None:
-            pool, self._pool = self._pool, None
+        """Close the connections the store opened (a pool passed in is the app's to close). Usable again after."""
+        if self._own is not None:
+            pool, self._own = self._own, self._new_pool(self._own.dsn)
             await pool.close()
 
     async def __aenter__(self) -> PostgresStore:
-        await self.pool()
+        await self.open()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
     @contextlib.asynccontextmanager
-    async def connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
-        """A pooled connection for code other than ours (a transactional handler), waited for no longer than
-        ``timeout``; its session is reset when it goes back (the handler may have SET, LISTENed or locked). A pool
-        the app passed in keeps its own reset on release, so it is not run twice."""
-        async with self._connection() as connection:
-            try:
-                yield connection
-            finally:
-                if self._dsn is not None:
-                    await self._reset(connection)
+    async def connection(self) -> AsyncIterator[asyncpg.Connection]:
+        """A connection for code other than ours (a transactional handler), waited for no longer than ``timeout``.
 
-    async def _reset(self, connection: asyncpg.pool.PoolConnectionProxy) -> None:
-        """Asyncpg's default reset on release, run here because our pool skips it for our own statements."""
-        try:
-            if connection.is_closed():  # a lost connection is detached from its proxy: this raises InterfaceError
-                return
-            if connection.is_in_transaction():
-                await connection.execute("ROLLBACK", timeout=self.timeout)
-            reset = connection.get_reset_query()
-            if reset:
-                await connection.execute(reset, timeout=self.timeout)
-        except Exception:  # lost, broken or busy: a fresh connection is cheaper than a doubtful one
-            with contextlib.suppress(Exception):
-                connection.terminate()
-
-    @contextlib.asynccontextmanager
-    async def _connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
-        """A pooled connection; only waiting for one (or connecting) turns into :class:`StoreUnavailable` here."""
-        pool = await self.pool()
-        try:
-            connection = await pool.acquire(timeout=self.timeout)
-        except UNAVAILABLE as error:
-            raise StoreUnavailable(str(error) or type(error).__name__) from error
+        Its session is reset when it comes back (the handler may have SET, LISTENed or locked): by the store on its
+        own connections, by asyncpg's pool on release for a pool the app passed in.
+        """
+        connection = await self._acquire()
         try:
             yield connection
         finally:
-            with contextlib.suppress(*UNAVAILABLE):  # a broken connection: asyncpg has terminated it already
-                await pool.release(connection, timeout=self.timeout)
+            if self._own is not None:
+                self._own.release(connection, broken=not await self._reset(connection))
+            else:
+                await self._give_back(connection)
+
+    async def _reset(self, connection: asyncpg.Connection) -> bool:
+        """Asyncpg's reset (what its pool runs on release): roll back, forget the transaction object, ``RESET ALL``,
+        ``UNLISTEN *``, release advisory locks. False if the connection is unusable."""
+        try:
+            if connection.is_closed():
+                return False
+            await connection.reset(timeout=self.timeout)
+        except Exception:  # lost, broken or busy: a fresh connection is cheaper than a doubtful one
+            return False
+        return True
+
+    async def _acquire(self) -> asyncpg.Connection:
+        """A connection; waiting for one (or connecting) too long, or a database that is gone, is StoreUnavailable."""
+        try:
+            if self._own is not None:
+                return await self._own.acquire()
+            assert self._borrowed is not None
+            proxy = await self._borrowed.acquire(timeout=self.timeout)
+            return cast(asyncpg.Connection, proxy)  # a pool's proxy: it has every method of a Connection
+        except UNAVAILABLE as error:
+            raise _unavailable(error) from error
+
+    async def _give_back(self, connection: asyncpg.Connection, *, broken: bool = False) -> None:
+        if self._own is not None:
+            self._own.release(connection, broken=broken)
+            return
+        assert self._borrowed is not None
+        with contextlib.suppress(*UNAVAILABLE):  # a broken connection: asyncpg has terminated it already
+            await self._borrowed.release(cast(asyncpg.pool.PoolConnectionProxy, connection), timeout=self.timeout)
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
+        """A connection for the store's own multi-statement work (migrations); closed after an error."""
+        connection = await self._acquire()
+        broken = True
+        try:
+            yield connection
+            broken = False
+        finally:
+            await self._give_back(connection, broken=broken)
 
     async def _fetchrow(self, name: str, *args: Any) -> asyncpg.Record | None:
+        connection = await self._acquire()
         try:
-            async with self._connection() as connection:
-                return await connection.fetchrow(self._sql[name], *args, timeout=self.timeout)
-        except UNAVAILABLE as error:
-            raise StoreUnavailable(str(error) or type(error).__name__) from error
+            row: asyncpg.Record | None = await connection.fetchrow(self._sql[name], *args, timeout=self.timeout)
+        except BaseException as error:
+            await self._give_back(connection, broken=True)
+            if isinstance(error, UNAVAILABLE):
+                raise _unavailable(error) from error
+            raise
+        await self._give_back(connection)
+        return row
 
     async def _execute(self, name: str, *args: Any) -> str:
+        connection = await self._acquire()
         try:
-            async with self._connection() as connection:
-                status: str = await connection.execute(self._sql[name], *args, timeout=self.timeout)
-                return status
-        except UNAVAILABLE as error:
-            raise StoreUnavailable(str(error) or type(error).__name__) from error
+            status: str = await connection.execute(self._sql[name], *args, timeout=self.timeout)
+        except BaseException as error:
+            await self._give_back(connection, broken=True)
+            if isinstance(error, UNAVAILABLE):
+                raise _unavailable(error) from error
+            raise
+        await self._give_back(connection)
+        return status
 
     # -- the Store protocol --------------------------------------------------------------------------------
 
@@ -168,7 +190,7 @@ class PostgresStore:
             try:
                 row = await connection.fetchrow(self._sql["claim"], *args, timeout=self.timeout)
             except UNAVAILABLE as error:
-                raise StoreUnavailable(str(error) or type(error).__name__) from error
+                raise _unavailable(error) from error
         assert row is not None  # INSERT … ON CONFLICT DO UPDATE … RETURNING always returns the row
         return claim_from_row(row)
 
@@ -199,7 +221,7 @@ class PostgresStore:
         try:
             status = await connection.execute(self._sql["complete"], *args, timeout=self.timeout)
         except UNAVAILABLE as error:
-            raise StoreUnavailable(str(error) or type(error).__name__) from error
+            raise _unavailable(error) from error
         return bool(status == "UPDATE 1")
 
     async def release(self, tenant: str, key: str, fence: int) -> bool:
@@ -211,13 +233,13 @@ class PostgresStore:
             return await self._execute("forget", tenant, key) == "DELETE 1"
         return bool(await connection.execute(self._sql["forget"], tenant, key, timeout=self.timeout) == "DELETE 1")
 
-    async def begin(self, connection: asyncpg.pool.PoolConnectionProxy) -> asyncpg.transaction.Transaction:
+    async def begin(self, connection: asyncpg.Connection) -> asyncpg.transaction.Transaction:
         """Open a transaction on a connection of :meth:`connection`; a lost connection is :class:`StoreUnavailable`."""
         try:
             transaction = connection.transaction()
             await transaction.start()
         except UNAVAILABLE as error:
-            raise StoreUnavailable(str(error) or type(error).__name__) from error
+            raise _unavailable(error) from error
         return transaction
 
     async def commit(self, transaction: asyncpg.transaction.Transaction) -> None:
@@ -226,7 +248,7 @@ class PostgresStore:
         try:
             await transaction.commit()
         except UNAVAILABLE as error:
-            raise StoreUnavailable(str(error) or type(error).__name__) from error
+            raise _unavailable(error) from error
 
     async def inspect(self, tenant: str, key: str) -> RecordInfo | None:
         row = await self._fetchrow("inspect", tenant, key)
@@ -289,10 +311,8 @@ class PostgresStore:
         return applied
 
 
-async def _keep_session(connection: asyncpg.Connection) -> None:
-    """The pool's reset on release. Our own statements change no session state, so the default reset (a round trip
-    running ``RESET ALL``, ``UNLISTEN *``, …) is skipped; asyncpg still rolls back a transaction left open, and
-    :meth:`PostgresStore.connection` resets the connections it lends to other code itself."""
+def _unavailable(error: BaseException) -> StoreUnavailable:
+    return StoreUnavailable(str(error) or type(error).__name__)
 
 
 def claim_from_row(row: asyncpg.Record) -> Claim:

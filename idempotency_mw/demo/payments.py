@@ -17,6 +17,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
+import asyncpg
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -476,22 +477,23 @@ async def _server_error(request: Request, error: Exception) -> Response:
 def create_app(dsn: str, *, pool_size: int = 20) -> FastAPI:
     """The payments API on the PostgreSQL at ``dsn``; migrations and the demo schema are applied at startup.
 
-    One pool serves the idempotency store and the app. A transactional request holds one connection from its
-    claim's commit to its own commit, so ``pool_size`` bounds how many writes run at once; the others wait for a
-    connection (up to the store's timeout, then a 503 the client retries).
+    Writes run on the connection the store lends them: a transactional request holds one from its claim's commit
+    to its own commit, so ``pool_size`` (the store's ``max_size``) bounds how many writes run at once; the others
+    wait for a connection (up to the store's timeout, then a 503 the client retries). Reads (the GET endpoints)
+    use a small asyncpg pool of the app's own.
     """
     store = PostgresStore(dsn, min_size=2, max_size=pool_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await store.migrate()
-        pool = await store.pool()
-        await ledger.apply_schema(pool)
-        app.state.pool = pool
-        try:
-            yield
-        finally:
-            await store.close()
+        async with asyncpg.create_pool(dsn, min_size=1, max_size=4, timeout=store.timeout) as pool:
+            await ledger.apply_schema(pool)
+            app.state.pool = pool
+            try:
+                yield
+            finally:
+                await store.close()
 
     app = FastAPI(
         title="idempotency_mw payments example",

@@ -1,0 +1,142 @@
+"""The store's own connection pool (connections.py): order, deadlines, hand-overs and broken connections."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from idempotency_mw.connections import ConnectionPool, PoolClosed
+
+
+@pytest.fixture
+async def pool(idempotency_database_url: str) -> AsyncIterator[ConnectionPool]:
+    created = ConnectionPool(idempotency_database_url, min_size=0, max_size=1, timeout=2.0)
+    yield created
+    await created.close()
+
+
+async def test_connections_are_reused_and_bounded(idempotency_database_url: str) -> None:
+    pool = ConnectionPool(idempotency_database_url, min_size=2, max_size=3, timeout=2.0)
+    await pool.open()
+    assert (pool.size, pool.idle) == (2, 2)
+    held = [await pool.acquire() for _ in range(3)]
+    assert pool.size == 3
+    assert len({connection.get_server_pid() for connection in held}) == 3
+    for connection in held:
+        pool.release(connection)
+    again = await pool.acquire()
+    assert await again.fetchval("SELECT 1") == 1
+    pool.release(again)
+    assert (pool.size, pool.idle) == (3, 3)
+    await pool.close()
+    assert (pool.size, pool.idle) == (0, 0)
+
+
+async def test_waiters_are_served_in_arrival_order(pool: ConnectionPool) -> None:
+    held = await pool.acquire()
+    served: list[int] = []
+
+    async def wait(number: int) -> None:
+        connection = await pool.acquire()
+        served.append(number)
+        await asyncio.sleep(0)
+        pool.release(connection)
+
+    waiters = []
+    for number in range(5):
+        waiters.append(asyncio.create_task(wait(number)))
+        await asyncio.sleep(0)  # each one queues before the next starts
+    pool.release(held)
+    await asyncio.gather(*waiters)
+    assert served == [0, 1, 2, 3, 4]
+
+
+async def test_a_checkout_waits_no_longer_than_the_timeout(idempotency_database_url: str) -> None:
+    pool = ConnectionPool(idempotency_database_url, min_size=0, max_size=1, timeout=0.2)
+    held = await pool.acquire()
+    with pytest.raises(TimeoutError):
+        await pool.acquire()
+    pool.release(held)
+    assert pool.idle == 1  # the waiter that gave up left nothing behind
+    pool.release(await pool.acquire())
+    await pool.close()
+
+
+async def test_a_connection_handed_to_a_waiter_that_just_gave_up_is_not_lost(pool: ConnectionPool) -> None:
+    held = await pool.acquire()
+    waiter = asyncio.create_task(pool.acquire())
+    await asyncio.sleep(0)  # the waiter is queued
+    pool.release(held)  # handed over to the waiter...
+    waiter.cancel()  # ...which is cancelled before it could run
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert (pool.size, pool.idle) == (1, 1)
+    connection = await pool.acquire()
+    assert connection is held
+    pool.release(connection)
+
+
+async def test_a_broken_connection_is_closed_and_its_place_goes_to_a_waiter(pool: ConnectionPool) -> None:
+    broken = await pool.acquire()
+    waiter = asyncio.create_task(pool.acquire())
+    await asyncio.sleep(0)
+    pool.release(broken, broken=True)
+    fresh = await asyncio.wait_for(waiter, 2)
+    assert broken.is_closed()
+    assert fresh is not broken
+    assert await fresh.fetchval("SELECT 1") == 1
+    assert pool.size == 1
+    pool.release(fresh)
+
+
+async def test_an_idle_connection_the_server_closed_is_replaced(
+    pool: ConnectionPool, idempotency_database_url: str
+) -> None:
+    connection = await pool.acquire()
+    pid = connection.get_server_pid()
+    pool.release(connection)
+    admin = await asyncpg.connect(idempotency_database_url)
+    try:
+        await admin.execute("SELECT pg_terminate_backend($1)", pid)
+    finally:
+        await admin.close()
+    for _ in range(100):  # the event loop notices the closed socket
+        if connection.is_closed():
+            break
+        await asyncio.sleep(0.01)
+    replacement = await pool.acquire()
+    assert replacement.get_server_pid() != pid
+    assert await replacement.fetchval("SELECT 1") == 1
+    assert pool.size == 1
+    pool.release(replacement)
+
+
+async def test_closing_fails_the_waiters_and_later_checkouts(pool: ConnectionPool) -> None:
+    held = await pool.acquire()
+    waiter = asyncio.create_task(pool.acquire())
+    await asyncio.sleep(0)
+    await pool.close()
+    with pytest.raises(PoolClosed):
+        await waiter
+    with pytest.raises(PoolClosed):
+        await pool.acquire()
+    pool.release(held)  # comes back after the close: closed, not kept
+    assert held.is_closed()
+    assert pool.size == 0
+
+
+async def test_a_database_that_cannot_be_reached_fails_the_checkout() -> None:
+    pool = ConnectionPool("postgresql://nobody@127.0.0.1:1/none", min_size=0, max_size=2, timeout=1.0)
+    for _ in range(2):
+        with pytest.raises(ConnectionRefusedError):
+            await pool.acquire()
+    assert pool.size == 0  # failed attempts hold no place
+    await pool.close()
+
+
+def test_sizes_are_checked() -> None:
+    with pytest.raises(ValueError, match="pool sizes"):
+        ConnectionPool("postgresql://x/y", min_size=3, max_size=2, timeout=1.0)
