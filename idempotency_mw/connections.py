@@ -27,6 +27,13 @@ class ConnectionPool:
     """At most ``max_size`` connections to ``dsn``, opened on demand; ``open()`` opens ``min_size`` ahead.
 
     ``timeout`` bounds a checkout (waiting for a free connection, or opening one), in seconds.
+
+    Two kinds of checkout. Work that *finishes* a request (renewing a running handler's lease, recording or
+    releasing its outcome) is ``urgent``: it is served before anything else, and one connection is kept for it
+    alone (when ``max_size`` > 1). Everything else, new claims and the connections lent to transactional handlers
+    included, shares the rest. Without that, a burst of new requests, or transactional handlers holding every
+    connection, would keep a running handler from renewing its lease: it would lapse, and a retry would run the
+    handler a second time.
     """
 
     def __init__(self, dsn: str, *, min_size: int, max_size: int, timeout: float) -> None:
@@ -37,8 +44,11 @@ class ConnectionPool:
         self.max_size = max_size
         self.timeout = timeout
         self._idle: list[asyncpg.Connection] = []
-        self._waiters: collections.deque[asyncio.Future[asyncpg.Connection | None]] = collections.deque()
+        self._urgent: collections.deque[asyncio.Future[asyncpg.Connection | None]] = collections.deque()
+        self._normal: collections.deque[asyncio.Future[asyncpg.Connection | None]] = collections.deque()
         self._size = 0  # connections open, in use or idle, plus those being opened
+        self._lent: set[asyncpg.Connection] = set()  # out on a checkout that is not urgent
+        self._normal_cap = max_size - 1 if max_size > 1 else max_size  # the last one is kept for urgent work
         self._closed = False
 
     @property
@@ -60,23 +70,27 @@ class ConnectionPool:
                 raise
             self.release(connection)
 
-    async def acquire(self) -> asyncpg.Connection:
-        while self._idle:
-            connection = self._idle.pop()  # the most recently used: its server backend is the warmest
-            if not connection.is_closed():
-                return connection
-            self._size -= 1  # the server closed it while it was idle (a restart, an admin): forget it
+    async def acquire(self, *, urgent: bool = False) -> asyncpg.Connection:
+        if urgent or len(self._lent) < self._normal_cap:
+            while self._idle:
+                connection = self._idle.pop()  # the most recently used: its server backend is the warmest
+                if not connection.is_closed():
+                    if not urgent:
+                        self._lent.add(connection)
+                    return connection
+                self._size -= 1  # the server closed it while it was idle (a restart, an admin): forget it
         async with asyncio.timeout(self.timeout):
-            return await self._wait_or_connect()
+            return await self._wait_or_connect(urgent)
 
     def release(self, connection: asyncpg.Connection, *, broken: bool = False) -> None:
         """Give a connection back; ``broken`` (it saw an error) closes it instead, and frees its place."""
+        self._lent.discard(connection)
         if broken or self._closed or connection.is_closed():
             connection.terminate()
             self._size -= 1
-            self._wake(None)  # a waiter may open a connection in its place
+            self._hand_over(None)  # a waiter may open a connection in its place
             return
-        if not self._wake(connection):
+        if not self._hand_over(connection):
             self._idle.append(connection)
 
     async def close(self) -> None:
@@ -84,32 +98,39 @@ class ConnectionPool:
         self._closed = True
         idle, self._idle = self._idle, []
         self._size -= len(idle)
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_exception(PoolClosed("the idempotency store's pool was closed"))
+        for waiters in (self._urgent, self._normal):
+            while waiters:
+                waiter = waiters.popleft()
+                if not waiter.done():
+                    waiter.set_exception(PoolClosed("the idempotency store's pool was closed"))
         await asyncio.gather(*(connection.close(timeout=self.timeout) for connection in idle), return_exceptions=True)
 
-    async def _wait_or_connect(self) -> asyncpg.Connection:
+    async def _wait_or_connect(self, urgent: bool) -> asyncpg.Connection:
         while True:
             if self._closed:
                 raise PoolClosed("the idempotency store's pool is closed")
-            if self._idle:
-                connection = self._idle.pop()
-                if not connection.is_closed():
+            if urgent or len(self._lent) < self._normal_cap:
+                if self._idle:
+                    connection = self._idle.pop()
+                    if connection.is_closed():
+                        self._size -= 1
+                        continue
+                    if not urgent:
+                        self._lent.add(connection)
                     return connection
-                self._size -= 1
-                continue
-            if self._size < self.max_size:
-                self._size += 1
-                try:
-                    return await self._connect()
-                except BaseException:
-                    self._size -= 1
-                    self._wake(None)
-                    raise
+                if self._size < self.max_size:
+                    self._size += 1
+                    try:
+                        connection = await self._connect()
+                    except BaseException:
+                        self._size -= 1
+                        self._hand_over(None)
+                        raise
+                    if not urgent:
+                        self._lent.add(connection)
+                    return connection
             waiter: asyncio.Future[asyncpg.Connection | None] = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
+            (self._urgent if urgent else self._normal).append(waiter)
             try:
                 handed = await waiter
             except BaseException:
@@ -119,7 +140,7 @@ class ConnectionPool:
                     if late is not None:
                         self.release(late)
                     else:
-                        self._wake(None)
+                        self._hand_over(None)
                 else:
                     waiter.cancel()
                 raise
@@ -127,15 +148,27 @@ class ConnectionPool:
                 return handed
             # A place was freed (a connection closed): loop to open one, unless someone was quicker.
 
-    def _wake(self, connection: asyncpg.Connection | None) -> bool:
-        """Hand ``connection`` (or, with None, a freed place) to the oldest waiter still waiting."""
-        while self._waiters:
-            waiter = self._waiters.popleft()
+    def _hand_over(self, connection: asyncpg.Connection | None) -> bool:
+        """Give ``connection`` (or, with None, a freed place) to the oldest urgent waiter, else to the oldest other
+        waiter if the share of non-urgent work allows. False if nobody took it."""
+        while self._urgent:
+            waiter = self._urgent.popleft()
             if not waiter.done():
+                waiter.set_result(connection)
+                return True
+        if len(self._lent) >= self._normal_cap:
+            return False
+        while self._normal:
+            waiter = self._normal.popleft()
+            if not waiter.done():
+                if connection is not None:
+                    self._lent.add(connection)
                 waiter.set_result(connection)
                 return True
         return False
 
     async def _connect(self) -> asyncpg.Connection:
-        connection: asyncpg.Connection = await asyncpg.connect(self.dsn, timeout=self.timeout)
+        connection: asyncpg.Connection = await asyncpg.connect(
+            self.dsn, timeout=self.timeout, command_timeout=self.timeout
+        )
         return connection

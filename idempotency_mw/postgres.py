@@ -117,11 +117,11 @@ class PostgresStore:
             return False
         return True
 
-    async def _acquire(self) -> asyncpg.Connection:
+    async def _acquire(self, *, urgent: bool = False) -> asyncpg.Connection:
         """A connection; waiting for one (or connecting) too long, or a database that is gone, is StoreUnavailable."""
         try:
             if self._own is not None:
-                return await self._own.acquire()
+                return await self._own.acquire(urgent=urgent)
             assert self._borrowed is not None
             proxy = await self._borrowed.acquire(timeout=self.timeout)
             return cast(asyncpg.Connection, proxy)  # a pool's proxy: it has every method of a Connection
@@ -148,28 +148,26 @@ class PostgresStore:
             await self._give_back(connection, broken=broken)
 
     async def _fetchrow(self, name: str, *args: Any) -> asyncpg.Record | None:
-        connection = await self._acquire()
-        try:
-            row: asyncpg.Record | None = await connection.fetchrow(self._sql[name], *args, timeout=self.timeout)
-        except BaseException as error:
-            await self._give_back(connection, broken=True)
-            if isinstance(error, UNAVAILABLE):
-                raise _unavailable(error) from error
-            raise
-        await self._give_back(connection)
+        row: asyncpg.Record | None = await self._run("fetchrow", name, args)
         return row
 
-    async def _execute(self, name: str, *args: Any) -> str:
-        connection = await self._acquire()
+    async def _execute(self, name: str, *args: Any, urgent: bool = False) -> str:
+        status: str = await self._run("execute", name, args, urgent=urgent)
+        return status
+
+    async def _run(self, method: str, name: str, args: tuple[Any, ...], *, urgent: bool = False) -> Any:
+        """One statement on a connection of its own; a connection that saw an error is not reused. ``urgent``:
+        the statement finishes a request (renew, complete, release) and goes before new claims for a connection."""
+        connection = await self._acquire(urgent=urgent)
         try:
-            status: str = await connection.execute(self._sql[name], *args, timeout=self.timeout)
+            result = await getattr(connection, method)(self._sql[name], *args, timeout=self.timeout)
         except BaseException as error:
             await self._give_back(connection, broken=True)
             if isinstance(error, UNAVAILABLE):
                 raise _unavailable(error) from error
             raise
         await self._give_back(connection)
-        return status
+        return result
 
     # -- the Store protocol --------------------------------------------------------------------------------
 
@@ -195,7 +193,7 @@ class PostgresStore:
         return claim_from_row(row)
 
     async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
-        return await self._execute("renew", tenant, key, fence, float(lease)) == "UPDATE 1"
+        return await self._execute("renew", tenant, key, fence, float(lease), urgent=True) == "UPDATE 1"
 
     async def complete(
         self,
@@ -217,7 +215,7 @@ class PostgresStore:
             response.body_size,
         )
         if connection is None:
-            return await self._execute("complete", *args) == "UPDATE 1"
+            return await self._execute("complete", *args, urgent=True) == "UPDATE 1"
         try:
             status = await connection.execute(self._sql["complete"], *args, timeout=self.timeout)
         except UNAVAILABLE as error:
@@ -225,7 +223,7 @@ class PostgresStore:
         return bool(status == "UPDATE 1")
 
     async def release(self, tenant: str, key: str, fence: int) -> bool:
-        return await self._execute("release", tenant, key, fence) == "DELETE 1"
+        return await self._execute("release", tenant, key, fence, urgent=True) == "DELETE 1"
 
     async def forget(self, tenant: str, key: str, *, connection: asyncpg.Connection | None = None) -> bool:
         """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names."""

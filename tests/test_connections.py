@@ -22,7 +22,7 @@ async def test_connections_are_reused_and_bounded(idempotency_database_url: str)
     pool = ConnectionPool(idempotency_database_url, min_size=2, max_size=3, timeout=2.0)
     await pool.open()
     assert (pool.size, pool.idle) == (2, 2)
-    held = [await pool.acquire() for _ in range(3)]
+    held = [await pool.acquire(), await pool.acquire(), await pool.acquire(urgent=True)]
     assert pool.size == 3
     assert len({connection.get_server_pid() for connection in held}) == 3
     for connection in held:
@@ -33,6 +33,43 @@ async def test_connections_are_reused_and_bounded(idempotency_database_url: str)
     assert (pool.size, pool.idle) == (3, 3)
     await pool.close()
     assert (pool.size, pool.idle) == (0, 0)
+
+
+async def test_the_last_connection_is_kept_for_work_that_finishes_requests(idempotency_database_url: str) -> None:
+    """New claims and transactional handlers can take every connection but one; a lease renewal, a completion or a
+    release always finds that one (after other urgent work only)."""
+    pool = ConnectionPool(idempotency_database_url, min_size=0, max_size=3, timeout=0.3)
+    handlers = [await pool.acquire(), await pool.acquire()]
+    with pytest.raises(TimeoutError):
+        await pool.acquire()  # a third request waits although a connection could still be opened
+    renewal = await pool.acquire(urgent=True)
+    assert pool.size == 3
+    pool.release(renewal)
+    assert pool.idle == 1  # kept for urgent work, not handed to a request
+    pool.release(handlers.pop())
+    claim = await pool.acquire()  # a request got its place back
+    for connection in (claim, *handlers):
+        pool.release(connection)
+    await pool.close()
+
+
+async def test_urgent_waiters_go_first(pool: ConnectionPool) -> None:
+    held = await pool.acquire()  # max_size 1: nothing is reserved, so urgent work waits like the rest
+    served: list[str] = []
+
+    async def wait(name: str, urgent: bool) -> None:
+        connection = await pool.acquire(urgent=urgent)
+        served.append(name)
+        await asyncio.sleep(0)
+        pool.release(connection)
+
+    tasks = []
+    for name, urgent in (("claim 1", False), ("claim 2", False), ("renewal", True), ("release", True)):
+        tasks.append(asyncio.create_task(wait(name, urgent)))
+        await asyncio.sleep(0)
+    pool.release(held)
+    await asyncio.gather(*tasks)
+    assert served == ["renewal", "release", "claim 1", "claim 2"]
 
 
 async def test_waiters_are_served_in_arrival_order(pool: ConnectionPool) -> None:

@@ -296,10 +296,8 @@ async def test_a_transaction_the_database_refuses_is_a_handler_failure(
     assert await effects(db, key) == 1
 
 
-async def test_a_lent_connection_goes_back_to_the_pool_reset(idempotency_database_url: str, key: str) -> None:
-    """The pool skips asyncpg's reset round trip for the store's own statements; a connection lent to a handler is
-    still reset, so a session setting of the handler (here a row-level-security tenant) does not follow the
-    connection to whoever uses it next."""
+def build_session_setter(store: PostgresStore) -> Starlette:
+    """A transactional handler that changes its session: a row-level-security tenant, set without LOCAL."""
 
     async def write(request: Request) -> Response:
         context = idempotency_context(request)
@@ -308,10 +306,16 @@ async def test_a_lent_connection_goes_back_to_the_pool_reset(idempotency_databas
         await context.connection.execute("SET app.tenant = 'alice'")
         return JSONResponse({"ok": True}, status_code=201)
 
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+    return app
+
+
+async def test_a_lent_connection_goes_back_to_the_pool_reset(idempotency_database_url: str, key: str) -> None:
+    """The store's own statements go back without a reset round trip; a connection lent to a handler is reset, so
+    a session setting of the handler does not follow the connection to whoever uses it next."""
     async with PostgresStore(idempotency_database_url, min_size=1, max_size=1) as store:  # one connection for all
-        app = Starlette(routes=[Route("/write", write, methods=["POST"])])
-        app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
-        client = client_for(app)
+        client = client_for(build_session_setter(store))
         assert (await client.post("/write", headers={"Idempotency-Key": key})).status_code == 201
         again = await client.post("/write", headers={"Idempotency-Key": key})
         assert again.headers["idempotent-replayed"] == "true"
@@ -323,19 +327,9 @@ async def test_a_lent_connection_of_the_apps_own_pool_is_reset_by_that_pool(
     idempotency_database_url: str, key: str
 ) -> None:
     """A pool the app passes in keeps asyncpg's reset on release; the store does not run a second one."""
-
-    async def write(request: Request) -> Response:
-        context = idempotency_context(request)
-        assert context is not None
-        assert context.connection is not None
-        await context.connection.execute("SET app.tenant = 'alice'")
-        return JSONResponse({"ok": True}, status_code=201)
-
     pool = await asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=1)
     try:
-        store = PostgresStore(pool)
-        app = Starlette(routes=[Route("/write", write, methods=["POST"])])
-        app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+        app = build_session_setter(PostgresStore(pool))
         assert (await client_for(app).post("/write", headers={"Idempotency-Key": key})).status_code == 201
         async with pool.acquire() as connection:
             assert not await connection.fetchval("SELECT current_setting('app.tenant', true)")

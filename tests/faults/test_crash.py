@@ -20,6 +20,9 @@ async def test_transactional_mode_takes_every_operation_once(idempotency_databas
     assert findings.violations == []
     # No claim of the dead worker was renewed past one lease from its last heartbeat (+1 s for clock reads).
     assert findings.worst_lease_overhang <= LEASE + 1.0
+    # And its running handlers did keep their leases up to the kill, although they held every connection but the
+    # one the pool keeps for renewals (a lapsed lease would let a retry run a live handler a second time).
+    assert findings.worst_lease_overhang > 0
 
 
 async def test_plain_mode_can_only_repeat_effects_committed_before_the_crash(idempotency_database_url: str) -> None:
