@@ -616,3 +616,23 @@ async def test_events_report_outcomes_and_attempts(store: Store, key: str) -> No
     assert all(key not in repr(e) for e in events)  # only a hash of the key travels
     assert events[0].key_hash == events[1].key_hash != ""
     assert probe.calls["charge"] == 1
+
+
+async def test_a_completed_record_replays_even_if_its_fence_is_drawn_again(pg_store: PostgresStore, key: str) -> None:
+    """Fences come from a sequence, so a fresh claim never draws a stored record's fence, unless the sequence was
+    reset (a restore without its setval, rows loaded by hand). Then the record must still replay, not run again."""
+    from idempotency_mw import StoredResponse
+
+    fp = b"r" * 32
+    claim = await pg_store.claim("t", key, fp, lease=60, ttl=60)
+    assert await pg_store.complete("t", key, claim.fence, StoredResponse(201, [], b"done", 4))
+    async with pg_store.connection() as connection:
+        high = await connection.fetchval("SELECT last_value FROM idempotency_fence")
+        await connection.execute("SELECT setval('idempotency_fence', $1, false)", claim.fence)  # next draw: its fence
+        try:
+            again = await pg_store.claim("t", key, fp, lease=60, ttl=60)
+        finally:
+            await connection.execute("SELECT setval('idempotency_fence', $1)", high)
+    assert again.outcome.value == "completed"
+    assert again.response is not None
+    assert again.response.body == b"done"

@@ -26,7 +26,9 @@ ON CONFLICT (tenant, key) DO UPDATE SET
     expires_at       = CASE WHEN r.expires_at <= now() THEN excluded.expires_at ELSE r.expires_at END,
     attempts         = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.attempts + 1 END
 RETURNING
-    r.fence = (SELECT fence FROM new) AS owned,
+    -- Ours if it carries the fence just drawn. The state check is a second lock on the door: a completed record
+    -- whose fence equals a fresh nextval (a sequence reset by a restore) must replay, never run again.
+    r.fence = (SELECT fence FROM new) AND r.state = 'in_progress' AS owned,
     r.fence,
     r.state,
     r.fingerprint = $3 AS same_request,
