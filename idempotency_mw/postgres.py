@@ -98,11 +98,15 @@ class PostgresStore:
         own connections, by asyncpg's pool on release for a pool the app passed in.
         """
         connection = await self._acquire()
+        lost = False
         try:
             yield connection
+        except BaseException as error:
+            lost = isinstance(error, (*UNAVAILABLE, StoreUnavailable))  # no reset for a connection that is gone
+            raise
         finally:
             if self._own is not None:
-                self._own.release(connection, broken=not await self._reset(connection))
+                self._own.release(connection, broken=lost or not await self._reset(connection))
             else:
                 await self._give_back(connection)
 
