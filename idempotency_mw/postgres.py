@@ -56,18 +56,13 @@ class PostgresStore:
         if timeout <= 0:
             raise ValueError("PostgresStore timeout must be positive")
         self.timeout = timeout
-        self._pool_args = (min_size, max_size)
         self._own: ConnectionPool | None = None
         self._borrowed: asyncpg.Pool | None = None
         if isinstance(dsn_or_pool, str):
-            self._own = self._new_pool(dsn_or_pool)
+            self._own = ConnectionPool(dsn_or_pool, min_size=min_size, max_size=max_size, timeout=timeout)
         else:
             self._borrowed = dsn_or_pool
         self._sql = queries()
-
-    def _new_pool(self, dsn: str) -> ConnectionPool:
-        min_size, max_size = self._pool_args
-        return ConnectionPool(dsn, min_size=min_size, max_size=max_size, timeout=self.timeout)
 
     async def open(self) -> None:
         """Connect now (``min_size`` connections), so that a database that cannot be reached fails at startup."""
@@ -78,10 +73,10 @@ class PostgresStore:
                 raise _unavailable(error) from error
 
     async def close(self) -> None:
-        """Close the connections the store opened (a pool passed in is the app's to close). Usable again after."""
+        """Close the connections the store opened, those still in use as they come back (a pool passed in is the
+        app's to close). A closed store answers every call with :class:`StoreUnavailable`."""
         if self._own is not None:
-            pool, self._own = self._own, self._new_pool(self._own.dsn)
-            await pool.close()
+            await self._own.close()
 
     async def __aenter__(self) -> PostgresStore:
         await self.open()

@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
+from idempotency_mw import PostgresStore
 from idempotency_mw.connections import ConnectionPool, PoolClosed
+from idempotency_mw.store import StoreUnavailable
 
 
 @pytest.fixture
@@ -177,3 +179,16 @@ async def test_a_database_that_cannot_be_reached_fails_the_checkout() -> None:
 def test_sizes_are_checked() -> None:
     with pytest.raises(ValueError, match="pool sizes"):
         ConnectionPool("postgresql://x/y", min_size=3, max_size=2, timeout=1.0)
+
+
+async def test_a_closed_store_refuses_calls_and_closes_connections_that_come_back(
+    idempotency_database_url: str,
+) -> None:
+    store = PostgresStore(idempotency_database_url, min_size=1, max_size=2)
+    await store.open()
+    async with store.connection() as connection:
+        await store.close()
+        assert await connection.fetchval("SELECT 1") == 1  # a request still using it finishes its work
+    assert connection.is_closed()
+    with pytest.raises(StoreUnavailable):
+        await store.inspect("t", "k")
