@@ -48,6 +48,7 @@ class ConnectionPool:
         self._normal: collections.deque[asyncio.Future[asyncpg.Connection | None]] = collections.deque()
         self._size = 0  # connections open, in use or idle, plus those being opened
         self._lent: set[asyncpg.Connection] = set()  # out on a checkout that is not urgent
+        self._opening = 0  # connections being opened for checkouts that are not urgent (they count as lent)
         self._normal_cap = max_size - 1 if max_size > 1 else max_size  # the last one is kept for urgent work
         self._closed = False
 
@@ -70,8 +71,12 @@ class ConnectionPool:
                 raise
             self.release(connection)
 
+    def _room(self, urgent: bool) -> bool:
+        """Whether this checkout may take a connection now: urgent work always, other work below its share."""
+        return urgent or len(self._lent) + self._opening < self._normal_cap
+
     async def acquire(self, *, urgent: bool = False) -> asyncpg.Connection:
-        if urgent or len(self._lent) < self._normal_cap:
+        if self._room(urgent):
             while self._idle:
                 connection = self._idle.pop()  # the most recently used: its server backend is the warmest
                 if not connection.is_closed():
@@ -109,7 +114,7 @@ class ConnectionPool:
         while True:
             if self._closed:
                 raise PoolClosed("the idempotency store's pool is closed")
-            if urgent or len(self._lent) < self._normal_cap:
+            if self._room(urgent):
                 if self._idle:
                     connection = self._idle.pop()
                     if connection.is_closed():
@@ -119,13 +124,17 @@ class ConnectionPool:
                         self._lent.add(connection)
                     return connection
                 if self._size < self.max_size:
+                    counted = 0 if urgent else 1  # a connection opened for other work already takes its share
                     self._size += 1
+                    self._opening += counted
                     try:
                         connection = await self._connect()
                     except BaseException:
                         self._size -= 1
+                        self._opening -= counted
                         self._hand_over(None)
                         raise
+                    self._opening -= counted
                     if not urgent:
                         self._lent.add(connection)
                     return connection
@@ -156,7 +165,7 @@ class ConnectionPool:
             if not waiter.done():
                 waiter.set_result(connection)
                 return True
-        if len(self._lent) >= self._normal_cap:
+        if not self._room(urgent=False):
             return False
         while self._normal:
             waiter = self._normal.popleft()

@@ -329,12 +329,12 @@ class IdempotentRequest:
                 return
             settled = True
             if not self._is_final(recorder.status):
-                await transaction.rollback()
+                await store.rollback(transaction)
                 return
             if fence is not None and not await store.complete(
                 self.tenant, self.key, fence, recorder.stored_response(), connection=connection
             ):
-                await transaction.rollback()
+                await store.rollback(transaction)
                 raise _FencedOut
             await store.commit(transaction)
             committed = fence is not None

@@ -20,16 +20,17 @@ from idempotency_mw.store import Claim, ClaimOutcome, RecordInfo, StoredResponse
 
 # What "the store cannot be reached" looks like from asyncpg: connection failures, a server shutting down,
 # deadlines. Errors in our own SQL (a missing table) are not among them and surface as they are.
+# A lost COMMIT (TransactionResolutionUnknownError, SQLSTATE 08007) is among them: the retry then finds the record
+# completed (and replays) or gone (and runs), so answering 503 and releasing the key is right either way.
 UNAVAILABLE = (
     OSError,
     TimeoutError,
-    asyncpg.exceptions.ConnectionDoesNotExistError,
-    asyncpg.exceptions.InterfaceError,
+    asyncpg.exceptions.PostgresConnectionError,  # SQLSTATE class 08, connection lost or refused
+    asyncpg.exceptions.InterfaceError,  # "connection is closed", a closed pool, an operation on a lost connection
     asyncpg.exceptions.CannotConnectNowError,
     asyncpg.exceptions.AdminShutdownError,
     asyncpg.exceptions.CrashShutdownError,
     asyncpg.exceptions.TooManyConnectionsError,
-    asyncpg.exceptions.ConnectionFailureError,
     asyncpg.exceptions.QueryCanceledError,
 )
 
@@ -100,10 +101,14 @@ class PostgresStore:
             lost = isinstance(error, (*UNAVAILABLE, StoreUnavailable))  # no reset for a connection that is gone
             raise
         finally:
-            if self._own is not None:
-                self._own.release(connection, broken=lost or not await self._reset(connection))
-            else:
+            if self._own is None:
                 await self._give_back(connection)
+            else:
+                healthy = False
+                try:
+                    healthy = not lost and await self._reset(connection)
+                finally:  # even when the reset itself is cancelled: the connection must go back (closed)
+                    self._own.release(connection, broken=not healthy)
 
     async def _reset(self, connection: asyncpg.Connection) -> bool:
         """Asyncpg's reset (what its pool runs on release): roll back, forget the transaction object, ``RESET ALL``,
@@ -132,7 +137,7 @@ class PostgresStore:
             self._own.release(connection, broken=broken)
             return
         assert self._borrowed is not None
-        with contextlib.suppress(*UNAVAILABLE):  # a broken connection: asyncpg has terminated it already
+        with contextlib.suppress(Exception):  # a failed reset or a lost connection: asyncpg has terminated it
             await self._borrowed.release(cast(asyncpg.pool.PoolConnectionProxy, connection), timeout=self.timeout)
 
     @contextlib.asynccontextmanager
@@ -228,7 +233,11 @@ class PostgresStore:
         """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names."""
         if connection is None:
             return await self._execute("forget", tenant, key) == "DELETE 1"
-        return bool(await connection.execute(self._sql["forget"], tenant, key, timeout=self.timeout) == "DELETE 1")
+        try:
+            status = await connection.execute(self._sql["forget"], tenant, key, timeout=self.timeout)
+        except UNAVAILABLE as error:
+            raise _unavailable(error) from error
+        return bool(status == "DELETE 1")
 
     async def begin(self, connection: asyncpg.Connection) -> asyncpg.transaction.Transaction:
         """Open a transaction on a connection of :meth:`connection`; a lost connection is :class:`StoreUnavailable`."""
@@ -238,6 +247,13 @@ class PostgresStore:
         except UNAVAILABLE as error:
             raise _unavailable(error) from error
         return transaction
+
+    async def rollback(self, transaction: asyncpg.transaction.Transaction) -> None:
+        """Roll back a transaction of :meth:`connection`; a lost connection is :class:`StoreUnavailable`."""
+        try:
+            await transaction.rollback()
+        except UNAVAILABLE as error:
+            raise _unavailable(error) from error
 
     async def commit(self, transaction: asyncpg.transaction.Transaction) -> None:
         """Commit a transaction of :meth:`connection`; a lost connection is :class:`StoreUnavailable`, while the

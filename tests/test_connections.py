@@ -192,3 +192,52 @@ async def test_a_closed_store_refuses_calls_and_closes_connections_that_come_bac
     assert connection.is_closed()
     with pytest.raises(StoreUnavailable):
         await store.inspect("t", "k")
+
+
+async def test_connections_being_opened_count_against_the_share_of_other_work(idempotency_database_url: str) -> None:
+    """A cold burst opens connections concurrently; the ones still connecting count, so the reserve survives."""
+    pool = ConnectionPool(idempotency_database_url, min_size=0, max_size=3, timeout=0.3)
+    results = await asyncio.gather(*(pool.acquire() for _ in range(3)), return_exceptions=True)
+    held = [r for r in results if isinstance(r, asyncpg.Connection)]
+    assert len(held) == 2
+    assert sum(isinstance(r, TimeoutError) for r in results) == 1
+    renewal = await pool.acquire(urgent=True)  # the reserved one is still there
+    for connection in (renewal, *held):
+        pool.release(connection)
+    await pool.close()
+
+
+async def test_a_lent_connection_goes_back_even_when_its_reset_is_cancelled(idempotency_database_url: str) -> None:
+    store = PostgresStore(idempotency_database_url, min_size=0, max_size=2, timeout=1)
+    pool = store._own
+    assert pool is not None
+
+    async def handler() -> None:
+        async with store.connection():
+            await asyncio.sleep(10)
+
+    task = asyncio.create_task(handler())
+    await asyncio.sleep(0.1)
+    task.cancel()  # the handler is cancelled...
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    task.cancel()  # ...and cancelled again while the connection is being reset
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert (pool.size, pool.idle) == (0, 0)  # closed, not leaked
+    async with store.connection() as connection:  # and its place is free again
+        assert await connection.fetchval("SELECT 1") == 1
+    await store.close()
+
+
+async def test_forget_on_a_lost_connection_is_store_unavailable(pg_store: PostgresStore) -> None:
+    async with pg_store.connection() as connection:
+        pid = connection.get_server_pid()
+        async with pg_store.connection() as killer:
+            await killer.execute("SELECT pg_terminate_backend($1)", pid)
+        for _ in range(100):
+            if connection.is_closed():
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(StoreUnavailable):
+            await pg_store.forget("t", "k", connection=connection)

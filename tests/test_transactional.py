@@ -377,3 +377,33 @@ async def test_a_handler_failing_after_an_over_cap_commit_keeps_its_record(
     assert retry.status_code == 409
     assert retry.json()["code"] == "idempotency_response_not_replayable"
     assert await effects(db, key) == 1
+
+
+async def test_a_transaction_lost_before_its_rollback_is_503_and_frees_the_key(
+    pg_store: PostgresStore, key: str, idempotency_database_url: str
+) -> None:
+    """The handler answers 500 (so its transaction rolls back), but the connection died under it meanwhile: that is
+    the store being unreachable (503, retry later), not a handler error or a refused commit."""
+
+    async def write(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        pid = context.connection.get_server_pid()
+        killer = await asyncpg.connect(idempotency_database_url)
+        try:
+            await killer.execute("SELECT pg_terminate_backend($1)", pid)
+        finally:
+            await killer.close()
+        for _ in range(100):
+            if context.connection.is_closed():
+                break
+            await asyncio.sleep(0.01)
+        return JSONResponse({"error": "upstream failed"}, status_code=500)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=pg_store, transactional=True)
+    response = await client_for(app).post("/write", headers={"Idempotency-Key": key})
+    assert response.status_code == 503
+    assert response.json()["code"] == "idempotency_store_unavailable"
+    assert await pg_store.inspect(_tenant(), key) is None  # released: the retry runs afresh
