@@ -8,7 +8,7 @@ hung request.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, cast
 
 import asyncpg
@@ -68,10 +68,8 @@ class PostgresStore:
     async def open(self) -> None:
         """Connect now (``min_size`` connections), so that a database that cannot be reached fails at startup."""
         if self._own is not None:
-            try:
+            with _reachable():
                 await self._own.open()
-            except UNAVAILABLE as error:
-                raise _unavailable(error) from error
 
     async def close(self) -> None:
         """Close the connections the store opened, those still in use as they come back (a pool passed in is the
@@ -123,14 +121,12 @@ class PostgresStore:
 
     async def _acquire(self, *, urgent: bool = False) -> asyncpg.Connection:
         """A connection; waiting for one (or connecting) too long, or a database that is gone, is StoreUnavailable."""
-        try:
+        with _reachable():
             if self._own is not None:
                 return await self._own.acquire(urgent=urgent)
             assert self._borrowed is not None
             proxy = await self._borrowed.acquire(timeout=self.timeout)
             return cast(asyncpg.Connection, proxy)  # a pool's proxy: it has every method of a Connection
-        except UNAVAILABLE as error:
-            raise _unavailable(error) from error
 
     async def _give_back(self, connection: asyncpg.Connection, *, broken: bool = False) -> None:
         if self._own is not None:
@@ -164,11 +160,10 @@ class PostgresStore:
         the statement finishes a request (renew, complete, release) and goes before new claims for a connection."""
         connection = await self._acquire(urgent=urgent)
         try:
-            result = await getattr(connection, method)(self._sql[name], *args, timeout=self.timeout)
-        except BaseException as error:
+            with _reachable():
+                result = await getattr(connection, method)(self._sql[name], *args, timeout=self.timeout)
+        except BaseException:
             await self._give_back(connection, broken=True)
-            if isinstance(error, UNAVAILABLE):
-                raise _unavailable(error) from error
             raise
         await self._give_back(connection)
         return result
@@ -189,10 +184,8 @@ class PostgresStore:
         if connection is None:
             row = await self._fetchrow("claim", *args)
         else:
-            try:
+            with _reachable():
                 row = await connection.fetchrow(self._sql["claim"], *args, timeout=self.timeout)
-            except UNAVAILABLE as error:
-                raise _unavailable(error) from error
         assert row is not None  # INSERT … ON CONFLICT DO UPDATE … RETURNING always returns the row
         return claim_from_row(row)
 
@@ -220,10 +213,8 @@ class PostgresStore:
         )
         if connection is None:
             return await self._execute("complete", *args, urgent=True) == "UPDATE 1"
-        try:
+        with _reachable():
             status = await connection.execute(self._sql["complete"], *args, timeout=self.timeout)
-        except UNAVAILABLE as error:
-            raise _unavailable(error) from error
         return bool(status == "UPDATE 1")
 
     async def release(self, tenant: str, key: str, fence: int) -> bool:
@@ -233,35 +224,27 @@ class PostgresStore:
         """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names."""
         if connection is None:
             return await self._execute("forget", tenant, key) == "DELETE 1"
-        try:
+        with _reachable():
             status = await connection.execute(self._sql["forget"], tenant, key, timeout=self.timeout)
-        except UNAVAILABLE as error:
-            raise _unavailable(error) from error
         return bool(status == "DELETE 1")
 
     async def begin(self, connection: asyncpg.Connection) -> asyncpg.transaction.Transaction:
         """Open a transaction on a connection of :meth:`connection`; a lost connection is :class:`StoreUnavailable`."""
-        try:
+        with _reachable():
             transaction = connection.transaction()
             await transaction.start()
-        except UNAVAILABLE as error:
-            raise _unavailable(error) from error
         return transaction
 
     async def rollback(self, transaction: asyncpg.transaction.Transaction) -> None:
         """Roll back a transaction of :meth:`connection`; a lost connection is :class:`StoreUnavailable`."""
-        try:
+        with _reachable():
             await transaction.rollback()
-        except UNAVAILABLE as error:
-            raise _unavailable(error) from error
 
     async def commit(self, transaction: asyncpg.transaction.Transaction) -> None:
         """Commit a transaction of :meth:`connection`; a lost connection is :class:`StoreUnavailable`, while the
         database refusing the commit (a deferred constraint, an aborted transaction) surfaces as it is."""
-        try:
+        with _reachable():
             await transaction.commit()
-        except UNAVAILABLE as error:
-            raise _unavailable(error) from error
 
     async def inspect(self, tenant: str, key: str) -> RecordInfo | None:
         row = await self._fetchrow("inspect", tenant, key)
@@ -324,8 +307,13 @@ class PostgresStore:
         return applied
 
 
-def _unavailable(error: BaseException) -> StoreUnavailable:
-    return StoreUnavailable(str(error) or type(error).__name__)
+@contextlib.contextmanager
+def _reachable() -> Iterator[None]:
+    """Turn "the database cannot be reached" (see ``UNAVAILABLE``) into :class:`StoreUnavailable`; let the rest be."""
+    try:
+        yield
+    except UNAVAILABLE as error:
+        raise StoreUnavailable(str(error) or type(error).__name__) from error
 
 
 def claim_from_row(row: asyncpg.Record) -> Claim:
