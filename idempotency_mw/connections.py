@@ -76,16 +76,21 @@ class ConnectionPool:
         return urgent or len(self._lent) + self._opening < self._normal_cap
 
     async def acquire(self, *, urgent: bool = False) -> asyncpg.Connection:
-        if self._room(urgent):
-            while self._idle:
-                connection = self._idle.pop()  # the most recently used: its server backend is the warmest
-                if not connection.is_closed():
-                    if not urgent:
-                        self._lent.add(connection)
-                    return connection
-                self._size -= 1  # the server closed it while it was idle (a restart, an admin): forget it
+        if self._room(urgent) and (connection := self._take_idle(urgent)) is not None:
+            return connection  # the common case: no timer, no await
         async with asyncio.timeout(self.timeout):
             return await self._wait_or_connect(urgent)
+
+    def _take_idle(self, urgent: bool) -> asyncpg.Connection | None:
+        while self._idle:
+            connection = self._idle.pop()  # the most recently used: its server backend is the warmest
+            if connection.is_closed():
+                self._size -= 1  # the server closed it while it was idle (a restart, an admin): forget it
+                continue
+            if not urgent:
+                self._lent.add(connection)
+            return connection
+        return None
 
     def release(self, connection: asyncpg.Connection, *, broken: bool = False) -> None:
         """Give a connection back; ``broken`` (it saw an error) closes it instead, and frees its place."""
@@ -115,14 +120,8 @@ class ConnectionPool:
             if self._closed:
                 raise PoolClosed("the idempotency store's pool is closed")
             if self._room(urgent):
-                if self._idle:
-                    connection = self._idle.pop()
-                    if connection.is_closed():
-                        self._size -= 1
-                        continue
-                    if not urgent:
-                        self._lent.add(connection)
-                    return connection
+                if (idle := self._take_idle(urgent)) is not None:
+                    return idle
                 if self._size < self.max_size:
                     counted = 0 if urgent else 1  # a connection opened for other work already takes its share
                     self._size += 1

@@ -486,14 +486,14 @@ def create_app(dsn: str, *, pool_size: int = 20) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await store.migrate()
-        async with asyncpg.create_pool(dsn, min_size=1, max_size=4, timeout=store.timeout) as pool:
-            await ledger.apply_schema(pool)
-            app.state.pool = pool
-            try:
+        try:
+            await store.migrate()
+            async with asyncpg.create_pool(dsn, min_size=1, max_size=4, timeout=store.timeout) as pool:
+                await ledger.apply_schema(pool)
+                app.state.pool = pool
                 yield
-            finally:
-                await store.close()
+        finally:
+            await store.close()
 
     app = FastAPI(
         title="idempotency_mw payments example",
