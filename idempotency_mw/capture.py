@@ -2,8 +2,8 @@
 
 The recorder sits in the ASGI ``send`` path and copies what passes: the status, the raw header list (order and
 repeats kept: two ``Set-Cookie`` stay two), and every body chunk, up to the storage cap. It either forwards each
-message at once (the live response streams as if we were not there) or holds them until ``flush`` (transactional
-mode: nothing reaches the client before the record has committed).
+message at once (the live response streams as if we were not there) or holds them until the answer is decided
+(transactional mode: nothing reaches the client before the record has committed).
 """
 
 from __future__ import annotations
@@ -19,28 +19,33 @@ REPLAYED_HEADER = (b"idempotent-replayed", b"true")
 
 
 class ResponseRecorder:
+    """Copy a response as it passes through ``send``.
+
+    ``on_final`` is awaited when the final body message arrives, before that message goes on: the point where the
+    answer is decided (the record is written, or the transaction commits) while the client has not yet seen its
+    end, and before anything the app runs after its response (background tasks). If it raises, the final message
+    (and, when holding, everything held) is not sent.
+
+    With ``hold``, messages are kept back until then (transactional mode: nothing reaches the client before the
+    commit). A held response that outgrows ``max_body`` calls ``on_final`` early (the answer is decided then, and
+    the record says the body was too large to store) and streams the rest through, so holding never grows without
+    bound.
+    """
+
     def __init__(
-        self,
-        send: Send,
-        *,
-        max_body: int,
-        hold: bool = False,
-        on_overflow: Callable[[], Awaitable[None]] | None = None,
+        self, send: Send, *, max_body: int, on_final: Callable[[], Awaitable[None]], hold: bool = False
     ) -> None:
         self._send = send
         self._max_body = max_body
+        self._on_final = on_final
         self._hold = hold
-        self._on_overflow = on_overflow  # called once, before holding more than the cap
         self._held: list[Message] = []
         self._chunks: list[bytes] = []
         self.status: int | None = None
         self.headers: Headers = []
         self.body_size = 0
         self.finished = False  # the final body message went through
-
-    @property
-    def started(self) -> bool:
-        return self.status is not None
+        self.capturable = True  # False once a message came that the recorder cannot store (then: no body)
 
     @property
     def overflowed(self) -> bool:
@@ -48,6 +53,7 @@ class ResponseRecorder:
 
     async def send(self, message: Message) -> None:
         kind = message["type"]
+        final = False
         if kind == "http.response.start":
             self.status = message["status"]
             self.headers = list(message.get("headers", ()))
@@ -58,28 +64,35 @@ class ResponseRecorder:
                 self._chunks.clear()  # past the cap the body is not stored, so keep none of it
             elif chunk:
                 self._chunks.append(chunk)
-            if not message.get("more_body", False):
-                self.finished = True
-        if self._hold:
-            self._held.append(message)
-            if self.overflowed:
-                # Holding more would grow without bound: settle the record now, then stream the rest through.
-                if self._on_overflow is not None:
-                    await self._on_overflow()
-                await self.flush()
-        else:
+            final = not message.get("more_body", False)
+        else:  # a message that carries the body some other way (a file path): nothing here to store
+            self.capturable = False
+            final = kind == "http.response.pathsend"
+        if final:
+            self.finished = True
+            await self._on_final()
+        if not self._hold:
             await self._send(message)
+            return
+        self._held.append(message)
+        if final:
+            await self._release_held()
+        elif self.overflowed:
+            await self._on_final()  # decide now: holding more would grow without bound
+            await self._release_held()
 
-    async def flush(self) -> None:
+    async def _release_held(self) -> None:
         """Send the held messages and stop holding."""
         held, self._held, self._hold = self._held, [], False
         for message in held:
             await self._send(message)
 
     def stored_response(self) -> StoredResponse:
-        """What to record; without a body when it is over the cap or was cut short (then it cannot be replayed)."""
+        """What to record; without a body when it is over the cap, was cut short, or went around the recorder
+        (then it cannot be replayed)."""
         assert self.status is not None
-        body = b"".join(self._chunks) if self.finished and not self.overflowed else None
+        stored = self.finished and self.capturable and not self.overflowed
+        body = b"".join(self._chunks) if stored else None
         return StoredResponse(self.status, self.headers, body, self.body_size)
 
 

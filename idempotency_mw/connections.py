@@ -36,13 +36,22 @@ class ConnectionPool:
     handler a second time.
     """
 
-    def __init__(self, dsn: str, *, min_size: int, max_size: int, timeout: float) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        min_size: int,
+        max_size: int,
+        timeout: float,
+        connection_class: type[asyncpg.Connection] = asyncpg.Connection,
+    ) -> None:
         if not 0 <= min_size <= max_size or max_size < 1:
             raise ValueError(f"pool sizes must satisfy 0 <= min_size <= max_size >= 1, got {min_size}, {max_size}")
         self.dsn = dsn
         self.min_size = min_size
         self.max_size = max_size
         self.timeout = timeout
+        self.connection_class = connection_class
         self._idle: list[asyncpg.Connection] = []
         self._urgent: collections.deque[asyncio.Future[asyncpg.Connection | None]] = collections.deque()
         self._normal: collections.deque[asyncio.Future[asyncpg.Connection | None]] = collections.deque()
@@ -177,6 +186,6 @@ class ConnectionPool:
 
     async def _connect(self) -> asyncpg.Connection:
         connection: asyncpg.Connection = await asyncpg.connect(
-            self.dsn, timeout=self.timeout, command_timeout=self.timeout
+            self.dsn, timeout=self.timeout, command_timeout=self.timeout, connection_class=self.connection_class
         )
         return connection

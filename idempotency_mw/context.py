@@ -6,6 +6,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from idempotency_mw.postgres import PostgresTransaction
+from idempotency_mw.store import Transaction
+
 if TYPE_CHECKING:
     import asyncpg
     from starlette.requests import HTTPConnection
@@ -18,13 +21,20 @@ NOT_EXECUTED_KEY = "idempotency_not_executed"
 class IdempotencyContext:
     """Set on ``request.state.idempotency`` for every request the middleware handles.
 
-    ``connection`` is the open transaction of a transactional route: write the effect through it and the
+    ``transaction`` is the open transaction of a transactional route: write the effect through it and the
     idempotency record commits with it, or neither does. It is None on other routes.
     """
 
     tenant: str
     key: str | None  # None on a transactional route called without a key
-    connection: asyncpg.Connection | None = None
+    transaction: Transaction | None = None
+
+    @property
+    def connection(self) -> asyncpg.Connection | None:
+        """The asyncpg connection of a transactional route's transaction (``PostgresStore``); None elsewhere."""
+        if isinstance(self.transaction, PostgresTransaction):
+            return self.transaction.connection
+        return None
 
     def downstream_key(self, label: str) -> str:
         """A stable key (64 hex digits) for a side effect that cannot join the transaction (a payment provider's API).

@@ -1,4 +1,4 @@
-"""The Idempotency-Key middleware: the whole request flow, in the order it happens (DESIGN.md §2).
+"""The Idempotency-Key middleware: the whole request flow, in the order it happens (docs/design.md).
 
 ``IdempotencyMiddleware`` holds the configuration and picks the requests it covers; ``IdempotentRequest`` owns one
 covered request from start to finish:
@@ -12,14 +12,14 @@ covered request from start to finish:
 6. record a final response, or release the key for a transient one, always naming our fence;
 7. (on a later retry) replay the stored response byte for byte, with ``Idempotent-Replayed: true``.
 
-In transactional mode, step 6 happens inside the handler's own database transaction and the response is held until
-it has committed (``_execute_in_transaction``).
+Step 6 happens as the response's final body message passes, before it reaches the client and before anything the
+app runs after its response (background tasks). In transactional mode it happens inside the handler's own database
+transaction, and the response is held until that has committed (``transaction.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import time
 from collections.abc import Awaitable, Mapping
@@ -33,12 +33,16 @@ from idempotency_mw.context import NOT_EXECUTED_KEY, STATE_KEY, IdempotencyConte
 from idempotency_mw.events import Event, EventHook, Outcome, hash_key, log_event, log_level, logger
 from idempotency_mw.fingerprint import fingerprint
 from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers, uuid7_time
-from idempotency_mw.leases import LeaseKeeper
+from idempotency_mw.leases import HeldLease, LeaseKeeper
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
-from idempotency_mw.store import Claim, ClaimOutcome, Store, StoreUnavailable
+from idempotency_mw.store import Claim, ClaimOutcome, Store, Transaction, TransactionalStore
 from idempotency_mw.tenants import TenantResolver, authorization_tenant
+from idempotency_mw.transaction import Claimed, State, TransactionalRun
 
 T = TypeVar("T")
+
+# ASGI extensions that let a response send its body around ``send`` (from a file), where it could not be recorded.
+WITHHELD_EXTENSIONS = frozenset({"http.response.pathsend", "http.response.zerocopysend"})
 
 
 class IdempotencyMiddleware:
@@ -65,13 +69,14 @@ class IdempotencyMiddleware:
         methods: tuple[str, ...] | frozenset[str] = ("POST", "PATCH"),
         required: bool = False,
         ttl: float = DAY,
-        lease: float = 60.0,
+        lease: float = 30.0,
         transactional: bool = False,
         fail_open: bool = False,
         max_request_bytes: int = MiB,
         max_response_bytes: int = 8 * MiB,
         released_statuses: frozenset[int] = RELEASED_STATUSES,
         retry_window: float | None = None,
+        check_uuid7_age: bool = False,
         routes: Mapping[str, Mapping[str, Any]] | None = None,
         on_event: EventHook | None = log_event,
         retry_after: int = 1,
@@ -91,6 +96,7 @@ class IdempotencyMiddleware:
             released_statuses=frozenset(released_statuses),
             methods=frozenset(methods),
             retry_window=retry_window,
+            check_uuid7_age=check_uuid7_age,
         )
         self.app = app
         self.store = store
@@ -104,7 +110,7 @@ class IdempotencyMiddleware:
         self._check_transactional(default, *(p for _, p in self.policies.patterns))
 
     def _check_transactional(self, *policies: Policy) -> None:
-        if any(p.transactional for p in policies) and not hasattr(self.store, "connection"):
+        if any(p.transactional for p in policies) and not isinstance(self.store, TransactionalStore):
             raise TypeError(
                 f"transactional mode needs a store with database transactions (PostgresStore), "
                 f"not {type(self.store).__name__}"
@@ -165,6 +171,7 @@ class IdempotentRequest:
         self.send = send
         self.key: str | None = None
         self.tenant = ""
+        self.fence: int | None = None
         self.body = b""
         self.body_delivered = False
         self.outcome: Outcome | None = None
@@ -172,13 +179,19 @@ class IdempotentRequest:
         self.started = time.perf_counter()
         self.store_seconds = 0.0
         self.attempts = 0
+        self.lease: HeldLease | None = None
+        self.settling: asyncio.Task[None] | None = None
+        self.emitted = False
 
     async def run(self) -> None:
         try:
             await self._run()
         finally:
-            if self.outcome is not None:
-                self._emit()
+            if self.settling is not None and not self.settling.done():
+                # Cancelled while settling: report the outcome once the settlement (which goes on) knows it.
+                self.settling.add_done_callback(lambda _: self._emit())
+            else:
+                self._emit()  # unless the outcome was already reported when it was decided
 
     async def _run(self) -> None:
         # 1. The key, validated before anything touches the store.
@@ -189,7 +202,7 @@ class IdempotentRequest:
                 return await self._refuse(problems.key_missing(), Outcome.KEY_MISSING)
             if self.policy.transactional:
                 self.body_delivered = True  # nothing was buffered: the handler reads the real channel
-                return await self._execute_in_transaction(fence=None)
+                return await self._execute_in_transaction()
             return await self.middleware.app(self.scope, self.receive, self.send)  # not ours: untouched
         except InvalidKey as error:
             return await self._refuse(problems.key_invalid(str(error)), Outcome.KEY_INVALID)
@@ -242,49 +255,71 @@ class IdempotentRequest:
                 )
             else:
                 # 7. Replay.
-                self.outcome, self.status = Outcome.REPLAYED, claim.response.status
+                self._decide(Outcome.REPLAYED, claim.response.status)
                 await replay(claim.response, self.send)
-        elif self._key_outlived_retention():
+        elif self.policy.check_uuid7_age and self._key_outlived_retention():
             # No record is left to compare with: running now could repeat an operation whose record was purged.
             await self._release(claim.fence)
             await self._refuse(problems.key_expired(int(self.policy.ttl)), Outcome.KEY_EXPIRED)
-        elif self.policy.transactional:
-            await self._execute_in_transaction(claim.fence)
         else:
-            await self._execute(claim.fence)
+            self.fence = claim.fence
+            assert self.key is not None
+            self.lease = self.middleware.leases.hold(self.tenant, self.key, claim.fence, self.policy.lease)
+            try:
+                if self.policy.transactional:
+                    await self._execute_in_transaction()
+                else:
+                    await self._execute()
+            finally:
+                self._drop_lease()
 
     # -- 5 and 6: running the handler, then recording or releasing -------------------------------------------
 
-    async def _execute(self, fence: int) -> None:
-        """Run the handler with the live response streaming through, then record or release."""
+    async def _execute(self) -> None:
+        """Run the handler with its response streaming through; settle as its final body message passes."""
         assert self.key is not None
         self._set_context(IdempotencyContext(self.tenant, self.key))
-        recorder = ResponseRecorder(self.send, max_body=self.policy.max_response_bytes)
-        held = self.middleware.leases.hold(self.tenant, self.key, fence, self.policy.lease)
+        recorder = ResponseRecorder(
+            self.send, max_body=self.policy.max_response_bytes, on_final=lambda: self._settle(recorder)
+        )
+        # Settled as the final body passed, unless the response never finished: an error, a cancelled request (a
+        # client that hung up, a server shutting down), or a stream cut short. Settle it all the same; a cancelled
+        # request does not wait for that (the settlement goes on in its own task).
         try:
-            await self.middleware.app(self.scope, self._receive_buffered, recorder.send)
-        except BaseException:
-            # An error, or a cancelled request (a client that hung up). Settle it all the same: shielded, because
-            # a cancelled request must still free its key, or keep it if its final answer had started going out.
-            self.status = recorder.status
-            await asyncio.shield(self._settle(fence, recorder))
+            await self.middleware.app(self._app_scope(), self._receive_buffered, recorder.send)
+        except asyncio.CancelledError:
+            self._start_settling(recorder)
             raise
-        finally:
-            self.middleware.leases.drop(held)
-        self.status = recorder.status
-        await self._settle(fence, recorder)
+        except BaseException:
+            await self._settle(recorder)
+            raise
+        await self._settle(recorder)
 
-    async def _settle(self, fence: int, recorder: ResponseRecorder) -> None:
-        """Record a final answer, release anything else.
+    def _start_settling(self, recorder: ResponseRecorder) -> asyncio.Task[None]:
+        if self.settling is None:
+            self.settling = asyncio.ensure_future(self._record_or_release(recorder))
+        return self.settling
 
-        A final answer that started going out is recorded even when it was cut short (the client hung up
+    async def _settle(self, recorder: ResponseRecorder) -> None:
+        """Record a final answer, release anything else: once, in a task of its own.
+
+        Shielded: a request cancelled while its outcome is being written (a server shutting down, an outer timeout)
+        still finishes writing it, or the key would stay in progress and the handler run again once the lease
+        lapsed. A final answer that started going out is recorded even when it was cut short (the client hung up
         mid-stream, or the handler failed mid-stream): its effect has happened, so the retry must not run it again.
         Such a record has no body, and a retry is told that the response cannot be replayed.
         """
+        await asyncio.shield(self._start_settling(recorder))
+        self._emit()  # before the final body goes out, while a server span still records
+
+    async def _record_or_release(self, recorder: ResponseRecorder) -> None:
+        assert self.fence is not None
+        self._drop_lease()
+        self.status = recorder.status
         if self._is_final(recorder.status):
-            await self._complete(fence, recorder)
+            await self._complete(self.fence, recorder)
         else:
-            await self._release(fence)
+            await self._release(self.fence)
 
     async def _complete(self, fence: int, recorder: ResponseRecorder) -> None:
         assert self.key is not None
@@ -310,98 +345,74 @@ class IdempotentRequest:
             logger.exception("idempotency store failed to release a key; it frees itself when its lease lapses")
             self.outcome = Outcome.STORE_ERROR
 
-    async def _execute_in_transaction(self, fence: int | None) -> None:
-        """Run the handler inside a transaction that also writes the record (DESIGN.md §6).
-
-        The response is held until the transaction has committed, so a client never sees an effect that could
-        still roll back. ``fence`` is None for a keyless request on a transactional route: the handler still gets
-        its transaction, and it commits when the outcome is final.
-        """
-        store: Any = self.store
-        recorder: ResponseRecorder
-        settled = False  # the transaction was committed or rolled back
-        committed = False  # the record landed (a response over the cap commits before the handler returns)
-        handler_failed = False  # an exception came out of the app, not out of the store
-
-        async def settle() -> None:
-            nonlocal settled, committed
-            if settled:
-                return
-            settled = True
-            if not self._is_final(recorder.status):
-                await store.rollback(transaction)
-                return
-            if fence is not None and not await store.complete(
-                self.tenant, self.key, fence, recorder.stored_response(), connection=connection
-            ):
-                await store.rollback(transaction)
-                raise _FencedOut
-            await store.commit(transaction)
-            committed = fence is not None
-
-        held = None
-        if fence is not None:
+    async def _execute_in_transaction(self) -> None:
+        """Run the handler in a transaction that also writes the record (``transaction.py``), then answer by how
+        that transaction ended. Without a key (``self.fence`` is None) the handler still gets its transaction."""
+        store = self.store
+        assert isinstance(store, TransactionalStore)  # checked when the middleware was built
+        claimed = None
+        if self.fence is not None:
             assert self.key is not None
-            held = self.middleware.leases.hold(self.tenant, self.key, fence, self.policy.lease)
+            claimed = Claimed(self.tenant, self.key, self.fence)
+        run = TransactionalRun(
+            store,
+            self.send,
+            max_body=self.policy.max_response_bytes,
+            claimed=claimed,
+            is_final=self._is_final,
+            on_settled=self._on_transaction_settled,
+        )
+        raised: BaseException | None = None
         try:
-            async with store.connection() as connection:
-                transaction = await store.begin(connection)
-                self._set_context(IdempotencyContext(self.tenant, self.key, connection))
-                recorder = ResponseRecorder(
-                    self.send, max_body=self.policy.max_response_bytes, hold=True, on_overflow=settle
-                )
-                try:
-                    try:
-                        await self.middleware.app(self.scope, self._receive_buffered, recorder.send)
-                    except _FencedOut:
-                        raise
-                    except BaseException:
-                        handler_failed = True
-                        raise
-                    if not recorder.finished:
-                        handler_failed = True
-                        raise RuntimeError("the handler returned without finishing its response")
-                    await settle()
-                except BaseException:
-                    if not settled:
-                        settled = True
-                        with contextlib.suppress(Exception):
-                            await asyncio.shield(transaction.rollback())
-                    raise
-        except _FencedOut:
-            # A newer claim owns the key: our writes are rolled back, and the client hears what a retry would.
-            return await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.FENCED_OUT)
+            await run.run(self.middleware.app, self._app_scope(), self._receive_buffered, self._lend)
         except BaseException as error:
-            if committed:
-                # The record and the effect committed together (the response had outgrown the cap); the handler
-                # failed after that. Nothing can be undone: the key stays completed, and a retry gets 409.
-                self.outcome, self.status = Outcome.EXECUTED, recorder.status
-                raise
-            if fence is not None:
-                await self._release(fence)
-            if isinstance(error, StoreUnavailable) and not handler_failed:
-                logger.exception("idempotency store unreachable during the handler's transaction")
-                return await self._refuse(problems.store_unavailable(self.middleware.retry_after), Outcome.STORE_ERROR)
-            if not handler_failed and isinstance(error, Exception):
-                # The database refused the transaction itself: a deferred constraint at COMMIT, or an error the
-                # handler caught but that aborted the transaction. Nothing was committed; the key is free again.
-                logger.error(
-                    "idempotency: the handler's transaction could not commit (%s); nothing was committed. If the "
-                    "handler recovers from database errors, run the statements that may fail in a savepoint "
-                    "(async with connection.transaction(): ...)",
-                    type(error).__name__,
-                )
-            raise
-        finally:
-            if held is not None:
-                self.middleware.leases.drop(held)
-        self.status = recorder.status
-        if fence is not None:
-            if self._is_final(recorder.status):
+            raised = error
+        self.status = run.status
+        if run.state is State.COMMITTED:
+            if self.fence is not None:
                 self.outcome = Outcome.EXECUTED
-            else:
-                await self._release(fence)
-        await recorder.flush()
+            if raised is not None:  # after the commit (a background task, a stream past the cap): nothing to undo
+                raise raised
+            return
+        if run.state is State.ROLLED_BACK and raised is None:
+            return  # a transient answer: released and reported when it settled
+        # Nothing committed: free the key for the retry, then answer as the transaction ended.
+        if self.fence is not None and run.state is not State.FENCED_OUT:
+            await self._release(self.fence)
+        if run.state is State.FENCED_OUT:
+            # A newer claim owns the key: our writes were rolled back, and the client hears what a retry would.
+            return await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.FENCED_OUT)
+        if run.state is State.UNAVAILABLE:
+            logger.error("idempotency store unreachable during the handler's transaction", exc_info=run.failure)
+            return await self._refuse(problems.store_unavailable(self.middleware.retry_after), Outcome.STORE_ERROR)
+        if run.state is State.REFUSED:
+            # The database refused the transaction itself: a deferred constraint at COMMIT, or an error the handler
+            # caught but that aborted the transaction. Nothing was committed; the key is free again.
+            assert run.failure is not None
+            logger.error(
+                "idempotency: the handler's transaction could not commit (%s); nothing was committed. If the "
+                "handler recovers from database errors, run the statements that may fail in a savepoint "
+                "(async with connection.transaction(): ...)",
+                type(run.failure).__name__,
+            )
+            raise run.failure from raised
+        assert raised is not None  # rolled back because the handler failed, was cancelled, or never finished
+        raise raised
+
+    async def _on_transaction_settled(self, run: TransactionalRun) -> None:
+        """Committed or rolled back, just before the held response goes out: free a released key, report."""
+        self._drop_lease()
+        self.status = run.status
+        if self.fence is None:
+            return  # no key, no record
+        if run.state is State.COMMITTED:
+            self.outcome = Outcome.EXECUTED
+        else:
+            await self._release(self.fence)
+        self._emit()
+
+    def _lend(self, transaction: Transaction) -> None:
+        self._set_context(IdempotencyContext(self.tenant, self.key, transaction))
 
     def _key_outlived_retention(self) -> bool:
         """A UUIDv7 key carries its birth time: one older than the ttl may have had a record that expired."""
@@ -470,9 +481,27 @@ class IdempotentRequest:
     def _set_context(self, context: IdempotencyContext) -> None:
         self.scope.setdefault("state", {})[STATE_KEY] = context
 
+    def _app_scope(self) -> Scope:
+        """The scope the handler sees: without the extensions that send a body around ``send`` (a file path), which
+        the recorder could not capture. Starlette's FileResponse then streams the file through ``send``."""
+        extensions = self.scope.get("extensions")
+        if extensions and not WITHHELD_EXTENSIONS.isdisjoint(extensions):
+            self.scope["extensions"] = {k: v for k, v in extensions.items() if k not in WITHHELD_EXTENSIONS}
+        return self.scope
+
+    def _drop_lease(self) -> None:
+        if self.lease is not None:
+            self.middleware.leases.drop(self.lease)
+            self.lease = None
+
     async def _refuse(self, problem: problems.Problem, outcome: Outcome) -> None:
-        self.outcome, self.status = outcome, problem.status
+        self._decide(outcome, problem.status)
         await problem.send(self.send)
+
+    def _decide(self, outcome: Outcome, status: int | None) -> None:
+        """The answer is known: report it now, before it goes out (a server span ends with the last body message)."""
+        self.outcome, self.status = outcome, status
+        self._emit()
 
     async def _timed(self, operation: Awaitable[T]) -> T:
         started = time.perf_counter()
@@ -490,9 +519,11 @@ class IdempotentRequest:
                 logger.exception("idempotency on_event.started hook failed")
 
     def _emit(self) -> None:
+        """Report the outcome to the ``on_event`` hook, once."""
         hook = self.middleware.on_event
-        if hook is None or self.outcome is None:
+        if self.emitted or hook is None or self.outcome is None:
             return
+        self.emitted = True
         if hook is log_event and not logger.isEnabledFor(log_level(self.outcome)):
             return  # the default hook would drop this event: do not build it
         event = Event(
@@ -510,7 +541,3 @@ class IdempotentRequest:
             hook(event)
         except Exception:
             logger.exception("idempotency on_event hook failed")
-
-
-class _FencedOut(Exception):
-    """Raised out of the handler's ``send`` when a held response's record was refused by the fence."""

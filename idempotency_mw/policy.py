@@ -32,7 +32,7 @@ class Policy:
 
     required: bool = False  # a request without a key is refused (400) instead of passing through
     ttl: float = DAY  # how long a completed response is replayed
-    lease: float = 60.0  # how long an in-progress claim holds without a heartbeat
+    lease: float = 30.0  # how long an in-progress claim holds without a heartbeat (renewed every third of it)
     transactional: bool = False  # the record commits in the handler's own transaction (PostgresStore only)
     fail_open: bool = False  # store unreachable: run the handler without protection instead of 503
     max_request_bytes: int = MiB
@@ -42,6 +42,10 @@ class Policy:
     # The longest time your clients may keep retrying (or replaying) one operation. A ttl shorter than this
     # would let a late retry find no record and run the operation again, so it is refused at startup.
     retry_window: float | None = None
+    # Refuse (422 idempotency_key_expired) a UUIDv7 key whose embedded time is older than the ttl and that has no
+    # record: its record may have expired. Off by default: SDKs mint random keys in UUID shape, and one in 64 of
+    # them reads as a UUIDv7 with a random, usually ancient, "birth time".
+    check_uuid7_age: bool = False
 
     def __post_init__(self) -> None:
         for name in ("ttl", "lease"):

@@ -60,7 +60,9 @@ class PostgresStore:
         self._own: ConnectionPool | None = None
         self._borrowed: asyncpg.Pool | None = None
         if isinstance(dsn_or_pool, str):
-            self._own = ConnectionPool(dsn_or_pool, min_size=min_size, max_size=max_size, timeout=timeout)
+            self._own = ConnectionPool(
+                dsn_or_pool, min_size=min_size, max_size=max_size, timeout=timeout, connection_class=StoreConnection
+            )
         else:
             self._borrowed = dsn_or_pool
         self._sql = queries()
@@ -86,11 +88,8 @@ class PostgresStore:
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[asyncpg.Connection]:
-        """A connection for code other than ours (a transactional handler), waited for no longer than ``timeout``.
-
-        Its session is reset when it comes back (the handler may have SET, LISTENed or locked): by the store on its
-        own connections, by asyncpg's pool on release for a pool the app passed in.
-        """
+        """A connection for code other than ours (the resource-deleted race in the guide), waited for no longer than
+        ``timeout``. It comes back with a clean session, whatever the code did to it (see :meth:`_reset`)."""
         connection = await self._acquire()
         lost = False
         try:
@@ -99,22 +98,44 @@ class PostgresStore:
             lost = isinstance(error, (*UNAVAILABLE, StoreUnavailable))  # no reset for a connection that is gone
             raise
         finally:
-            if self._own is None:
-                await self._give_back(connection)
-            else:
-                healthy = False
-                try:
-                    healthy = not lost and await self._reset(connection)
-                finally:  # even when the reset itself is cancelled: the connection must go back (closed)
-                    self._own.release(connection, broken=not healthy)
+            await self._give_back_lent(connection, lost=lost)
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[PostgresTransaction]:
+        """A transaction on a connection of its own, for a transactional handler (``transaction.py``): begun here,
+        committed or rolled back by the caller; the connection comes back with a clean session."""
+        connection = await self._acquire()
+        transaction = PostgresTransaction(connection, self._sql["complete"], self.timeout)
+        try:
+            await transaction.begin()
+            yield transaction
+        finally:
+            await self._give_back_lent(connection, lost=transaction.lost)
+
+    async def _give_back_lent(self, connection: asyncpg.Connection, *, lost: bool) -> None:
+        """Reset a connection lent to code other than ours and give it back; closed if it is lost or the reset
+        fails. Even when the reset itself is cancelled, the connection goes back (closed)."""
+        healthy = False
+        try:
+            healthy = not lost and await self._reset(connection)
+        finally:
+            if not healthy and not connection.is_closed():
+                connection.terminate()
+            await self._give_back(connection, broken=not healthy)
 
     async def _reset(self, connection: asyncpg.Connection) -> bool:
-        """Asyncpg's reset (what its pool runs on release): roll back, forget the transaction object, ``RESET ALL``,
-        ``UNLISTEN *``, release advisory locks. False if the connection is unusable."""
+        """Give a lent connection the session of a fresh one: no transaction, the store's login role and session
+        authorization, default settings (search_path included), no temp tables, no SQL-level prepared statements,
+        no advisory locks, no LISTEN (``reset_session`` in queries.sql; asyncpg's own reset leaves the role, the
+        session authorization, temp tables and prepared statements behind). False if the connection is unusable.
+        """
         try:
             if connection.is_closed():
                 return False
-            await connection.reset(timeout=self.timeout)
+            if self._own is not None:
+                await connection.reset(timeout=self.timeout)  # StoreConnection: the full reset, one round trip
+            else:  # an asyncpg pool's connection: ours first, then the pool runs asyncpg's on release
+                await connection.execute(self._sql["reset_session"], timeout=self.timeout)
         except Exception:  # lost, broken or busy: a fresh connection is cheaper than a doubtful one
             return False
         return True
@@ -170,52 +191,17 @@ class PostgresStore:
 
     # -- the Store protocol --------------------------------------------------------------------------------
 
-    async def claim(
-        self,
-        tenant: str,
-        key: str,
-        fingerprint: bytes,
-        *,
-        lease: float,
-        ttl: float,
-        connection: asyncpg.Connection | None = None,
-    ) -> Claim:
-        args = (tenant, key, fingerprint, float(lease), float(ttl))
-        if connection is None:
-            row = await self._fetchrow("claim", *args)
-        else:
-            with _reachable():
-                row = await connection.fetchrow(self._sql["claim"], *args, timeout=self.timeout)
+    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
+        row = await self._fetchrow("claim", tenant, key, fingerprint, float(lease), float(ttl))
         assert row is not None  # INSERT … ON CONFLICT DO UPDATE … RETURNING always returns the row
         return claim_from_row(row)
 
     async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
         return await self._execute("renew", tenant, key, fence, float(lease), urgent=True) == "UPDATE 1"
 
-    async def complete(
-        self,
-        tenant: str,
-        key: str,
-        fence: int,
-        response: StoredResponse,
-        *,
-        connection: asyncpg.Connection | None = None,
-    ) -> bool:
-        """Store the response; with ``connection``, inside that connection's open transaction."""
-        args = (
-            tenant,
-            key,
-            fence,
-            response.status,
-            encode_headers(response.headers),
-            response.body,
-            response.body_size,
-        )
-        if connection is None:
-            return await self._execute("complete", *args, urgent=True) == "UPDATE 1"
-        with _reachable():
-            status = await connection.execute(self._sql["complete"], *args, timeout=self.timeout)
-        return bool(status == "UPDATE 1")
+    async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
+        status = await self._execute("complete", *completion(tenant, key, fence, response), urgent=True)
+        return status == "UPDATE 1"
 
     async def release(self, tenant: str, key: str, fence: int) -> bool:
         return await self._execute("release", tenant, key, fence, urgent=True) == "DELETE 1"
@@ -227,24 +213,6 @@ class PostgresStore:
         with _reachable():
             status = await connection.execute(self._sql["forget"], tenant, key, timeout=self.timeout)
         return bool(status == "DELETE 1")
-
-    async def begin(self, connection: asyncpg.Connection) -> asyncpg.transaction.Transaction:
-        """Open a transaction on a connection of :meth:`connection`; a lost connection is :class:`StoreUnavailable`."""
-        with _reachable():
-            transaction = connection.transaction()
-            await transaction.start()
-        return transaction
-
-    async def rollback(self, transaction: asyncpg.transaction.Transaction) -> None:
-        """Roll back a transaction of :meth:`connection`; a lost connection is :class:`StoreUnavailable`."""
-        with _reachable():
-            await transaction.rollback()
-
-    async def commit(self, transaction: asyncpg.transaction.Transaction) -> None:
-        """Commit a transaction of :meth:`connection`; a lost connection is :class:`StoreUnavailable`, while the
-        database refusing the commit (a deferred constraint, an aborted transaction) surfaces as it is."""
-        with _reachable():
-            await transaction.commit()
 
     async def inspect(self, tenant: str, key: str) -> RecordInfo | None:
         row = await self._fetchrow("inspect", tenant, key)
@@ -326,3 +294,62 @@ def claim_from_row(row: asyncpg.Record) -> Claim:
         return Claim(ClaimOutcome.IN_PROGRESS, attempts=attempts)
     response = StoredResponse(row["status"], decode_headers(row["headers"]), row["body"], row["body_size"])
     return Claim(ClaimOutcome.COMPLETED, response=response, attempts=attempts)
+
+
+def completion(tenant: str, key: str, fence: int, response: StoredResponse) -> tuple[Any, ...]:
+    """The arguments of the ``complete`` statement."""
+    headers = encode_headers(response.headers)
+    return (tenant, key, fence, response.status, headers, response.body, response.body_size)
+
+
+class PostgresTransaction:
+    """A transaction on one of the store's connections, lent to a transactional handler as ``connection``.
+
+    Every call has the store's deadline; a database that cannot be reached is :class:`StoreUnavailable`, and marks
+    the connection ``lost`` (it goes back closed, without a reset that would wait out another deadline).
+    """
+
+    def __init__(self, connection: asyncpg.Connection, complete_sql: str, timeout: float) -> None:
+        self.connection = connection
+        self.lost = False
+        self._transaction: asyncpg.transaction.Transaction | None = None
+        self._complete_sql = complete_sql
+        self._timeout = timeout
+
+    async def begin(self) -> None:
+        with self._reachable():
+            self._transaction = self.connection.transaction()
+            await self._transaction.start()
+
+    async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
+        args = completion(tenant, key, fence, response)
+        with self._reachable():
+            status = await self.connection.execute(self._complete_sql, *args, timeout=self._timeout)
+        return bool(status == "UPDATE 1")
+
+    async def commit(self) -> None:
+        assert self._transaction is not None
+        with self._reachable():
+            await self._transaction.commit()
+
+    async def rollback(self) -> None:
+        assert self._transaction is not None
+        with self._reachable():
+            await self._transaction.rollback()
+
+    @contextlib.contextmanager
+    def _reachable(self) -> Iterator[None]:
+        try:
+            with _reachable():
+                yield
+        except StoreUnavailable:
+            self.lost = True
+            raise
+
+
+class StoreConnection(asyncpg.Connection):
+    """The connections a DSN-built store opens: their reset (when a lent one comes back) is the full one of
+    ``reset_session`` in queries.sql, in one round trip, instead of asyncpg's partial one."""
+
+    def get_reset_query(self) -> str:
+        return queries()["reset_session"]

@@ -9,8 +9,9 @@ nothing.
 from __future__ import annotations
 
 import enum
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -61,6 +62,7 @@ class StoreUnavailable(Exception):
     """The store could not be reached or did not answer in time."""
 
 
+@runtime_checkable
 class Store(Protocol):
     async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
         """Insert an ``in_progress`` record or report the existing one, atomically, in one round trip."""
@@ -85,3 +87,26 @@ class Store(Protocol):
 
     async def close(self) -> None:
         """Release resources the store opened itself."""
+
+
+class Transaction(Protocol):
+    """A database transaction lent to a transactional handler, in which the record completes with its writes."""
+
+    async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
+        """Write the response of a claim still held under ``fence``, inside this transaction; False if fenced out."""
+
+    async def commit(self) -> None:
+        """Commit. :class:`StoreUnavailable` if the database cannot be reached (the commit may or may not have
+        landed); any other error is the database refusing it (a deferred constraint, an aborted transaction)."""
+
+    async def rollback(self) -> None:
+        """Roll back; :class:`StoreUnavailable` if the database cannot be reached."""
+
+
+@runtime_checkable
+class TransactionalStore(Store, Protocol):
+    """A store that can also lend database transactions: what transactional mode needs."""
+
+    def transaction(self) -> AbstractAsyncContextManager[Transaction]:
+        """Begin a transaction on a connection of its own (:class:`StoreUnavailable` if it cannot), and give the
+        connection back with a clean session when the block ends."""

@@ -565,8 +565,8 @@ def _uuid7(age_seconds: float) -> str:
     return str(uuid.UUID(int=(ms << 80) | (0x7 << 76) | (0b10 << 62) | uuid.uuid4().int % (1 << 62)))
 
 
-async def test_uuid7_key_older_than_the_ttl_is_refused_not_rerun(store: Store) -> None:
-    probe, client = setup(store, ttl=60, lease=1)
+async def test_uuid7_key_older_than_the_ttl_is_refused_not_rerun_when_asked(store: Store) -> None:
+    probe, client = setup(store, ttl=60, lease=1, check_uuid7_age=True)
     old = await client.post("/charge", content=b"a", headers={"Idempotency-Key": _uuid7(120)})
     assert old.status_code == 422
     assert problem(old)["code"] == "idempotency_key_expired"
@@ -575,12 +575,30 @@ async def test_uuid7_key_older_than_the_ttl_is_refused_not_rerun(store: Store) -
     assert fresh.status_code == 201
 
 
+@pytest.mark.parametrize(
+    "key",
+    [
+        "00249a52-a346-784a-b512-74d3ab0cb4c2",  # minted by the official Stripe Python SDK: random hex in UUID shape
+        _uuid7(10 * 365 * 24 * 3600),
+    ],
+)
+async def test_an_old_looking_uuid7_key_runs_by_default(store: Store, key: str) -> None:
+    """About 1 in 64 random UUID-shaped keys has version nibble 7, and its random "timestamp" reads as a birth time
+    long past: refusing those by default would fail payments on keys the application never chose."""
+    probe, client = setup(store, ttl=60, lease=1)
+    first = await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+    assert first.status_code == 201
+    again = await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+    assert again.headers["idempotent-replayed"] == "true"
+    assert probe.calls["charge"] == 1
+
+
 async def test_uuid7_key_with_a_live_record_still_replays(store: Store) -> None:
     """Age alone never refuses a key whose record still exists: the record is the better witness."""
     key = _uuid7(120)
     probe = Probe()
-    long_lived = client_for(build_app(store, probe, ttl=600, lease=1))
-    short_lived = client_for(build_app(store, probe, ttl=60, lease=1))
+    long_lived = client_for(build_app(store, probe, ttl=600, lease=1, check_uuid7_age=True))
+    short_lived = client_for(build_app(store, probe, ttl=60, lease=1, check_uuid7_age=True))
     first = await long_lived.post("/charge", content=b"a", headers={"Idempotency-Key": key})
     assert first.status_code == 201
     again = await short_lived.post("/charge", content=b"a", headers={"Idempotency-Key": key})

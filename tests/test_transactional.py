@@ -17,6 +17,7 @@ from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotency_context
 from idempotency_mw.events import Event, Outcome
+from idempotency_mw.postgres import PostgresTransaction
 from idempotency_mw.store import StoreUnavailable
 from tests.conftest import client_for
 
@@ -341,7 +342,7 @@ async def test_a_connection_lost_before_begin_is_store_unavailable(pg_store: Pos
     async with pg_store.connection() as connection:
         connection.terminate()
         with pytest.raises(StoreUnavailable):
-            await pg_store.begin(connection)
+            await PostgresTransaction(connection, "", timeout=1).begin()
 
 
 async def test_a_handler_failing_after_an_over_cap_commit_keeps_its_record(
@@ -407,3 +408,86 @@ async def test_a_transaction_lost_before_its_rollback_is_503_and_frees_the_key(
     assert response.status_code == 503
     assert response.json()["code"] == "idempotency_store_unavailable"
     assert await pg_store.inspect(_tenant(), key) is None  # released: the retry runs afresh
+
+
+# -- a lent connection comes back with a clean session ------------------------------------------------------
+
+# What a handler may leave behind on its connection, each surviving the transaction's COMMIT.
+SESSION_LEAKS = {
+    "role": "SET ROLE imw_leak_role",
+    "session_authorization": "SET SESSION AUTHORIZATION imw_leak_role",
+    "search_path": "SET search_path = public, pg_catalog",
+    "setting": "SET statement_timeout = 12345",
+    "temp_table": "CREATE TEMP TABLE imw_leak_temp (x int)",
+    "prepared_statement": "PREPARE imw_leak_statement AS SELECT 1",
+    "advisory_lock": "SELECT pg_advisory_lock(424242)",
+    "listen": "LISTEN imw_leak_channel",
+}
+
+SESSION_STATE = """
+SELECT current_user::text AS current_user,
+       session_user::text AS session_user,
+       current_setting('search_path') AS search_path,
+       current_setting('statement_timeout') AS statement_timeout,
+       (SELECT count(*) FROM pg_class WHERE relnamespace = pg_my_temp_schema()) AS temp_tables,
+       (SELECT count(*) FROM pg_prepared_statements WHERE from_sql) AS prepared_statements,
+       (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()) AS advisory_locks,
+       (SELECT count(*) FROM pg_listening_channels()) AS listening
+"""
+
+
+def build_leaky(store: PostgresStore, seen: list[dict[str, Any]]) -> Starlette:
+    async def leak(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await context.connection.execute(SESSION_LEAKS[request.path_params["what"]])
+        return JSONResponse({"left": request.path_params["what"]}, status_code=201)
+
+    async def look(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        seen.append(dict(await context.connection.fetchrow(SESSION_STATE)))
+        return JSONResponse({"looked": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/leak/{what}", leak, methods=["POST"]), Route("/look", look, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: "t-leak")
+    return app
+
+
+@pytest.fixture
+async def leak_role(db: asyncpg.Connection) -> str:
+    exists = await db.fetchval("SELECT 1 FROM pg_roles WHERE rolname = 'imw_leak_role'")
+    if not exists:
+        with contextlib.suppress(asyncpg.DuplicateObjectError):  # another test process made it meanwhile
+            await db.execute("CREATE ROLE imw_leak_role SUPERUSER")
+    return "imw_leak_role"
+
+
+@pytest.mark.parametrize("pool", ["own", "app"])
+@pytest.mark.parametrize("what", sorted(SESSION_LEAKS))
+async def test_a_lent_connection_comes_back_with_a_clean_session(
+    idempotency_database_url: str, leak_role: str, db: asyncpg.Connection, pool: str, what: str
+) -> None:
+    """Whatever a handler did to its session (a role for row-level security, a schema, a temp table, a prepared
+    statement, a lock, a LISTEN), the next handler on that connection starts as the store's login role with a
+    clean session: otherwise one tenant's role would reach the next tenant's request."""
+    login = await db.fetchval("SELECT current_user")
+    app_pool = await asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=1) if pool == "app" else None
+    store = PostgresStore(app_pool) if app_pool is not None else PostgresStore(idempotency_database_url, max_size=2)
+    try:
+        seen: list[dict[str, Any]] = []
+        client = client_for(build_leaky(store, seen))
+        before = await client.post("/look", headers={"Idempotency-Key": str(uuid.uuid4())})
+        assert before.status_code == 201
+        left = await client.post(f"/leak/{what}", headers={"Idempotency-Key": str(uuid.uuid4())})
+        assert left.status_code == 201
+        after = await client.post("/look", headers={"Idempotency-Key": str(uuid.uuid4())})
+        assert after.status_code == 201
+        assert seen[1] == seen[0]
+        assert seen[1]["current_user"] == seen[1]["session_user"] == login
+    finally:
+        await store.close()
+        if app_pool is not None:
+            await app_pool.close()

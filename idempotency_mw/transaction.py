@@ -1,0 +1,180 @@
+"""Transactional mode: the handler's writes and the idempotency record commit in one database transaction.
+
+:class:`TransactionalRun` runs one request's handler on a transaction it opens, holds the response, and when the
+response's final body message arrives it writes the record (fenced) and commits; only then does the response go
+out. So a client never sees an effect that could still roll back, and a crash anywhere before the commit leaves
+neither the effect nor its record. Background tasks run after the final body message: after the commit, outside
+the transaction, and their failure changes nothing.
+
+Each run ends in exactly one :class:`State`, which the middleware reads to choose the answer. When the transaction
+did not commit, the handler's ``send`` raises :class:`NotCommitted`, so nothing that follows the response in the
+app (a background task) runs for an effect that did not happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from idempotency_mw.capture import ResponseRecorder
+from idempotency_mw.store import StoreUnavailable, Transaction, TransactionalStore
+
+
+class State(enum.Enum):
+    OPEN = "open"  # the handler runs; its response is held
+    COMMITTED = "committed"  # the effect and the record landed; the response goes out
+    ROLLED_BACK = "rolled back"  # a transient answer, or a handler that failed or never finished: nothing landed
+    FENCED_OUT = "fenced out"  # a newer claim owns the key: the record was refused, everything rolled back
+    UNAVAILABLE = "unavailable"  # the database could not be reached to begin, write, commit or roll back
+    REFUSED = "refused"  # the database refused the commit (a deferred constraint, a transaction left aborted)
+
+
+DID_NOT_COMMIT = frozenset({State.FENCED_OUT, State.UNAVAILABLE, State.REFUSED})
+
+
+class NotCommitted(Exception):
+    """Raised out of the handler's ``send`` once its transaction failed to commit (see :class:`State`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """The record a transaction completes: the claim of ``(tenant, key)`` under ``fence``."""
+
+    tenant: str
+    key: str
+    fence: int
+
+
+class TransactionalRun:
+    """One request's handler, run inside a transaction that commits its record (``claimed``) with its writes.
+
+    ``claimed`` is None for a request without a key on a transactional route: it gets a transaction all the same,
+    committed when its answer is final. ``is_final(status)`` says whether an answer is final (recorded, committed)
+    or transient (rolled back). ``on_settled(run)`` is called once the state is ``COMMITTED`` or ``ROLLED_BACK``,
+    before the held response goes out.
+    """
+
+    def __init__(
+        self,
+        transactions: TransactionalStore,
+        send: Send,
+        *,
+        max_body: int,
+        claimed: Claimed | None,
+        is_final: Callable[[int | None], bool],
+        on_settled: Callable[[TransactionalRun], Awaitable[None]],
+    ) -> None:
+        self.state = State.OPEN
+        self.failure: BaseException | None = None  # what the database said, for UNAVAILABLE and REFUSED
+        self.recorder = ResponseRecorder(send, max_body=max_body, hold=True, on_final=self._settle)
+        self._transactions = transactions
+        self._claimed = claimed
+        self._is_final = is_final
+        self._on_settled = on_settled
+        self._transaction: Transaction | None = None
+        self._settling: asyncio.Task[None] | None = None
+        self._reported = False
+
+    @property
+    def status(self) -> int | None:
+        return self.recorder.status
+
+    async def run(self, app: ASGIApp, scope: Scope, receive: Receive, lend: Callable[[Transaction], None]) -> None:
+        """Run ``app`` with a transaction of its own, which ``lend`` hands to the handler.
+
+        Raises what the app raised (or :class:`StoreUnavailable` when no transaction could begin); the state says
+        what became of the transaction either way.
+        """
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                self._transaction = await stack.enter_async_context(self._transactions.transaction())
+            except StoreUnavailable as error:
+                self.state, self.failure = State.UNAVAILABLE, error
+                raise
+            lend(self._transaction)
+            try:
+                await app(scope, receive, self._send)
+            except BaseException:
+                await self._end()
+                raise
+            await self._end()
+            if self.state is State.ROLLED_BACK and not self.recorder.finished:
+                raise RuntimeError("the handler returned without finishing its response")
+
+    async def _send(self, message: Message) -> None:
+        if self.state in DID_NOT_COMMIT:
+            raise NotCommitted(f"the handler's transaction did not commit ({self.state.value})")
+        await self.recorder.send(message)
+
+    async def _settle(self) -> None:
+        """The response is complete (or outgrew what may be held): decide, once, whether it may go out.
+
+        Runs as its own task, shielded: a request cancelled while its record is being written still finishes
+        writing it (or rolling back), so the key never stays in progress behind an answer that was decided.
+        """
+        if self._settling is None:
+            self._settling = asyncio.ensure_future(self._commit_or_roll_back())
+        await asyncio.shield(self._settling)
+        if self.state in DID_NOT_COMMIT:
+            raise NotCommitted(f"the handler's transaction did not commit ({self.state.value})")
+        if not self._reported:  # once: a response over the cap settles before its final body message
+            self._reported = True
+            await self._on_settled(self)
+
+    async def _commit_or_roll_back(self) -> None:
+        assert self._transaction is not None
+        if not self._is_final(self.recorder.status):
+            await self._roll_back(State.ROLLED_BACK)
+        else:
+            try:
+                claimed = self._claimed
+                if claimed is not None and not await self._transaction.complete(
+                    claimed.tenant, claimed.key, claimed.fence, self.recorder.stored_response()
+                ):
+                    await self._roll_back(State.FENCED_OUT)
+                    return
+                await self._transaction.commit()
+            except StoreUnavailable as error:
+                await self._roll_back(State.UNAVAILABLE, error)
+                return
+            except Exception as error:  # the database refused the record or the commit: nothing landed
+                await self._roll_back(State.REFUSED, error)
+                return
+            self.state = State.COMMITTED
+
+    async def _roll_back(self, state: State, failure: BaseException | None = None) -> None:
+        """Roll back and end in ``state``; a database that cannot be reached for it ends in UNAVAILABLE."""
+        assert self._transaction is not None
+        self.state, self.failure = state, failure
+        try:
+            await self._transaction.rollback()
+        except StoreUnavailable as error:
+            if state is State.ROLLED_BACK:
+                self.state, self.failure = State.UNAVAILABLE, error
+        except Exception:  # a commit that failed has already ended the transaction: nothing is left to undo
+            pass
+
+    async def _end(self) -> None:
+        """After the app: settle what it left open (a failure, or an unfinished response), and wait for a
+        settlement under way, so the connection is never given back while a statement still runs on it."""
+        if self._settling is None and self.state is State.OPEN:
+            self._settling = asyncio.ensure_future(self._roll_back(State.ROLLED_BACK))
+        if self._settling is not None:
+            await _wait_through_cancellation(self._settling)
+
+
+async def _wait_through_cancellation(task: asyncio.Task[None]) -> None:
+    """Wait for ``task`` to finish even if this task is cancelled meanwhile; then re-raise the cancellation."""
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError

@@ -1,0 +1,367 @@
+"""When a record settles: as the response's final body message passes, not when the app callable returns.
+
+Background tasks (Starlette's and FastAPI's ``BackgroundTasks``) run after the final body message, inside the app
+callable. They must find the answer already settled: the record completed (or the transaction committed) before
+they start, and their failure must never change or undo it. Settling must also survive a cancellation, and a
+response the server sends from a file (``http.response.pathsend``) must be captured like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, StoredResponse
+from idempotency_mw.events import Event, Outcome
+from tests.conftest import client_for
+
+TENANT = "tenant-settle"
+
+
+def fixed_tenant(scope: Any) -> str:
+    return TENANT
+
+
+class Call:
+    """One raw ASGI request, run as a task, with what the app sent so far."""
+
+    def __init__(self, app: Any, path: str, key: str, *, body: bytes = b"{}", extensions: dict[str, Any] | None = None):
+        self.sent: list[dict[str, Any]] = []
+        self.finished = asyncio.Event()  # the final body message reached the client
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.4"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"idempotency-key", key.encode()), (b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 40000),
+            "server": ("127.0.0.1", 80),
+            "extensions": extensions or {},
+        }
+        delivered = False
+        never = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await never.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            self.sent.append(message)
+            if message["type"] == "http.response.pathsend" or (
+                message["type"] == "http.response.body" and not message.get("more_body", False)
+            ):
+                self.finished.set()
+
+        self.task = asyncio.create_task(app(scope, receive, send))
+
+    @property
+    def status(self) -> int:
+        return int(self.sent[0]["status"])
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")
+
+
+class Background:
+    """A background task the test holds until it lets it go, optionally failing."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.go = asyncio.Event()
+        self.fail = False
+
+    async def __call__(self) -> None:
+        self.started.set()
+        await self.go.wait()
+        if self.fail:
+            raise RuntimeError("the background task failed")
+
+
+def plain_app(store: Store, background: Background, events: list[Event], **options: Any) -> Starlette:
+    async def charge(request: Request) -> Response:
+        await request.body()
+        return JSONResponse({"charged": True}, status_code=201, background=BackgroundTask(background))
+
+    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, tenant=fixed_tenant, on_event=events.append, **options)
+    return app
+
+
+async def test_plain_record_is_completed_before_background_tasks_run(store: Store) -> None:
+    key = str(uuid.uuid4())
+    background, events = Background(), []
+    app = plain_app(store, background, events)
+    call = Call(app, "/charge", key)
+    await asyncio.wait_for(background.started.wait(), 5)
+    assert call.finished.is_set()
+    info = await store.inspect(TENANT, key)
+    assert info is not None
+    assert info.state == "completed"  # while the background task still runs
+    assert [e.outcome for e in events] == [Outcome.EXECUTED]
+    retry = await client_for(app).post("/charge", json={}, headers={"Idempotency-Key": key})
+    assert retry.headers["idempotent-replayed"] == "true"  # a replay, not 409 in progress
+    background.go.set()
+    await asyncio.wait_for(call.task, 5)
+
+
+async def test_plain_background_failure_changes_nothing(store: Store) -> None:
+    key = str(uuid.uuid4())
+    background, events = Background(), []
+    background.fail = True
+    background.go.set()
+    app = plain_app(store, background, events)
+    call = Call(app, "/charge", key)
+    with pytest.raises(RuntimeError, match="background task failed"):
+        await asyncio.wait_for(call.task, 5)
+    assert call.status == 201
+    assert [e.outcome for e in events] == [Outcome.EXECUTED]
+    info = await store.inspect(TENANT, key)
+    assert info is not None
+    assert info.state == "completed"
+    assert info.response is not None
+    assert info.response.body == call.body
+
+
+async def test_events_are_emitted_before_the_final_body_goes_out(store: Store) -> None:
+    """Server-span instrumentations end their span when the last body message is sent: the event (and the span
+    attributes set from it) must come before that, or it lands on a span that no longer records."""
+    key = str(uuid.uuid4())
+    order: list[str] = []
+    background = Background()
+    background.go.set()
+
+    async def charge(request: Request) -> Response:
+        return JSONResponse({"charged": True}, status_code=201)
+
+    inner = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    inner.add_middleware(
+        IdempotencyMiddleware, store=store, tenant=fixed_tenant, on_event=lambda e: order.append(e.outcome.value)
+    )
+
+    async def outer(scope: Any, receive: Any, send: Any) -> None:
+        async def spy(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                order.append("final body")
+            await send(message)
+
+        await inner(scope, receive, spy)
+
+    for _ in range(2):
+        call = Call(outer, "/charge", key)
+        await asyncio.wait_for(call.task, 5)
+    assert order == ["executed", "final body", "replayed", "final body"]
+
+
+class SlowCompleteStore(MemoryStore):
+    """A store whose ``complete`` waits until the test lets it go: room to cancel the request meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.completing = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
+        self.completing.set()
+        await self.go.wait()
+        return await super().complete(tenant, key, fence, response)
+
+
+async def test_cancellation_during_complete_still_completes() -> None:
+    """Server shutdown or an outer timeout cancels the request while its record is being written: the record must
+    still complete, or the key would sit in progress and the handler would run again once the lease lapsed."""
+    store = SlowCompleteStore()
+    key = str(uuid.uuid4())
+    background, events = Background(), []
+    background.go.set()
+    call = Call(plain_app(store, background, events), "/charge", key)
+    await asyncio.wait_for(store.completing.wait(), 5)
+    call.task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call.task
+    store.go.set()
+    for _ in range(100):
+        info = await store.inspect(TENANT, key)
+        if info is not None and info.state == "completed":
+            break
+        await asyncio.sleep(0.01)
+    assert info is not None
+    assert info.state == "completed"
+
+
+def file_app(store: Store, path: Path, **options: Any) -> tuple[Starlette, list[int]]:
+    runs: list[int] = []
+
+    async def download(request: Request) -> Response:
+        runs.append(1)
+        return FileResponse(path, media_type="application/octet-stream")
+
+    app = Starlette(routes=[Route("/download", download, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, tenant=fixed_tenant, **options)
+    return app, runs
+
+
+async def test_pathsend_file_response_is_captured_and_replayed(store: Store, tmp_path: Path) -> None:
+    """Granian offers ``http.response.pathsend``, and Starlette's FileResponse uses it when offered: a covered
+    request must still be recorded in full (so its retry replays the file), not as cut short."""
+    path = tmp_path / "report.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    app, runs = file_app(store, path)
+    key = str(uuid.uuid4())
+    first = Call(app, "/download", key, extensions={"http.response.pathsend": {}})
+    await asyncio.wait_for(first.task, 5)
+    assert first.status == 200
+    assert first.body == path.read_bytes()
+    again = Call(app, "/download", key, extensions={"http.response.pathsend": {}})
+    await asyncio.wait_for(again.task, 5)
+    assert again.body == path.read_bytes()
+    assert (b"idempotent-replayed", b"true") in again.sent[0]["headers"]
+    assert runs == [1]
+
+
+async def test_requests_the_middleware_does_not_cover_keep_pathsend(store: Store, tmp_path: Path) -> None:
+    path = tmp_path / "plain.txt"
+    path.write_bytes(b"hello")
+    app, _ = file_app(store, path)
+    call = Call(app, "/download", "", extensions={"http.response.pathsend": {}})  # an empty key: refused 400
+    await asyncio.wait_for(call.task, 5)
+    assert call.status == 400
+
+    async def download(request: Request) -> Response:
+        return FileResponse(path)
+
+    bare = Starlette(routes=[Route("/download", download, methods=["POST", "GET"])])
+    bare.add_middleware(IdempotencyMiddleware, store=store, tenant=fixed_tenant)
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/download",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [],
+        "extensions": {"http.response.pathsend": {}},
+    }
+    await bare(scope, receive, send)
+    assert sent[-1] == {"type": "http.response.pathsend", "path": str(path)}
+
+
+# -- transactional mode --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    connection = await asyncpg.connect(idempotency_database_url)
+    await connection.execute("CREATE TABLE IF NOT EXISTS settle_effects (key text, note text)")
+    yield connection
+    await connection.close()
+
+
+def transactional_app(store: PostgresStore, background: Background, events: list[Event]) -> Starlette:
+    async def charge(request: Request) -> Response:
+        context = request.state.idempotency
+        await context.connection.execute("INSERT INTO settle_effects VALUES ($1, 'charge')", context.key)
+        return JSONResponse({"charged": True}, status_code=201, background=BackgroundTask(background))
+
+    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    app.add_middleware(
+        IdempotencyMiddleware,
+        store=store,
+        tenant=fixed_tenant,
+        transactional=True,
+        on_event=events.append,
+    )
+    return app
+
+
+async def effects(db: asyncpg.Connection, key: str) -> int:
+    return int(await db.fetchval("SELECT count(*) FROM settle_effects WHERE key = $1", key))
+
+
+async def test_transactional_commit_and_answer_come_before_background_tasks(
+    pg_store: PostgresStore, db: asyncpg.Connection
+) -> None:
+    key = str(uuid.uuid4())
+    background, events = Background(), []
+    app = transactional_app(pg_store, background, events)
+    call = Call(app, "/charge", key)
+    await asyncio.wait_for(background.started.wait(), 5)
+    assert call.finished.is_set()  # the client has its answer while the background task runs
+    assert call.status == 201
+    assert await effects(db, key) == 1  # committed, visible to others
+    info = await pg_store.inspect(TENANT, key)
+    assert info is not None
+    assert info.state == "completed"
+    assert [e.outcome for e in events] == [Outcome.EXECUTED]
+    background.go.set()
+    await asyncio.wait_for(call.task, 5)
+
+
+async def test_transactional_background_failure_never_undoes_the_effect(
+    pg_store: PostgresStore, db: asyncpg.Connection
+) -> None:
+    key = str(uuid.uuid4())
+    background, events = Background(), []
+    background.fail = True
+    background.go.set()
+    app = transactional_app(pg_store, background, events)
+    call = Call(app, "/charge", key)
+    with pytest.raises(RuntimeError, match="background task failed"):
+        await asyncio.wait_for(call.task, 5)
+    assert call.status == 201  # the client got the real answer, not a 500
+    assert await effects(db, key) == 1
+    assert [e.outcome for e in events] == [Outcome.EXECUTED]
+    retry = await client_for(app).post("/charge", json={}, headers={"Idempotency-Key": key})
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert await effects(db, key) == 1
+
+
+async def test_transactional_pathsend_file_response_commits_and_replays(
+    pg_store: PostgresStore, db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    path = tmp_path / "receipt.pdf"
+    path.write_bytes(b"%PDF-1.7 receipt" * 100)
+    key = str(uuid.uuid4())
+
+    async def receipt(request: Request) -> Response:
+        context = request.state.idempotency
+        await context.connection.execute("INSERT INTO settle_effects VALUES ($1, 'receipt')", context.key)
+        return FileResponse(path, media_type="application/pdf")
+
+    app = Starlette(routes=[Route("/receipt", receipt, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=pg_store, tenant=fixed_tenant, transactional=True)
+    first = Call(app, "/receipt", key, extensions={"http.response.pathsend": {}})
+    await asyncio.wait_for(first.task, 5)
+    assert first.status == 200
+    assert first.body == path.read_bytes()
+    again = Call(app, "/receipt", key, extensions={"http.response.pathsend": {}})
+    await asyncio.wait_for(again.task, 5)
+    assert again.body == path.read_bytes()
+    assert await effects(db, key) == 1
