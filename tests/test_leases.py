@@ -172,7 +172,8 @@ async def test_a_failed_renewal_is_tried_again_at_the_next_beat(monkeypatch: pyt
     await clock.advance_to(2.0)  # renewed
     assert store.renewals == {held.key: 2}
     record = await store.inspect("t", held.key)
-    assert record is not None and record.state == "in_progress"
+    assert record is not None
+    assert record.state == "in_progress"
     keeper.drop(held)
 
 
