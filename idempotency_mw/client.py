@@ -33,6 +33,8 @@ try:
 except ImportError as error:  # httpx is an optional dependency of the package
     raise ImportError("idempotency_mw.client needs httpx: pip install 'idempotency-mw[client]'") from error
 
+from idempotency_mw.keys import InvalidKey, parse_key
+
 __all__ = ["AsyncIdempotentClient", "IdempotentClient", "IdempotentResult", "RetriesExhausted", "Retry"]
 
 logger = logging.getLogger("idempotency_mw.client")
@@ -47,7 +49,6 @@ IDEMPOTENT_METHODS = SAFE_METHODS | {"PUT", "DELETE"}  # RFC 9110 §9.2.2: retri
 RETRY_STATUSES = frozenset({408, 425, 429})  # plus every 5xx, and 409 "in progress"
 RETRY_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
-_MAX_KEY_LENGTH = 255
 # An attempt left with less time than this before the deadline would only time out (timers may also fire a
 # millisecond early), so it is not started.
 _MIN_ATTEMPT_SECONDS = 0.01
@@ -159,18 +160,25 @@ class RetriesExhausted(Exception):
 
 
 def validate_key(key: str) -> str:
-    """Check a caller's key against what servers accept (1-255 visible ASCII, no comma) and return it unchanged.
+    """Return a caller's key unchanged if the server reads it back as exactly that key; else raise ValueError.
 
-    A comma is refused because proxies join repeated header fields with one: ``a,b`` could be read as two keys.
+    The server's own parser (:func:`idempotency_mw.keys.parse_key`) decides, so the two can never disagree: 1 to 255
+    visible ASCII characters, no comma (proxies join repeated header fields with one, so ``a,b`` could be two keys),
+    and no leading double quote (the server would read ``"abc"`` as the quoted string ``abc``).
     """
     if not isinstance(key, str):
         raise TypeError(f"idempotency_key must be a str, not {type(key).__name__}")
-    if not 1 <= len(key) <= _MAX_KEY_LENGTH:
-        raise ValueError(f"an idempotency key is 1 to {_MAX_KEY_LENGTH} characters long, this one has {len(key)}")
-    if any(not "\x21" <= char <= "\x7e" for char in key):
-        raise ValueError("an idempotency key is visible ASCII only: no spaces, control or non-ASCII characters")
-    if "," in key:
-        raise ValueError("an idempotency key must not contain a comma")
+    try:
+        parsed = parse_key(key.encode("ascii"))
+    except UnicodeEncodeError:
+        raise ValueError("an idempotency key is visible ASCII only: no non-ASCII characters") from None
+    except InvalidKey as error:
+        raise ValueError(f"invalid idempotency key {key!r}: {error}") from None
+    if parsed != key:
+        raise ValueError(
+            f"invalid idempotency key {key!r}: the server would read it as {parsed!r} (a key must not start with a "
+            "double quote, nor start or end with a space or tab)"
+        )
     return key
 
 

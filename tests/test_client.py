@@ -25,6 +25,8 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from hypothesis import given
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -39,7 +41,9 @@ from idempotency_mw.client import (
     RetriesExhausted,
     Retry,
     parse_retry_after,
+    validate_key,
 )
+from idempotency_mw.keys import InvalidKey, parse_key
 
 FAST = Retry(attempts=10, deadline=20.0, backoff=0.01, max_backoff=0.05)
 AUTH = {"Authorization": "Bearer sk_test_client"}
@@ -658,6 +662,29 @@ def test_a_multipart_upload_is_resent_byte_for_byte(server: MisbehavingServer, f
 def test_invalid_caller_keys_are_refused(flavour: str, dead_url: str, key: str) -> None:
     with pytest.raises(ValueError, match="idempotency key"):
         call(flavour, dead_url, "POST", "/charges", json={}, idempotency_key=key)
+
+
+@pytest.mark.parametrize("key", ['"abc"', '"a', '"a\\"b"', " abc", "abc\t"])
+def test_keys_the_server_would_read_differently_are_refused(flavour: str, dead_url: str, key: str) -> None:
+    # '"abc"' is the sf-string abc to the server (it would collide with the key abc); '"a' is a 400 there.
+    with pytest.raises(ValueError, match="idempotency key"):
+        call(flavour, dead_url, "POST", "/charges", json={}, idempotency_key=key)
+
+
+@given(
+    st.text(st.sampled_from('a"\\, \t~\x7f'), max_size=8)  # the characters that matter, often
+    | st.text(st.characters(min_codepoint=0, max_codepoint=0x7F), max_size=300)
+)
+def test_the_client_accepts_exactly_the_keys_the_server_reads_back(key: str) -> None:
+    try:
+        server_reads: str | None = parse_key(key.encode())
+    except InvalidKey:
+        server_reads = None
+    if server_reads == key:
+        assert validate_key(key) == key
+    else:
+        with pytest.raises(ValueError, match="idempotency key"):
+            validate_key(key)
 
 
 def test_a_key_in_headers_is_refused(flavour: str, dead_url: str) -> None:
