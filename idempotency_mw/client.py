@@ -61,7 +61,8 @@ class Retry:
 
     Between attempts the client waits a random time between 0 and ``backoff * 2**(n-1)`` (full jitter, so many
     clients that failed together do not retry together), never more than ``max_backoff``. A ``Retry-After`` from
-    the server raises the wait to what it asked for, still capped by ``max_backoff``. Durations are in seconds.
+    the server raises the wait to what it asked for, however long; a wait that would pass the deadline ends the
+    call instead. Durations are in seconds.
     """
 
     attempts: int = 8
@@ -82,15 +83,18 @@ class Retry:
             raise ValueError(f"Retry.max_backoff ({self.max_backoff}) must be >= Retry.backoff ({self.backoff})")
 
     def delay(
-        self, failures: int, retry_after: float | None = None, *, rand: Callable[[], float] = random.random
+        self, failures: int, retry_after: float | None = None, *, rand: Callable[[], float] | None = None
     ) -> float:
-        """Seconds to wait after the ``failures``-th failed attempt (1 for the first), before the next one."""
+        """Seconds to wait after the ``failures``-th failed attempt (1 for the first), before the next one.
+
+        ``rand`` draws the jitter, a number in [0, 1); ``random.random`` by default.
+        """
         if failures < 1:
             raise ValueError("failures counts failed attempts and starts at 1")
         ceiling = min(self.max_backoff, self.backoff * 2.0 ** min(failures - 1, 60))
-        wait = rand() * ceiling
+        wait = (random.random() if rand is None else rand()) * ceiling
         if retry_after is not None:
-            wait = max(wait, min(retry_after, self.max_backoff))
+            wait = max(wait, retry_after)  # the server knows when it can answer; the deadline still applies
         return wait
 
 
