@@ -63,10 +63,14 @@ class Retry:
     clients that failed together do not retry together), never more than ``max_backoff``. A ``Retry-After`` from
     the server raises the wait to what it asked for, however long; a wait that would pass the deadline ends the
     call instead. Durations are in seconds.
+
+    The defaults outlast the middleware's default lease (30 s): after a server crash its key stays "in progress"
+    for up to one lease, and each 409 asks for a 1 s wait, so a call keeps retrying (at most once a second) until
+    the key is free and the operation runs or replays.
     """
 
-    attempts: int = 8
-    deadline: float = 30.0
+    attempts: int = 60
+    deadline: float = 60.0
     backoff: float = 0.1
     max_backoff: float = 5.0
 

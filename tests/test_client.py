@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import socket
 import struct
 import threading
@@ -826,6 +827,38 @@ def fake_call(flavour: str, handler: Callable[[httpx.Request], httpx.Response], 
             return await async_client.post("/charges", json={"amount": 1})
 
     return asyncio.run(run())
+
+
+DEFAULT_LEASE = 30.0  # the middleware's default lease: how long a crashed server's key stays in progress
+
+
+@pytest.mark.parametrize("draw", [0.0, 0.999], ids=["shortest-waits", "longest-waits"])
+@pytest.mark.parametrize("held_for", [DEFAULT_LEASE, 1.5 * DEFAULT_LEASE], ids=["one-lease", "lease-and-a-half"])
+def test_the_default_retry_outlasts_a_crashed_servers_lease(
+    flavour: str, clock: FakeTime, monkeypatch: pytest.MonkeyPatch, draw: float, held_for: float
+) -> None:
+    # The first attempt reaches the handler, the server dies: the client times out after its 5 s. The restarted
+    # server answers 409 "in progress" (Retry-After: 1) until the dead claim's lease lapses, then runs it.
+    jitter(monkeypatch, draw)
+    seen: list[float] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        seen.append(clock.now)
+        if len(seen) == 1:
+            clock.now += 5.0
+            raise httpx.ReadTimeout("the server died mid-request", request=request)
+        if clock.now < 5.0 + held_for:
+            return in_progress_409()
+        return httpx.Response(201, json={"id": "ch_1"})
+
+    result = fake_call(flavour, server)
+
+    assert result.status_code == 201
+    assert result.outcomes[0] == "ReadTimeout"
+    assert set(result.outcomes[1:-1]) == {409}
+    gaps = [later - earlier for earlier, later in itertools.pairwise(seen[1:])]  # between the 409s
+    assert min(gaps) >= 1.0  # never sooner than the server asked: no hammering
+    assert len(seen) <= 2 + held_for  # at most one attempt a second while the key is held
 
 
 def test_a_long_retry_after_is_waited_out_in_full(
