@@ -1,4 +1,4 @@
-"""The fingerprint (DESIGN.md §2.3): equal for the same request however it is spelled, different otherwise."""
+"""The fingerprint: equal for the same request however it is spelled, different otherwise; bounded work."""
 
 from __future__ import annotations
 
