@@ -2,9 +2,10 @@
 
 SHA-256 over the lengths of five parts (method, path, query, body kind, canonical body), then the parts, so no two
 different requests can produce the same byte stream. Bodies are canonicalised where their format allows: JSON is
-parsed and re-serialised with sorted keys (key order and whitespace do not matter; numbers compare by value, and a
-number a double cannot hold exactly compares as written, so two amounts never merge), form bodies become their
-decoded pairs sorted by name (the order of repeated names is kept, it can matter); anything else is hashed as sent.
+parsed and re-serialised with sorted keys (key order and whitespace do not matter; numbers compare by value, except
+in a body holding a number that a double might not hold exactly, where every number compares as written, so two
+amounts never merge), form bodies become their decoded pairs sorted by name (the order of repeated names is kept,
+it can matter); anything else is hashed as sent.
 
 The work is bounded. A body whose canonical form would cost much more per byte than ordinary JSON (a form with more
 fields than Starlette itself reads, a flood of ``%XX`` escapes, thousands of values around a long number) is
@@ -101,8 +102,9 @@ def _no_constant(name: str) -> NoReturn:
 # -- forms and query strings -------------------------------------------------------------------------------------
 
 # Starlette refuses urlencoded forms with more fields than this (Request.form(max_fields=1000)), so an app cannot
-# read such a body as a form anyway. Decoding a %XX escape costs about forty ordinary JSON bytes: past the free
-# allowance, one escape per this many bytes keeps a form within a few times the cost of JSON per byte.
+# read such a body as a form anyway; 1000 "&" make 1001 fields. Decoding a %XX escape costs about forty ordinary
+# JSON bytes: past the free allowance, one escape per this many bytes keeps a form within a few times the cost of
+# JSON per byte.
 _MAX_FIELDS = 1000
 _ESCAPES_FREE = 1024
 _BYTES_PER_ESCAPE = 16
