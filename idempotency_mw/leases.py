@@ -52,7 +52,10 @@ class LeaseKeeper:
         if loop is not self._loop:  # another event loop (a test, a server restarted in process): start afresh
             self._loop, self._queues, self._timer, self._wake_at = loop, {}, None, math.inf
         held = HeldLease(tenant, key, fence, lease, loop.time() + lease / 3)
-        self._queues.setdefault(lease, OrderedDict())[held] = None  # due last among the leases of its duration
+        queue = self._queues.get(lease)
+        if queue is None:  # one queue per duration a route configures, kept for the life of the loop
+            queue = self._queues[lease] = OrderedDict()
+        queue[held] = None  # due last among the leases of its duration
         if held.due < self._wake_at:
             self._arm(held.due)
         return held
@@ -67,8 +70,6 @@ class LeaseKeeper:
         queue = self._queues.get(held.lease)
         if queue is not None:
             queue.pop(held, None)
-            if not queue:
-                del self._queues[held.lease]
 
     def _arm(self, when: float) -> None:
         assert self._loop is not None
@@ -82,7 +83,7 @@ class LeaseKeeper:
         self._timer, self._wake_at = None, math.inf
         now = self._loop.time()
         earliest = math.inf
-        for lease, queue in self._queues.items():  # a queue is never empty: the drop that empties it deletes it
+        for lease, queue in self._queues.items():
             for _ in range(len(queue)):  # each lease once at most, even one so short that it is due again at once
                 held = next(iter(queue))
                 if held.due > now:
@@ -91,7 +92,8 @@ class LeaseKeeper:
                 queue.move_to_end(held)  # renewed now: due after every other lease of this duration
                 if held.renewal is None or held.renewal.done():
                     held.renewal = self._loop.create_task(self._renew(held))
-            earliest = min(earliest, next(iter(queue)).due)
+            if queue:
+                earliest = min(earliest, next(iter(queue)).due)
         if earliest < math.inf:
             self._arm(earliest)
 
