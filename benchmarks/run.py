@@ -7,7 +7,8 @@
 Both modes measure the same sizes (10⁴, 10⁶ and 10⁷ stored records; 1,000,000 expired records purged); the quick
 mode runs each load for 6 s instead of 15 and repeats less (``--seconds`` overrides the run length).
 
-Steps: the load generator (wrk) and the benchmark venv with the peers are made ready; the in-process overhead runs;
+Steps: the load generator (wrk) and the benchmark venv with the peers are made ready; the in-process overhead and
+the fingerprint's cost per body shape (issue 10) run;
 then one PostgreSQL (embedded, restarted with pg_stat_statements; or ``DATABASE_URL``) serves every other
 measurement: round trips, end to end, scale, garbage collection, memory. Each measurement writes
 ``results/<name>.md`` and its raw numbers to ``results/raw/<name>.json``; ``results/README.md`` is the summary.
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import endtoend
+import fingerprint
 import loadgen
 import overhead
 import peers
@@ -42,8 +44,8 @@ from idempotency_mw import PostgresStore
 
 RESULTS = HERE / "results"
 RAW = RESULTS / "raw"
-MEASUREMENTS = ("overhead", "roundtrips", "endtoend", "scale", "gc", "memory")  # the order they run in
-ISSUE_ORDER = ("roundtrips", "overhead", "endtoend", "scale", "gc", "memory")  # issue 5's numbering
+MEASUREMENTS = ("overhead", "fingerprint", "roundtrips", "endtoend", "scale", "gc", "memory")  # the order they run in
+ISSUE_ORDER = ("roundtrips", "overhead", "endtoend", "scale", "gc", "memory", "fingerprint")  # issue 5's, then 10
 VERSIONS = (
     "starlette",
     "uvicorn",
@@ -79,6 +81,22 @@ def run_overhead(ctx: Context) -> dict[str, Any]:
     return result
 
 
+def run_fingerprint(ctx: Context) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, str(HERE / "fingerprint.py"), "--json", *(["--quick"] if ctx.quick else [])],
+        cwd=str(HERE),
+        env=bench_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"fingerprint.py failed: {done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
 def run_roundtrips(ctx: Context) -> dict[str, Any]:
     n = 20 if ctx.quick else 100
     results: dict[str, Any] = {}
@@ -104,6 +122,7 @@ def render_roundtrips(result: dict[str, Any], ctx: Context) -> str:
 # name -> (measure, render)
 STEPS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[dict[str, Any], Context], str]]] = {
     "overhead": (run_overhead, lambda result, ctx: overhead.render(result)),
+    "fingerprint": (run_fingerprint, lambda result, ctx: fingerprint.render(result)),
     "roundtrips": (run_roundtrips, render_roundtrips),
     "endtoend": (endtoend.measure, endtoend.render),
     "scale": (scale.measure, scale.render),
@@ -139,6 +158,7 @@ def write(name: str, markdown: str, result: dict[str, Any], meta: dict[str, Any]
 TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "roundtrips": lambda r: roundtrips.targets(r["results"], r["problems"]),
     "overhead": overhead.targets,
+    "fingerprint": fingerprint.targets,
     "endtoend": endtoend.targets,
     "scale": scale.targets,
     "gc": purge.targets,

@@ -33,6 +33,8 @@ try:
 except ImportError as error:  # httpx is an optional dependency of the package
     raise ImportError("idempotency_mw.client needs httpx: pip install 'idempotency-mw[client]'") from error
 
+from idempotency_mw.keys import InvalidKey, parse_key
+
 __all__ = ["AsyncIdempotentClient", "IdempotentClient", "IdempotentResult", "RetriesExhausted", "Retry"]
 
 logger = logging.getLogger("idempotency_mw.client")
@@ -47,7 +49,6 @@ IDEMPOTENT_METHODS = SAFE_METHODS | {"PUT", "DELETE"}  # RFC 9110 §9.2.2: retri
 RETRY_STATUSES = frozenset({408, 425, 429})  # plus every 5xx, and 409 "in progress"
 RETRY_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
-_MAX_KEY_LENGTH = 255
 # An attempt left with less time than this before the deadline would only time out (timers may also fire a
 # millisecond early), so it is not started.
 _MIN_ATTEMPT_SECONDS = 0.01
@@ -60,11 +61,16 @@ class Retry:
 
     Between attempts the client waits a random time between 0 and ``backoff * 2**(n-1)`` (full jitter, so many
     clients that failed together do not retry together), never more than ``max_backoff``. A ``Retry-After`` from
-    the server raises the wait to what it asked for, still capped by ``max_backoff``. Durations are in seconds.
+    the server raises the wait to what it asked for, however long; a wait that would pass the deadline ends the
+    call instead. Durations are in seconds.
+
+    The defaults outlast the middleware's default lease (30 s): after a server crash its key stays "in progress"
+    for up to one lease, and each 409 asks for a 1 s wait, so a call keeps retrying (at most once a second) until
+    the key is free and the operation runs or replays.
     """
 
-    attempts: int = 8
-    deadline: float = 30.0
+    attempts: int = 60
+    deadline: float = 60.0
     backoff: float = 0.1
     max_backoff: float = 5.0
 
@@ -81,15 +87,18 @@ class Retry:
             raise ValueError(f"Retry.max_backoff ({self.max_backoff}) must be >= Retry.backoff ({self.backoff})")
 
     def delay(
-        self, failures: int, retry_after: float | None = None, *, rand: Callable[[], float] = random.random
+        self, failures: int, retry_after: float | None = None, *, rand: Callable[[], float] | None = None
     ) -> float:
-        """Seconds to wait after the ``failures``-th failed attempt (1 for the first), before the next one."""
+        """Seconds to wait after the ``failures``-th failed attempt (1 for the first), before the next one.
+
+        ``rand`` draws the jitter, a number in [0, 1); ``random.random`` by default.
+        """
         if failures < 1:
             raise ValueError("failures counts failed attempts and starts at 1")
         ceiling = min(self.max_backoff, self.backoff * 2.0 ** min(failures - 1, 60))
-        wait = rand() * ceiling
+        wait = (random.random() if rand is None else rand()) * ceiling
         if retry_after is not None:
-            wait = max(wait, min(retry_after, self.max_backoff))
+            wait = max(wait, retry_after)  # the server knows when it can answer; the deadline still applies
         return wait
 
 
@@ -159,18 +168,25 @@ class RetriesExhausted(Exception):
 
 
 def validate_key(key: str) -> str:
-    """Check a caller's key against what servers accept (1-255 visible ASCII, no comma) and return it unchanged.
+    """Return a caller's key unchanged if the server reads it back as exactly that key; else raise ValueError.
 
-    A comma is refused because proxies join repeated header fields with one: ``a,b`` could be read as two keys.
+    The server's own parser (:func:`idempotency_mw.keys.parse_key`) decides, so the two can never disagree: 1 to 255
+    visible ASCII characters, no comma (proxies join repeated header fields with one, so ``a,b`` could be two keys),
+    and no leading double quote (the server would read ``"abc"`` as the quoted string ``abc``).
     """
     if not isinstance(key, str):
         raise TypeError(f"idempotency_key must be a str, not {type(key).__name__}")
-    if not 1 <= len(key) <= _MAX_KEY_LENGTH:
-        raise ValueError(f"an idempotency key is 1 to {_MAX_KEY_LENGTH} characters long, this one has {len(key)}")
-    if any(not "\x21" <= char <= "\x7e" for char in key):
-        raise ValueError("an idempotency key is visible ASCII only: no spaces, control or non-ASCII characters")
-    if "," in key:
-        raise ValueError("an idempotency key must not contain a comma")
+    try:
+        parsed = parse_key(key.encode("ascii"))
+    except UnicodeEncodeError:
+        raise ValueError("an idempotency key is visible ASCII only: no non-ASCII characters") from None
+    except InvalidKey as error:
+        raise ValueError(f"invalid idempotency key {key!r}: {error}") from None
+    if parsed != key:
+        raise ValueError(
+            f"invalid idempotency key {key!r}: the server would read it as {parsed!r} (a key must not start with a "
+            "double quote, nor start or end with a space or tab)"
+        )
     return key
 
 

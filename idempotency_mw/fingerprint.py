@@ -2,9 +2,14 @@
 
 SHA-256 over the lengths of five parts (method, path, query, body kind, canonical body), then the parts, so no two
 different requests can produce the same byte stream. Bodies are canonicalised where their format allows: JSON is
-parsed and re-serialised with sorted keys (key order and whitespace do not matter; numbers keep the precision
-Python's own ``json`` gives them, so two amounts past 64 bits stay apart), form bodies become their decoded pairs
-sorted by name (the order of repeated names is kept, it can matter); anything else is hashed as sent.
+parsed and re-serialised with sorted keys (key order and whitespace do not matter; numbers compare by value, except
+in a body holding a number that a double might not hold exactly, where every number compares as written, so two
+amounts never merge), form bodies become their decoded pairs sorted by name (the order of repeated names is kept,
+it can matter); anything else is hashed as sent.
+
+The work is bounded. A body whose canonical form would cost much more per byte than ordinary JSON (a form with more
+fields than Starlette itself reads, a flood of ``%XX`` escapes, thousands of values around a long number) is
+hashed as sent instead: a retry sends the same bytes, so it still matches, and no two different bodies can merge.
 Only the digest is stored, never the body.
 """
 
@@ -12,8 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import struct
+from typing import NoReturn
 from urllib.parse import parse_qsl
 
 import orjson
@@ -33,7 +38,9 @@ _LENGTHS = struct.Struct(">5Q")
 def canonical_query(query_string: bytes) -> bytes:
     if not query_string:
         return b""
-    return _canonical_pairs(query_string)
+    pairs = _canonical_pairs(query_string)
+    # Canonical pairs always start with "[", so a query hashed as sent can never meet another's canonical pairs.
+    return pairs if pairs is not None else b"as sent:" + query_string
 
 
 def canonical_body(content_type: bytes, body: bytes) -> tuple[bytes, bytes]:
@@ -41,27 +48,74 @@ def canonical_body(content_type: bytes, body: bytes) -> tuple[bytes, bytes]:
     media_type = content_type.split(b";", 1)[0].strip().lower()
     if media_type == b"application/json" or media_type.endswith(b"+json"):
         try:
-            return b"json", _canonical_json(body)
-        except (ValueError, RecursionError):  # not valid JSON, or nested too deep to parse
-            pass  # the raw bytes are the payload
+            canonical = _canonical_json(body)
+        except (ValueError, RecursionError, orjson.JSONEncodeError):  # not JSON, or nested too deep to re-serialise
+            canonical = None
+        if canonical is not None:
+            return b"json", canonical
     elif media_type == b"application/x-www-form-urlencoded":
-        return b"form", _canonical_pairs(body)
+        pairs = _canonical_pairs(body)
+        if pairs is not None:
+            return b"form", pairs
     return b"raw", body
 
 
-# orjson reads integers past 64 bits as floats, which would make 2**70 and 2**70 + 1 the same amount. Such integers
-# have 20 digits or more, so a body with a 20-digit run takes the exact (slower) path of Python's json module.
-_LONG_DIGIT_RUN = re.compile(rb"[0-9]{20}")
+# -- JSON --------------------------------------------------------------------------------------------------------
+#
+# orjson reads every number as a 64-bit integer or a double: integers outside [-2**63, 2**64) become doubles, and a
+# float with more significant digits than a double holds (or too large or too small for one) is rounded. Either
+# would make two different amounts one request. A number with at most 15 significant digits and an exponent of at
+# most two digits always survives (a double holds any 15 significant digits, and such a number is within 10**±115,
+# far from the double's limits), so only a body with a longer run of digits or a 3-digit exponent needs the exact
+# reader. That test is a byte translation and three substring searches, so the common body pays almost nothing.
+
+# Digits become "0", decimal points vanish and an exponent's "+" reads as "-", so a number's significant digits form
+# one run of "0"s and its exponent one of three spellings.
+_AS_ZEROS = bytes.maketrans(b"123456789E+", b"000000000e-")
+_LONG_MANTISSA = b"0" * 16
 
 
-def _canonical_json(body: bytes) -> bytes:
-    if _LONG_DIGIT_RUN.search(body) is None:
+# The exact reader costs about fifteen ordinary JSON bytes per value; past this many values (counted as commas and
+# colons) the body is hashed as sent, so that path too stays within a few times the cost of ordinary JSON per byte.
+_EXACT_VALUES_FREE = 1024
+_EXACT_BYTES_PER_VALUE = 8
+
+
+def _canonical_json(body: bytes) -> bytes | None:
+    zeros = body.translate(_AS_ZEROS, b".")
+    if _LONG_MANTISSA not in zeros and b"0e000" not in zeros and b"0e-000" not in zeros:
         return orjson.dumps(orjson.loads(body), option=orjson.OPT_SORT_KEYS)
-    value = json.loads(body)
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    if body.count(b",") + body.count(b":") > _EXACT_VALUES_FREE + len(body) // _EXACT_BYTES_PER_VALUE:
+        return None
+    # Python's json reads the structure and hands every number over as written; orjson writes the result with
+    # sorted keys and each number exactly as it came. Both steps stay in C.
+    value = json.loads(
+        body.decode(), parse_int=orjson.Fragment, parse_float=orjson.Fragment, parse_constant=_no_constant
+    )
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
 
 
-def _canonical_pairs(encoded: bytes) -> bytes:
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity; orjson and the RFC do not
+
+
+# -- forms and query strings -------------------------------------------------------------------------------------
+
+# Starlette refuses urlencoded forms with more fields than this (Request.form(max_fields=1000)), so an app cannot
+# read such a body as a form anyway; 1000 "&" make 1001 fields. Decoding a %XX escape costs about forty ordinary
+# JSON bytes: past the free allowance, one escape per this many bytes keeps a form within a few times the cost of
+# JSON per byte.
+_MAX_FIELDS = 1000
+_ESCAPES_FREE = 1024
+_BYTES_PER_ESCAPE = 16
+
+
+def _canonical_pairs(encoded: bytes) -> bytes | None:
+    """The decoded pairs sorted by name, or None when decoding them would cost too much."""
+    if encoded.count(b"&") >= _MAX_FIELDS:
+        return None
+    if encoded.count(b"%") > _ESCAPES_FREE + len(encoded) // _BYTES_PER_ESCAPE:
+        return None
     # latin-1 maps every byte to one code point, so decoding can neither fail nor merge two different inputs.
     pairs = parse_qsl(encoded.decode("latin-1"), keep_blank_values=True, encoding="latin-1")
     pairs.sort(key=lambda pair: pair[0])  # stable: repeated names keep their relative order

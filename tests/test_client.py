@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import socket
 import struct
 import threading
@@ -20,11 +21,14 @@ import uuid
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 import uvicorn
+from hypothesis import given
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,6 +36,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, problems
+from idempotency_mw import client as client_module
 from idempotency_mw.client import (
     AsyncIdempotentClient,
     IdempotentClient,
@@ -39,7 +44,9 @@ from idempotency_mw.client import (
     RetriesExhausted,
     Retry,
     parse_retry_after,
+    validate_key,
 )
+from idempotency_mw.keys import InvalidKey, parse_key
 
 FAST = Retry(attempts=10, deadline=20.0, backoff=0.01, max_backoff=0.05)
 AUTH = {"Authorization": "Bearer sk_test_client"}
@@ -660,6 +667,29 @@ def test_invalid_caller_keys_are_refused(flavour: str, dead_url: str, key: str) 
         call(flavour, dead_url, "POST", "/charges", json={}, idempotency_key=key)
 
 
+@pytest.mark.parametrize("key", ['"abc"', '"a', '"a\\"b"', " abc", "abc\t"])
+def test_keys_the_server_would_read_differently_are_refused(flavour: str, dead_url: str, key: str) -> None:
+    # '"abc"' is the sf-string abc to the server (it would collide with the key abc); '"a' is a 400 there.
+    with pytest.raises(ValueError, match="idempotency key"):
+        call(flavour, dead_url, "POST", "/charges", json={}, idempotency_key=key)
+
+
+@given(
+    st.text(st.sampled_from('a"\\, \t~\x7f'), max_size=8)  # the characters that matter, often
+    | st.text(st.characters(min_codepoint=0, max_codepoint=0x7F), max_size=300)
+)
+def test_the_client_accepts_exactly_the_keys_the_server_reads_back(key: str) -> None:
+    try:
+        server_reads: str | None = parse_key(key.encode())
+    except InvalidKey:
+        server_reads = None
+    if server_reads == key:
+        assert validate_key(key) == key
+    else:
+        with pytest.raises(ValueError, match="idempotency key"):
+            validate_key(key)
+
+
 def test_a_key_in_headers_is_refused(flavour: str, dead_url: str) -> None:
     with pytest.raises(ValueError, match="idempotency_key="):
         call(flavour, dead_url, "POST", "/charges", json={}, headers={"idempotency-key": "k1"})
@@ -739,7 +769,135 @@ def test_backoff_grows_with_full_jitter_under_its_cap() -> None:
     assert [retry.delay(n, rand=lambda: 1.0) for n in (1, 2, 3, 4, 5, 50)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
     assert retry.delay(3, rand=lambda: 0.0) == 0.0
     assert retry.delay(1, retry_after=0.5, rand=lambda: 0.0) == 0.5  # the server asked for at least this
-    assert retry.delay(1, retry_after=30.0, rand=lambda: 0.0) == 1.0  # capped by max_backoff
+
+
+def test_retry_after_is_honoured_past_max_backoff() -> None:
+    retry = Retry(backoff=0.1, max_backoff=1.0)
+    assert retry.delay(1, retry_after=30.0, rand=lambda: 1.0) == 30.0  # the deadline, not max_backoff, limits it
+
+
+# -- on a fake clock: the retry budget against the server's timing ------------------------------------------
+
+
+class FakeTime:
+    """The client module's clock and sleeps, moved by hand: nothing waits for real."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return 1_700_000_000.0 + self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    async def async_sleep(self, seconds: float) -> None:
+        self.sleep(seconds)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeTime:
+    fake = FakeTime()
+    monkeypatch.setattr(client_module, "time", fake)
+    monkeypatch.setattr(client_module, "asyncio", SimpleNamespace(sleep=fake.async_sleep))
+    return fake
+
+
+def jitter(monkeypatch: pytest.MonkeyPatch, draw: float) -> None:
+    """Every jitter draw returns ``draw``: 0.0 gives the shortest waits (most attempts), ~1.0 the longest."""
+    monkeypatch.setattr(client_module, "random", SimpleNamespace(random=lambda: draw))
+
+
+def fake_call(flavour: str, handler: Callable[[httpx.Request], httpx.Response], retry: Retry | None = None) -> Any:
+    """One POST through a client whose transport is ``handler``; the default Retry unless one is given."""
+    options: dict[str, Any] = {"transport": httpx.MockTransport(handler)}
+    if retry is not None:
+        options["retry"] = retry
+    if flavour == "sync":
+        with IdempotentClient(base_url="http://api.test", **options) as sync_client:
+            return sync_client.post("/charges", json={"amount": 1})
+
+    async def run() -> IdempotentResult:
+        async with AsyncIdempotentClient(base_url="http://api.test", **options) as async_client:
+            return await async_client.post("/charges", json={"amount": 1})
+
+    return asyncio.run(run())
+
+
+DEFAULT_LEASE = 30.0  # the middleware's default lease: how long a crashed server's key stays in progress
+
+
+@pytest.mark.parametrize("draw", [0.0, 0.999], ids=["shortest-waits", "longest-waits"])
+@pytest.mark.parametrize("held_for", [DEFAULT_LEASE, 1.5 * DEFAULT_LEASE], ids=["one-lease", "lease-and-a-half"])
+def test_the_default_retry_outlasts_a_crashed_servers_lease(
+    flavour: str, clock: FakeTime, monkeypatch: pytest.MonkeyPatch, draw: float, held_for: float
+) -> None:
+    # The first attempt reaches the handler, the server dies: the client times out after its 5 s. The restarted
+    # server answers 409 "in progress" (Retry-After: 1) until the dead claim's lease lapses, then runs it.
+    jitter(monkeypatch, draw)
+    seen: list[float] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        seen.append(clock.now)
+        if len(seen) == 1:
+            clock.now += 5.0
+            raise httpx.ReadTimeout("the server died mid-request", request=request)
+        if clock.now < 5.0 + held_for:
+            return in_progress_409()
+        return httpx.Response(201, json={"id": "ch_1"})
+
+    result = fake_call(flavour, server)
+
+    assert result.status_code == 201
+    assert result.outcomes[0] == "ReadTimeout"
+    assert set(result.outcomes[1:-1]) == {409}
+    gaps = [later - earlier for earlier, later in itertools.pairwise(seen[1:])]  # between the 409s
+    assert min(gaps) >= 1.0  # never sooner than the server asked: no hammering
+    assert len(seen) <= 2 + held_for  # at most one attempt a second while the key is held
+
+
+def test_a_long_retry_after_is_waited_out_in_full(
+    flavour: str, clock: FakeTime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jitter(monkeypatch, 1.0)
+    answers = iter([httpx.Response(429, headers={"retry-after": "10"}), httpx.Response(201)])
+    result = fake_call(flavour, lambda request: next(answers), Retry(max_backoff=5.0))
+
+    assert result.status_code == 201
+    assert clock.sleeps == [10.0]  # what the server asked for, not max_backoff
+
+
+def test_a_retry_after_past_the_deadline_ends_the_call(
+    flavour: str, clock: FakeTime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jitter(monkeypatch, 1.0)
+    attempts: list[float] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        attempts.append(clock.now)
+        return httpx.Response(503, headers={"retry-after": "25"})
+
+    with pytest.raises(RetriesExhausted) as caught:
+        fake_call(flavour, server, Retry(deadline=60.0))
+
+    assert caught.value.reason == "deadline"
+    assert attempts == [0.0, 25.0, 50.0]  # the next wait would end at 75 s, past the deadline: no sleep, no attempt
+    assert clock.sleeps == [25.0, 25.0]
+    assert caught.value.last_response is not None
+    assert caught.value.last_response.status_code == 503
+
+
+def in_progress_409() -> httpx.Response:
+    return httpx.Response(
+        409,
+        headers={"retry-after": "1", "content-type": "application/problem+json"},
+        content=problems.in_progress(1).body(),
+    )
 
 
 def test_retry_after_reads_seconds_and_http_dates() -> None:

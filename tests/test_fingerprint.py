@@ -1,8 +1,18 @@
-"""The fingerprint (DESIGN.md §2.3): equal for the same request however it is spelled, different otherwise."""
+"""The fingerprint: equal for the same request however it is spelled, different otherwise; bounded work."""
 
 from __future__ import annotations
 
-from idempotency_mw.fingerprint import fingerprint
+import json
+from decimal import Context, Decimal
+from typing import NoReturn
+from urllib.parse import urlencode
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from idempotency_mw import fingerprint as fingerprint_module
+from idempotency_mw.fingerprint import canonical_body, canonical_query, fingerprint
 
 JSON = b"application/json"
 FORM = b"application/x-www-form-urlencoded"
@@ -52,3 +62,145 @@ def test_length_prefixes_keep_parts_apart() -> None:
 def test_binary_bodies_are_hashed_as_sent() -> None:
     assert fp(bytes(range(256)), b"application/octet-stream") == fp(bytes(range(256)), b"application/octet-stream")
     assert len(fp(b"", b"")) == 32
+
+
+# -- numbers: never two different amounts under one fingerprint -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (b"-9223372036854775809", b"-9223372036854776000"),  # below int64: orjson reads both as one float
+        (b"18446744073709551616", b"18446744073709551617"),  # above uint64
+        (b"1180591620717411303424", b"1180591620717411303425"),  # 2**70 and 2**70 + 1
+        (b"0.1", b"0.10000000000000000001"),  # more digits than a double holds
+        (b"12345678901234.56", b"12345678901234.5600000001"),
+        (b"1e-400", b"0.0"),  # below the smallest double: orjson reads 0.0
+        (b"1e-400", b"1e-500"),
+        (b"1.00000001e-320", b"1e-320"),  # subnormal doubles hold few digits
+        (b"1e400", b"1e401"),  # past the largest double
+    ],
+)
+def test_json_numbers_a_double_cannot_hold_stay_apart(first: bytes, second: bytes) -> None:
+    assert fp(b'{"amount":' + first + b"}") != fp(b'{"amount":' + second + b"}")
+    assert fp(b"[" + first + b"]") != fp(b"[" + second + b"]")
+
+
+def test_key_order_and_whitespace_still_do_not_matter_around_long_numbers() -> None:
+    assert fp(b'{"a":-9223372036854775809,"b":[1.5,0.10000000000000000001]}') == fp(
+        b'{ "b" : [ 1.5 , 0.10000000000000000001 ] ,\n "a" : -9223372036854775809 }'
+    )
+    assert fp(b'{"card":"4242424242424242","amount":10.50}') == fp(b'{ "amount": 10.50, "card": "4242424242424242" }')
+
+
+def test_a_body_read_exactly_compares_its_numbers_as_written() -> None:
+    # The conservative side, as documented: equal values spelled differently are different requests (a 422).
+    assert fp(b'{"amount":0.1}') != fp(b'{"amount":0.1000000000000000}')
+    assert fp(b'{"card":"4242424242424242","amount":10.50}') != fp(b'{"card":"4242424242424242","amount":10.5}')
+    # Without a long digit run, numbers compare by value, as before.
+    assert fp(b'{"amount":10.50}') == fp(b'{"amount":10.5}')
+    assert fp(b'{"amount":1e2}') == fp(b'{"amount":100.0}')
+
+
+def test_json_floats_and_integers_are_different_requests() -> None:
+    assert fp(b'{"a":1}') != fp(b'{"a":1.0}')
+    assert fp(b'{"a":100000000000000000000}') != fp(b'{"a":100000000000000000000.0}')
+
+
+@given(st.integers(min_value=-(2**80), max_value=2**80), st.integers(min_value=-(2**80), max_value=2**80))
+def test_different_integers_never_share_a_fingerprint(first: int, second: int) -> None:
+    assume(first != second)
+    assert fp(b'{"n":%d}' % first) != fp(b'{"n":%d}' % second)
+
+
+def decimal_literals() -> st.SearchStrategy[str]:
+    digits = st.text("0123456789", min_size=1, max_size=30)
+    return st.builds(
+        lambda whole, fraction, exponent: f"{int(whole)}.{fraction}e{exponent}", digits, digits, st.integers(-330, 330)
+    )
+
+
+@given(decimal_literals(), decimal_literals())
+def test_different_decimal_values_never_share_a_fingerprint(first: str, second: str) -> None:
+    assume(Decimal(first) != Decimal(second))
+    assert fp(b'{"x":%s}' % first.encode()) != fp(b'{"x":%s}' % second.encode())
+
+
+@given(st.floats(allow_nan=False, allow_infinity=False), st.integers(min_value=16, max_value=40))
+def test_a_nudge_past_what_a_double_holds_is_a_different_request(value: float, place: int) -> None:
+    written = Decimal(repr(value))
+    nudged = Context(prec=100).add(written, Decimal(1).scaleb(written.adjusted() - place))  # exact, no rounding
+    assert fp(b"[%s]" % str(written).encode()) != fp(b"[%s]" % str(nudged).encode())
+
+
+@given(st.dictionaries(st.text(max_size=8), decimal_literals() | st.integers().map(str), min_size=1, max_size=6))
+def test_key_order_and_whitespace_never_matter_even_when_read_exactly(members: dict[str, str]) -> None:
+    def body(items: list[tuple[str, str]], space: str) -> bytes:
+        inner = f",{space}".join(f"{json.dumps(name)}{space}:{space}{number}" for name, number in items)
+        return f"{{{space}{inner}{space}}}".encode()
+
+    items = list(members.items())
+    assert fp(body(items, "")) == fp(body(items[::-1], " \n\t"))
+
+
+def test_json_nested_too_deep_to_re_serialise_is_hashed_as_sent() -> None:
+    deep = b"[" * 300 + b"]" * 300
+    assert canonical_body(JSON, deep) == (b"raw", deep)
+
+
+# -- bounded work: a body that would be costly to canonicalise is hashed as sent -------------------------------
+
+
+def test_a_form_with_more_fields_than_starlette_reads_is_hashed_as_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    within = b"&".join([b"a=1"] * 1000)
+    assert canonical_body(FORM, within)[0] == b"form"
+    monkeypatch.setattr(fingerprint_module, "parse_qsl", refuse_to_parse)  # past the cap the parser is never run
+    beyond = b"&".join([b"a"] * 1001)
+    assert canonical_body(FORM, beyond) == (b"raw", beyond)
+    huge = b"&".join([b"a"] * (1 << 19))  # the 1 MiB body of the report
+    assert canonical_body(FORM, huge) == (b"raw", huge)
+    assert fp(huge, FORM) == fp(huge, FORM)
+    assert fp(huge, FORM) != fp(huge + b"&a", FORM)
+
+
+def test_a_form_full_of_escapes_is_hashed_as_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    escaped = b"name=" + b"%41" * 100_000
+    assert fp(escaped, FORM) != fp(b"name=" + b"A" * 100_000, FORM)  # the conservative side: a 422, never a replay
+    monkeypatch.setattr(fingerprint_module, "parse_qsl", refuse_to_parse)
+    assert canonical_body(FORM, escaped) == (b"raw", escaped)
+
+
+def test_an_ordinary_form_with_escapes_is_still_canonical() -> None:
+    text = "Grüße aus Köln, 5 % Rabatt & mehr " * 20  # 9 escapes per copy: well within the allowance
+    encoded = urlencode({"note": text, "amount": "10"}).encode()
+    assert canonical_body(FORM, encoded)[0] == b"form"
+    assert fp(encoded, FORM) == fp(urlencode({"amount": "10", "note": text}).encode(), FORM)
+
+
+def test_a_costly_query_string_is_hashed_as_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fingerprint_module, "parse_qsl", refuse_to_parse)
+    many = b"&".join([b"a"] * 5000)
+    assert fp(b"", query=many) == fp(b"", query=many)
+    assert fp(b"", query=many) != fp(b"", query=many + b"&a")
+
+
+def test_a_costly_query_never_meets_the_canonical_pairs_of_another() -> None:
+    escaped = b"a=" + b"%2C" * 20_000
+    assert canonical_query(escaped).startswith(b"as sent:")
+    assert canonical_query(b"b=1&a=2") == canonical_query(b"a=2&b=1")
+    assert canonical_query(b"b=1&a=2").startswith(b"[")
+
+
+def test_json_needing_exact_numbers_with_too_many_values_is_hashed_as_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    dense = b"[" + b",".join([b"1"] * 200_000) + b",12345678901234567890]"  # one long number, then many values
+    monkeypatch.setattr(fingerprint_module.json, "loads", refuse_to_parse)  # the exact reader is never run
+    assert canonical_body(JSON, dense) == (b"raw", dense)
+
+
+def test_json_with_a_few_exact_numbers_among_long_text_is_canonical() -> None:
+    body = b'{"note":"' + b"x" * 100_000 + b'","amount":12345678901234567890}'
+    assert canonical_body(JSON, body)[0] == b"json"
+
+
+def refuse_to_parse(*args: object, **kwargs: object) -> NoReturn:
+    raise AssertionError("this body should not have been parsed")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import pytest
+
 from idempotency_mw import MemoryStore
-from idempotency_mw.leases import LeaseKeeper
+from idempotency_mw.leases import HeldLease, LeaseKeeper
 from idempotency_mw.store import ClaimOutcome
 
 
@@ -61,3 +63,149 @@ async def test_a_claim_taken_over_is_no_longer_renewed() -> None:
     assert store.renewals[key] == 1  # refused once, then left alone
     await asyncio.sleep(0.25)
     assert store.renewals[key] == 1
+
+
+# -- on a fake clock: what a wake looks at ----------------------------------------------------------------------
+
+
+class Tick(float):
+    """A loop time that counts its comparisons: the keeper compares a lease's due time to learn whether it is due."""
+
+    comparisons = 0
+
+    def __add__(self, other: float) -> Tick:  # type: ignore[override]
+        return Tick(float(self) + other)
+
+    __radd__ = __add__
+
+    def __lt__(self, other: float) -> bool:  # type: ignore[override]
+        Tick.comparisons += 1
+        return float(self) < other
+
+    def __le__(self, other: float) -> bool:  # type: ignore[override]
+        Tick.comparisons += 1
+        return float(self) <= other
+
+    def __gt__(self, other: float) -> bool:  # type: ignore[override]
+        Tick.comparisons += 1
+        return float(self) > other
+
+    def __ge__(self, other: float) -> bool:  # type: ignore[override]
+        Tick.comparisons += 1
+        return float(self) >= other
+
+
+class FakeClock:
+    """Stands in for the running loop's clock; the loop fires the keeper's timer once the clock reaches it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = Tick(1000.0)
+        monkeypatch.setattr(asyncio.get_running_loop(), "time", lambda: self.now)
+
+    async def advance_to(self, when: float) -> None:
+        self.now = Tick(1000.0 + when)
+        for _ in range(5):  # the timer fires, then the renewals it started run against the MemoryStore
+            await asyncio.sleep(0)
+
+
+async def hold_many(keeper: LeaseKeeper, store: MemoryStore, count: int, lease: float) -> list[HeldLease]:
+    held = []
+    for _ in range(count):
+        key, fence = await claimed(store, lease)
+        held.append(keeper.hold("t", key, fence, lease))
+    return held
+
+
+async def test_a_wake_looks_only_at_the_leases_that_are_due(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock(monkeypatch)
+    store = CountingStore()
+    keeper = LeaseKeeper(store)
+    due_first = await hold_many(keeper, store, 3, 3.0)  # due at 1.0
+    await clock.advance_to(0.5)
+    later = await hold_many(keeper, store, 3000, 3.0)  # same duration, held later: due at 1.5
+    longer = await hold_many(keeper, store, 3000, 300.0)  # another duration: due at 100
+    Tick.comparisons = 0
+    await clock.advance_to(1.0)
+    assert sorted(store.renewals) == sorted(held.key for held in due_first)  # the three due, and only them
+    assert Tick.comparisons < 60  # 6,003 leases held: a scan would compare each at least once
+
+    Tick.comparisons = 0
+    await clock.advance_to(1.5)
+    assert len(store.renewals) == 3 + 3000
+    assert Tick.comparisons < 3000 * 3  # proportional to the leases due
+    for held in due_first + later + longer:
+        keeper.drop(held)
+
+
+async def test_renewed_leases_come_due_again_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock(monkeypatch)
+    store = CountingStore()
+    keeper = LeaseKeeper(store)
+    first, second = await hold_many(keeper, store, 2, 3.0)  # both due at 1.0, then every second
+    await clock.advance_to(0.5)
+    (third,) = await hold_many(keeper, store, 1, 3.0)  # due at 1.5, 2.5, ...
+    for step in range(1, 7):
+        await clock.advance_to(step / 2)
+    assert store.renewals == {first.key: 3, second.key: 3, third.key: 2}  # at 1, 2, 3 and at 1.5, 2.5
+    keeper.drop(second)
+    await clock.advance_to(3.5)
+    await clock.advance_to(4.0)
+    assert store.renewals == {first.key: 4, second.key: 3, third.key: 3}
+
+
+class FlakyStore(CountingStore):
+    """Fails the first renewal of every key, as an unreachable database would."""
+
+    async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
+        if key not in self.renewals:
+            self.renewals[key] = 1
+            raise ConnectionError("database unreachable")
+        return await super().renew(tenant, key, fence, lease=lease)
+
+
+async def test_a_failed_renewal_is_tried_again_at_the_next_beat(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock(monkeypatch)
+    store = FlakyStore()
+    keeper = LeaseKeeper(store)
+    (held,) = await hold_many(keeper, store, 1, 3.0)
+    await clock.advance_to(1.0)  # fails
+    await clock.advance_to(2.0)  # renewed
+    assert store.renewals == {held.key: 2}
+    record = await store.inspect("t", held.key)
+    assert record is not None
+    assert record.state == "in_progress"
+    keeper.drop(held)
+
+
+async def test_a_lease_taken_over_is_dropped_without_disturbing_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock(monkeypatch)
+    store = CountingStore()
+    keeper = LeaseKeeper(store)
+    lost, kept = await hold_many(keeper, store, 2, 3.0)
+    await store.forget("t", lost.key)  # as after a takeover: its renewal is refused
+    for step in range(1, 4):
+        await clock.advance_to(step)
+    assert store.renewals == {lost.key: 1, kept.key: 3}
+    keeper.drop(lost)  # the request ends later: dropping a lease the keeper already let go is harmless
+    keeper.drop(kept)
+
+
+def test_another_event_loop_starts_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = CountingStore()
+    keeper = LeaseKeeper(store)
+
+    async def hold_and_leave() -> HeldLease:
+        (held,) = await hold_many(keeper, store, 1, 3.0)
+        return held  # never dropped: its loop ends with it (a server stopped mid-request)
+
+    async def hold_and_beat() -> HeldLease:
+        clock = FakeClock(monkeypatch)
+        (held,) = await hold_many(keeper, store, 1, 3.0)
+        await clock.advance_to(1.0)
+        keeper.drop(held)
+        return held
+
+    abandoned = asyncio.run(hold_and_leave())
+    current = asyncio.run(hold_and_beat())
+    assert store.renewals == {current.key: 1}  # the lease of the loop that ended is not carried over
+    assert abandoned.key not in store.renewals
