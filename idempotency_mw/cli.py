@@ -26,6 +26,7 @@ from typing import Any
 import asyncpg
 
 from idempotency_mw.postgres import PostgresStore
+from idempotency_mw.sql import check_schema
 from idempotency_mw.store import RecordInfo, StoreUnavailable
 from idempotency_mw.tenants import authorization_tenant
 
@@ -80,6 +81,14 @@ def _global_options() -> argparse.ArgumentParser:
         default=5.0,
         metavar="SECONDS",
         help="give up on connecting or on any one statement after this long (default: 5)",
+    )
+    parser.add_argument(
+        "--schema",
+        type=_schema_name,
+        default="public",
+        metavar="NAME",
+        help="the PostgreSQL schema of the store's tables, as in PostgresStore(schema=...); migrate creates it "
+        "(default: public)",
     )
     return parser
 
@@ -191,6 +200,13 @@ def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
+def _schema_name(text: str) -> str:
+    try:
+        return check_schema(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _record_id(args: argparse.Namespace) -> tuple[str, str]:
     """``(tenant, key)`` from ``TENANT KEY`` or ``--authorization VALUE KEY``."""
     if args.authorization is not None:
@@ -230,7 +246,7 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
     url = args.database_url or os.environ.get("DATABASE_URL")
     if not url:
         raise CommandError("no database: pass --database-url or set DATABASE_URL", EXIT_USAGE)
-    store = PostgresStore(url, timeout=args.timeout, min_size=1, max_size=1)
+    store = PostgresStore(url, timeout=args.timeout, min_size=1, max_size=1, schema=args.schema)
     try:
         try:
             await store.open()
@@ -246,14 +262,14 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
 def _explain(error: BaseException, timeout: float) -> CommandError:
     """Turn what asyncpg and the store raise into one line a person can act on."""
     cause = error.__cause__ if isinstance(error, StoreUnavailable) and error.__cause__ else error
+    if isinstance(cause, asyncpg.exceptions.UndefinedTableError | asyncpg.exceptions.InvalidSchemaNameError):
+        return CommandError(f"the idempotency tables are missing in this database: {MIGRATE_HINT}")
     if isinstance(cause, asyncpg.exceptions.ClientConfigurationError):
         return CommandError(f"invalid database URL: {cause}")
     if isinstance(cause, TimeoutError):
         return CommandError(f"the database did not answer within {timeout:g}s (is it up? see --timeout)")
     if isinstance(cause, OSError):
         return CommandError(f"cannot reach the database: {cause.strerror or cause}")
-    if isinstance(cause, asyncpg.exceptions.UndefinedTableError):
-        return CommandError(f"the idempotency tables are missing in this database: {MIGRATE_HINT}")
     if isinstance(
         cause,
         asyncpg.exceptions.InvalidCatalogNameError

@@ -15,7 +15,7 @@ import asyncpg
 
 from idempotency_mw.capture import decode_headers, encode_headers
 from idempotency_mw.connections import ConnectionPool
-from idempotency_mw.sql import migrations, queries
+from idempotency_mw.sql import bookkeeping, check_schema, migrations, queries
 from idempotency_mw.store import Claim, ClaimOutcome, RecordInfo, StoredResponse, StoreUnavailable
 
 # What "the store cannot be reached" looks like from asyncpg: connection failures, a server shutting down,
@@ -34,8 +34,6 @@ UNAVAILABLE = (
     asyncpg.exceptions.QueryCanceledError,
 )
 
-MIGRATION_LOCK = 0x1DE4_0001  # pg_advisory_xact_lock key: concurrent migrate() calls take turns
-
 
 class PostgresStore:
     """Records in one PostgreSQL table (see ``sql/migrations``).
@@ -43,7 +41,8 @@ class PostgresStore:
     ``PostgresStore("postgresql://…")`` opens its own connections on first use, at most ``max_size`` (see
     ``connections.py`` for why they are not an asyncpg pool); ``PostgresStore(pool)`` uses an asyncpg pool the app
     already has and leaves closing it to the app. ``timeout`` bounds every database call in seconds, connecting
-    and waiting for a free connection included.
+    and waiting for a free connection included. ``schema`` is where the tables live; every statement names it,
+    so a handler that changes ``search_path`` on a connection the store then uses changes nothing.
     """
 
     def __init__(
@@ -53,17 +52,19 @@ class PostgresStore:
         timeout: float = 5.0,
         min_size: int = 2,
         max_size: int = 20,
+        schema: str = "public",
     ) -> None:
         if timeout <= 0:
             raise ValueError("PostgresStore timeout must be positive")
         self.timeout = timeout
+        self.schema = check_schema(schema)
         self._own: ConnectionPool | None = None
         self._borrowed: asyncpg.Pool | None = None
         if isinstance(dsn_or_pool, str):
             self._own = ConnectionPool(dsn_or_pool, min_size=min_size, max_size=max_size, timeout=timeout)
         else:
             self._borrowed = dsn_or_pool
-        self._sql = queries()
+        self._sql = queries(self.schema)
 
     async def open(self) -> None:
         """Connect now (``min_size`` connections), so that a database that cannot be reached fails at startup."""
@@ -281,28 +282,28 @@ class PostgresStore:
         return dict(row)
 
     async def migrate(self) -> list[str]:
-        """Apply the migrations this database lacks, in order, each in its own transaction; return their names.
+        """Create the schema if it is missing and apply the migrations it lacks, in order, each in its own
+        transaction; return their names.
 
-        Safe to run repeatedly and from several processes at once (they take turns on an advisory lock).
+        Safe to run repeatedly and from several processes at once: every transaction here, the one that creates
+        the schema and the bookkeeping table included, first takes a transaction-scoped advisory lock, so
+        concurrent runs take turns and each migration is applied once (see ``sql/migrate.sql``).
         """
+        sql = bookkeeping(self.schema)
         applied: list[str] = []
         async with self._connection() as connection:
-            await connection.execute(
-                "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations ("
-                " version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-            for version, name, sql in migrations():
+            async with connection.transaction():
+                await connection.execute(sql["lock"])
+                if not await connection.fetchval(sql["schema_exists"]):
+                    await connection.execute(sql["create_schema"])
+                await connection.execute(sql["create_table"])
+            for version, name, migration in migrations(self.schema):
                 async with connection.transaction():
-                    await connection.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
-                    done = await connection.fetchval(
-                        "SELECT 1 FROM idempotency_schema_migrations WHERE version = $1", version
-                    )
-                    if done:
+                    await connection.execute(sql["lock"])
+                    if await connection.fetchval(sql["is_applied"], version):
                         continue
-                    await connection.execute(sql)
-                    await connection.execute(
-                        "INSERT INTO idempotency_schema_migrations (version, name) VALUES ($1, $2)", version, name
-                    )
+                    await connection.execute(migration)
+                    await connection.execute(sql["record"], version, name)
                     applied.append(name)
         return applied
 
