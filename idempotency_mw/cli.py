@@ -27,13 +27,12 @@ import asyncpg
 
 from idempotency_mw.postgres import PostgresStore
 from idempotency_mw.sql import check_schema
-from idempotency_mw.store import RecordInfo, StoreUnavailable
+from idempotency_mw.store import RecordInfo, StoreNotMigrated, StoreUnavailable
 from idempotency_mw.tenants import authorization_tenant
 
 PROG = "idempotency-mw"
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_DATABASE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 PREVIEW_BYTES = 200
-MIGRATE_HINT = f"run `{PROG} migrate` first"
 
 
 class CommandError(Exception):
@@ -250,6 +249,9 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
     try:
         try:
             await store.open()
+        except StoreNotMigrated as error:
+            if args.handler is not cmd_migrate:  # migrate creates the tables (open() connected before it checked)
+                raise _explain(error, args.timeout) from error
         except (ValueError, OverflowError) as error:  # asyncpg's DSN parser, a malformed or out-of-range port
             raise CommandError(f"invalid database URL: {error}") from error
         except Exception as error:
@@ -261,9 +263,13 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
 
 def _explain(error: BaseException, timeout: float) -> CommandError:
     """Turn what asyncpg and the store raise into one line a person can act on."""
+    if isinstance(error, StoreNotMigrated):
+        option = "" if error.schema == "public" else f" --schema {error.schema}"
+        return CommandError(
+            f'the idempotency tables are missing from schema "{error.schema}" of this database: '
+            f"run `{PROG}{option} migrate` first"
+        )
     cause = error.__cause__ if isinstance(error, StoreUnavailable) and error.__cause__ else error
-    if isinstance(cause, asyncpg.exceptions.UndefinedTableError | asyncpg.exceptions.InvalidSchemaNameError):
-        return CommandError(f"the idempotency tables are missing in this database: {MIGRATE_HINT}")
     if isinstance(cause, asyncpg.exceptions.ClientConfigurationError):
         return CommandError(f"invalid database URL: {cause}")
     if isinstance(cause, TimeoutError):

@@ -16,10 +16,17 @@ import asyncpg
 from idempotency_mw.capture import decode_headers, encode_headers
 from idempotency_mw.connections import ConnectionPool
 from idempotency_mw.sql import bookkeeping, check_schema, migrations, queries
-from idempotency_mw.store import Claim, ClaimOutcome, RecordInfo, StoredResponse, StoreUnavailable
+from idempotency_mw.store import (
+    Claim,
+    ClaimOutcome,
+    RecordInfo,
+    StoredResponse,
+    StoreNotMigrated,
+    StoreUnavailable,
+)
 
 # What "the store cannot be reached" looks like from asyncpg: connection failures, a server shutting down,
-# deadlines. Errors in our own SQL (a missing table) are not among them and surface as they are.
+# deadlines. Errors in our own SQL surface as they are, except a missing table (see NOT_MIGRATED).
 # A lost COMMIT (TransactionResolutionUnknownError, SQLSTATE 08007) is among them: the retry then finds the record
 # completed (and replays) or gone (and runs), so answering 503 and releasing the key is right either way.
 UNAVAILABLE = (
@@ -33,6 +40,10 @@ UNAVAILABLE = (
     asyncpg.exceptions.TooManyConnectionsError,
     asyncpg.exceptions.QueryCanceledError,
 )
+
+# What "the store's tables are not there" looks like: a table or sequence (42P01) or the schema itself (3F000)
+# does not exist. The store's statements name nothing else, so this means "not migrated" (or the wrong schema).
+NOT_MIGRATED = (asyncpg.exceptions.UndefinedTableError, asyncpg.exceptions.InvalidSchemaNameError)
 
 
 class PostgresStore:
@@ -67,10 +78,17 @@ class PostgresStore:
         self._sql = queries(self.schema)
 
     async def open(self) -> None:
-        """Connect now (``min_size`` connections), so that a database that cannot be reached fails at startup."""
+        """Connect now (``min_size`` connections) and check that the tables exist, so that a database that cannot
+        be reached, or was never migrated, fails at startup: :class:`StoreNotMigrated` names the command to run.
+
+        :meth:`migrate` needs no ``open()`` first (it would refuse a database that is not migrated yet).
+        """
         if self._own is not None:
             with _reachable():
                 await self._own.open()
+        row = await self._fetchrow("migrated")
+        if row is None or not row[0]:
+            raise StoreNotMigrated(self.schema)
 
     async def close(self) -> None:
         """Close the connections the store opened, those still in use as they come back (a pool passed in is the
@@ -161,7 +179,7 @@ class PostgresStore:
         the statement finishes a request (renew, complete, release) and goes before new claims for a connection."""
         connection = await self._acquire(urgent=urgent)
         try:
-            with _reachable():
+            with _reachable(self.schema):
                 result = await getattr(connection, method)(self._sql[name], *args, timeout=self.timeout)
         except BaseException:
             await self._give_back(connection, broken=True)
@@ -309,12 +327,18 @@ class PostgresStore:
 
 
 @contextlib.contextmanager
-def _reachable() -> Iterator[None]:
-    """Turn "the database cannot be reached" (see ``UNAVAILABLE``) into :class:`StoreUnavailable`; let the rest be."""
+def _reachable(schema: str | None = None) -> Iterator[None]:
+    """Turn "the database cannot be reached" (see ``UNAVAILABLE``) into :class:`StoreUnavailable` and, around the
+    store's own statements in ``schema``, "the tables are missing" into :class:`StoreNotMigrated`; let the rest be.
+    """
     try:
         yield
     except UNAVAILABLE as error:
         raise StoreUnavailable(str(error) or type(error).__name__) from error
+    except NOT_MIGRATED as error:
+        if schema is None:
+            raise
+        raise StoreNotMigrated(schema, str(error)) from error
 
 
 def claim_from_row(row: asyncpg.Record) -> Claim:

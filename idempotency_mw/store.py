@@ -61,6 +61,20 @@ class StoreUnavailable(Exception):
     """The store could not be reached or did not answer in time."""
 
 
+class StoreNotMigrated(StoreUnavailable):
+    """The store's tables are not in the database: it was never migrated, or the store looks in another schema
+    than the one that was. The message names the schema and the command that fixes it."""
+
+    def __init__(self, schema: str, detail: str = "") -> None:
+        option = "" if schema == "public" else f" --schema {schema}"
+        super().__init__(
+            f'the idempotency tables are missing from schema "{schema}" of this database'
+            + (f" ({detail})" if detail else "")
+            + f": run `idempotency-mw{option} migrate`, or `await store.migrate()` before `store.open()`"
+        )
+        self.schema = schema
+
+
 class Store(Protocol):
     async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
         """Insert an ``in_progress`` record or report the existing one, atomically, in one round trip."""

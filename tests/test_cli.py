@@ -73,6 +73,10 @@ def sql(url: str, statement: str, *args: Any, fetch: bool = False) -> str:
     return asyncio.run(run())
 
 
+def with_database(url: str, name: str) -> str:
+    return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
+
+
 @pytest.fixture
 def empty_db(idempotency_database_url: str) -> Iterator[Database]:
     """A schema that does not exist yet (``migrate`` creates it; dropped afterwards)."""
@@ -121,13 +125,32 @@ def test_migrate_creates_the_schema_then_is_up_to_date(capsys: pytest.CaptureFix
     assert tables == "2"
 
 
-def test_unmigrated_database_says_run_migrate(capsys: pytest.CaptureFixture[str], empty_db: Database) -> None:
+def test_unmigrated_schema_says_run_migrate_with_that_schema(
+    capsys: pytest.CaptureFixture[str], empty_db: Database
+) -> None:
     for command in (["stats"], ["inspect", TENANT, "k"], ["forget", TENANT, "k"], ["gc"], ["gc", "--dry-run"]):
         code, out, err = cli(capsys, *empty_db.options, *command)
         assert (code, out) == (3, "")
         assert err == (
-            "idempotency-mw: the idempotency tables are missing in this database: run `idempotency-mw migrate` first\n"
+            f'idempotency-mw: the idempotency tables are missing from schema "{empty_db.schema}" of this database: '
+            f"run `idempotency-mw --schema {empty_db.schema} migrate` first\n"
         )
+
+
+def test_unmigrated_database_says_run_migrate(
+    capsys: pytest.CaptureFixture[str], idempotency_database_url: str
+) -> None:
+    name = f"imw_cli_{uuid.uuid4().hex[:12]}"
+    sql(idempotency_database_url, f"CREATE DATABASE {name}")
+    try:
+        code, out, err = cli(capsys, "--database-url", with_database(idempotency_database_url, name), "stats")
+    finally:
+        sql(idempotency_database_url, f"DROP DATABASE {name} WITH (FORCE)")
+    assert (code, out) == (3, "")
+    assert err == (
+        'idempotency-mw: the idempotency tables are missing from schema "public" of this database: '
+        "run `idempotency-mw migrate` first\n"
+    )
 
 
 @pytest.mark.parametrize("schema", ["Billing", "a-b", "pg_idempotency"])

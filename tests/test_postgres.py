@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
@@ -15,7 +16,7 @@ import pytest
 
 from idempotency_mw import PostgresStore, StoredResponse
 from idempotency_mw.sql import migrations
-from idempotency_mw.store import ClaimOutcome
+from idempotency_mw.store import ClaimOutcome, StoreNotMigrated
 
 FINGERPRINT = bytes(range(32))
 RESPONSE = StoredResponse(201, [(b"content-type", b"application/json")], b'{"id": 1}', 9)
@@ -192,6 +193,10 @@ async def test_a_store_in_a_schema_of_its_own(fresh_url: str, schema: str) -> No
     assert await relations_in(fresh_url, "public") == []  # nothing was created in public
     assert "idempotency_records" in await relations_in(fresh_url, schema)
     assert "idempotency_schema_migrations" in await relations_in(fresh_url, schema)
+    default = PostgresStore(fresh_url, min_size=0, max_size=1)  # the same database, the default schema
+    with pytest.raises(StoreNotMigrated, match='schema "public"'):
+        await default.open()
+    await default.close()
 
 
 @pytest.mark.parametrize(
@@ -215,3 +220,68 @@ def test_a_bad_schema_name_says_what_is_allowed() -> None:
         "idempotency store schema must be a plain lower-case identifier: a letter a-z or '_', then letters, "
         "digits or '_', at most 63 characters; got 'Billing'"
     )
+
+
+# -- a database that was not migrated -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("schema", "command"),
+    [("public", "idempotency-mw migrate"), ("tenant_a", "idempotency-mw --schema tenant_a migrate")],
+)
+async def test_open_refuses_a_database_that_was_not_migrated(fresh_url: str, schema: str, command: str) -> None:
+    store = PostgresStore(fresh_url, min_size=1, max_size=1, schema=schema)
+    with pytest.raises(StoreNotMigrated) as refused:
+        await store.open()
+    assert str(refused.value) == (
+        f'the idempotency tables are missing from schema "{schema}" of this database: '
+        f"run `{command}`, or `await store.migrate()` before `store.open()`"
+    )
+    assert refused.value.schema == schema
+    await store.migrate()
+    await store.open()  # now it opens
+    await store.close()
+
+
+async def test_open_checks_an_app_pool_too(fresh_url: str) -> None:
+    async with asyncpg.create_pool(fresh_url, min_size=1, max_size=1) as pool:
+        store = PostgresStore(pool)
+        with pytest.raises(StoreNotMigrated, match="idempotency-mw migrate"):
+            await store.open()
+        await store.migrate()
+        await store.open()
+
+
+async def test_every_statement_on_a_database_that_was_not_migrated_says_run_migrate(fresh_url: str) -> None:
+    """Without open(), the first request used to fail with UndefinedTableError, and the middleware's 503 said
+    "cannot be reached". StoreNotMigrated is still StoreUnavailable (503), with a message that names the fix."""
+    store = PostgresStore(fresh_url, min_size=0, max_size=1, schema="not_created")
+    calls: list[Callable[[], Awaitable[Any]]] = [
+        lambda: store.claim("t", "k", FINGERPRINT, lease=10, ttl=60),
+        lambda: store.renew("t", "k", 1, lease=10),
+        lambda: store.complete("t", "k", 1, RESPONSE),
+        lambda: store.release("t", "k", 1),
+        lambda: store.forget("t", "k"),
+        lambda: store.inspect("t", "k"),
+        store.stats,
+        store.count_expired,
+        store.purge_expired,
+    ]
+    for call in calls:
+        with pytest.raises(
+            StoreNotMigrated, match=r'schema "not_created".*idempotency-mw --schema not_created migrate'
+        ):
+            await call()
+    await store.close()
+
+
+async def test_a_missing_sequence_is_caught_too(migrated_url: str) -> None:
+    admin = await asyncpg.connect(migrated_url)
+    await admin.execute("DROP SEQUENCE public.idempotency_fence")
+    await admin.close()
+    store = PostgresStore(migrated_url, min_size=1, max_size=1)
+    with pytest.raises(StoreNotMigrated):
+        await store.open()
+    with pytest.raises(StoreNotMigrated, match="idempotency_fence"):
+        await store.claim("t", "k", FINGERPRINT, lease=10, ttl=60)
+    await store.close()

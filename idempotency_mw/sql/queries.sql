@@ -93,3 +93,9 @@ SELECT
         AS oldest_in_progress_seconds,
     coalesce(sum(attempts), 0)::bigint AS attempts
 FROM {schema}.idempotency_records;
+
+-- name: migrated
+-- open() runs this once: a database that was never migrated (or a store pointed at the wrong schema) fails at
+-- startup with the command that fixes it, instead of at every request.
+SELECT to_regclass('{schema}.idempotency_records') IS NOT NULL
+   AND to_regclass('{schema}.idempotency_fence') IS NOT NULL;
