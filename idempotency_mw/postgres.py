@@ -19,6 +19,7 @@ from idempotency_mw.sql import bookkeeping, check_schema, migrations, queries
 from idempotency_mw.store import (
     Claim,
     ClaimOutcome,
+    PoolExhausted,
     RecordInfo,
     StoredResponse,
     StoreNotMigrated,
@@ -144,7 +145,17 @@ class PostgresStore:
             if self._own is not None:
                 return await self._own.acquire(urgent=urgent)
             assert self._borrowed is not None
-            proxy = await self._borrowed.acquire(timeout=self.timeout)
+            try:
+                proxy = await self._borrowed.acquire(timeout=self.timeout)
+            except TimeoutError:
+                # asyncpg's deadline covers waiting for a free connection and opening one: it was the wait if the
+                # pool is full and every connection is in use.
+                pool = self._borrowed
+                if pool.get_idle_size() == 0 and pool.get_size() >= pool.get_max_size():
+                    raise PoolExhausted(
+                        "the asyncpg pool passed to PostgresStore", max_size=pool.get_max_size(), timeout=self.timeout
+                    ) from None
+                raise
             return cast(asyncpg.Connection, proxy)  # a pool's proxy: it has every method of a Connection
 
     async def _give_back(self, connection: asyncpg.Connection, *, broken: bool = False) -> None:

@@ -6,8 +6,9 @@ Tests that need a database nobody else touches create one on the test server (``
 from __future__ import annotations
 
 import asyncio
+import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -16,7 +17,7 @@ import pytest
 
 from idempotency_mw import PostgresStore, StoredResponse
 from idempotency_mw.sql import migrations
-from idempotency_mw.store import ClaimOutcome, StoreNotMigrated
+from idempotency_mw.store import ClaimOutcome, PoolExhausted, StoreNotMigrated, StoreUnavailable
 
 FINGERPRINT = bytes(range(32))
 RESPONSE = StoredResponse(201, [(b"content-type", b"application/json")], b'{"id": 1}', 9)
@@ -285,3 +286,42 @@ async def test_a_missing_sequence_is_caught_too(migrated_url: str) -> None:
     with pytest.raises(StoreNotMigrated, match="idempotency_fence"):
         await store.claim("t", "k", FINGERPRINT, lease=10, ttl=60)
     await store.close()
+
+
+# -- an app's asyncpg pool ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """A DSN whose server accepts connections (the kernel does) and never says a word: connecting times out."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        yield f"postgresql://nobody@127.0.0.1:{silent.getsockname()[1]}/none"
+
+
+async def test_an_exhausted_app_pool_raises_pool_exhausted(idempotency_database_url: str) -> None:
+    async with asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=2) as pool:
+        store = PostgresStore(pool, timeout=0.2)
+        async with pool.acquire(), pool.acquire():  # the app's own work holds every connection
+            with pytest.raises(PoolExhausted) as exhausted:
+                await store.claim("t", str(uuid.uuid4()), FINGERPRINT, lease=10, ttl=60)
+        assert str(exhausted.value) == (
+            "the asyncpg pool passed to PostgresStore is exhausted: no connection came free within 0.2s "
+            "(max_size=2). If the database answers promptly, the pool is too small for the load: raise max_size"
+        )
+        assert (exhausted.value.pool, exhausted.value.max_size, exhausted.value.timeout) == (
+            "the asyncpg pool passed to PostgresStore",
+            2,
+            0.2,
+        )
+        assert isinstance(exhausted.value, StoreUnavailable)
+
+
+async def test_an_app_pool_that_cannot_connect_is_not_called_exhausted(silent_server: str) -> None:
+    async with asyncpg.create_pool(silent_server, min_size=0, max_size=2) as pool:
+        store = PostgresStore(pool, timeout=0.2)
+        with pytest.raises(StoreUnavailable) as unavailable:
+            await store.claim("t", "k", FINGERPRINT, lease=10, ttl=60)
+        assert not isinstance(unavailable.value, PoolExhausted)
+        assert isinstance(unavailable.value.__cause__, TimeoutError)
