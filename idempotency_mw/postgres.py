@@ -40,6 +40,12 @@ UNAVAILABLE = (
     asyncpg.exceptions.CrashShutdownError,
     asyncpg.exceptions.TooManyConnectionsError,
     asyncpg.exceptions.QueryCanceledError,
+    # A statement sent on a connection whose server process was just terminated (pg_terminate_backend, a
+    # failover): the server's FATAL error has arrived but the socket is not closed yet, and asyncpg, still in the
+    # middle of that error, refuses the statement with "cannot switch to state 11; another operation (2) is in
+    # progress". asyncpg raises this class for any client state it did not expect; a connection that saw it is
+    # closed, never reused, so a retry runs on a fresh one.
+    asyncpg.exceptions.InternalClientError,
 )
 
 # What "the store's tables are not there" looks like: a table or sequence (42P01) or the schema itself (3F000)

@@ -325,3 +325,33 @@ async def test_an_app_pool_that_cannot_connect_is_not_called_exhausted(silent_se
             await store.claim("t", "k", FINGERPRINT, lease=10, ttl=60)
         assert not isinstance(unavailable.value, PoolExhausted)
         assert isinstance(unavailable.value.__cause__, TimeoutError)
+
+
+# -- a server process terminated mid-sequence -----------------------------------------------------------------
+
+
+async def test_a_backend_terminated_between_two_statements_is_store_unavailable(idempotency_database_url: str) -> None:
+    """The claim's connection goes back to the pool; its server process is terminated; the next statement takes it.
+    Depending on how far the server's goodbye has got, asyncpg raised ConnectionDoesNotExistError or, while still
+    reading that FATAL error, InternalClientError ("cannot switch to state 11"), which escaped as a 500."""
+    store = PostgresStore(idempotency_database_url, min_size=1, max_size=1)
+    admin = await asyncpg.connect(idempotency_database_url)
+    unavailable = 0
+    try:
+        for attempt in range(20):
+            key = f"terminated-{uuid.uuid4()}"
+            claim = await store.claim("t", key, FINGERPRINT, lease=30, ttl=60)
+            async with store.connection() as connection:
+                pid = connection.get_server_pid()
+            await admin.execute("SELECT pg_terminate_backend($1)", pid)
+            for _ in range(attempt):  # let the server's FATAL error in, at different points
+                await asyncio.sleep(0)
+            try:
+                assert await store.renew("t", key, claim.fence, lease=30)
+            except StoreUnavailable:
+                unavailable += 1
+            assert await store.complete("t", key, claim.fence, RESPONSE)  # the next statement gets a new connection
+    finally:
+        await admin.close()
+        await store.close()
+    assert unavailable > 0  # the termination was seen (otherwise this test tested nothing)
