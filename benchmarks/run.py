@@ -132,10 +132,13 @@ STEPS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[dict[str, 
 
 
 async def prepare_database(url: str) -> tuple[bool, str]:
-    async with PostgresStore(url, min_size=1, max_size=1) as store:
+    store = PostgresStore(url, min_size=1, max_size=1)  # not opened first: open() refuses an unmigrated database
+    try:
         await store.migrate()
         async with store.connection() as connection:
             return await pgserver.has_statement_stats(connection), await pgserver.server_version(connection)
+    finally:
+        await store.close()
 
 
 def header(meta: dict[str, Any]) -> str:

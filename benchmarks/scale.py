@@ -55,8 +55,11 @@ async def _create(url: str, names: list[str]) -> None:
     finally:
         await connection.close()
     for name in names:
-        async with PostgresStore(database_url(url, name), min_size=1, max_size=1) as store:
+        store = PostgresStore(database_url(url, name), min_size=1, max_size=1)  # open() refuses it unmigrated
+        try:
             await store.migrate()
+        finally:
+            await store.close()
 
 
 async def _newest_expiry(url: str) -> Any:

@@ -26,13 +26,13 @@ from typing import Any
 import asyncpg
 
 from idempotency_mw.postgres import PostgresStore
-from idempotency_mw.store import RecordInfo, StoreUnavailable
+from idempotency_mw.sql import check_schema
+from idempotency_mw.store import RecordInfo, StoreNotMigrated, StoreUnavailable
 from idempotency_mw.tenants import authorization_tenant
 
 PROG = "idempotency-mw"
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_DATABASE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 PREVIEW_BYTES = 200
-MIGRATE_HINT = f"run `{PROG} migrate` first"
 
 
 class CommandError(Exception):
@@ -80,6 +80,14 @@ def _global_options() -> argparse.ArgumentParser:
         default=5.0,
         metavar="SECONDS",
         help="give up on connecting or on any one statement after this long (default: 5)",
+    )
+    parser.add_argument(
+        "--schema",
+        type=_schema_name,
+        default="public",
+        metavar="NAME",
+        help="the PostgreSQL schema of the store's tables, as in PostgresStore(schema=...); migrate creates it "
+        "(default: public)",
     )
     return parser
 
@@ -191,6 +199,13 @@ def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
+def _schema_name(text: str) -> str:
+    try:
+        return check_schema(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _record_id(args: argparse.Namespace) -> tuple[str, str]:
     """``(tenant, key)`` from ``TENANT KEY`` or ``--authorization VALUE KEY``."""
     if args.authorization is not None:
@@ -230,10 +245,13 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
     url = args.database_url or os.environ.get("DATABASE_URL")
     if not url:
         raise CommandError("no database: pass --database-url or set DATABASE_URL", EXIT_USAGE)
-    store = PostgresStore(url, timeout=args.timeout, min_size=1, max_size=1)
+    store = PostgresStore(url, timeout=args.timeout, min_size=1, max_size=1, schema=args.schema)
     try:
         try:
             await store.open()
+        except StoreNotMigrated as error:
+            if args.handler is not cmd_migrate:  # migrate creates the tables (open() connected before it checked)
+                raise _explain(error, args.timeout) from error
         except (ValueError, OverflowError) as error:  # asyncpg's DSN parser, a malformed or out-of-range port
             raise CommandError(f"invalid database URL: {error}") from error
         except Exception as error:
@@ -245,6 +263,12 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
 
 def _explain(error: BaseException, timeout: float) -> CommandError:
     """Turn what asyncpg and the store raise into one line a person can act on."""
+    if isinstance(error, StoreNotMigrated):
+        option = "" if error.schema == "public" else f" --schema {error.schema}"
+        return CommandError(
+            f'the idempotency tables are missing from schema "{error.schema}" of this database: '
+            f"run `{PROG}{option} migrate` first"
+        )
     cause = error.__cause__ if isinstance(error, StoreUnavailable) and error.__cause__ else error
     if isinstance(cause, asyncpg.exceptions.ClientConfigurationError):
         return CommandError(f"invalid database URL: {cause}")
@@ -252,8 +276,6 @@ def _explain(error: BaseException, timeout: float) -> CommandError:
         return CommandError(f"the database did not answer within {timeout:g}s (is it up? see --timeout)")
     if isinstance(cause, OSError):
         return CommandError(f"cannot reach the database: {cause.strerror or cause}")
-    if isinstance(cause, asyncpg.exceptions.UndefinedTableError):
-        return CommandError(f"the idempotency tables are missing in this database: {MIGRATE_HINT}")
     if isinstance(
         cause,
         asyncpg.exceptions.InvalidCatalogNameError

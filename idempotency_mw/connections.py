@@ -18,6 +18,8 @@ import collections
 
 import asyncpg
 
+from idempotency_mw.store import PoolExhausted
+
 
 class PoolClosed(asyncpg.exceptions.InterfaceError):
     """The pool was closed while a checkout was waiting, or before it."""
@@ -26,7 +28,9 @@ class PoolClosed(asyncpg.exceptions.InterfaceError):
 class ConnectionPool:
     """At most ``max_size`` connections to ``dsn``, opened on demand; ``open()`` opens ``min_size`` ahead.
 
-    ``timeout`` bounds a checkout (waiting for a free connection, or opening one), in seconds.
+    ``timeout`` bounds a checkout (waiting for a free connection, or opening one), in seconds. A checkout that
+    waited that long for a busy pool fails with :class:`PoolExhausted`, one that was opening a connection with
+    ``TimeoutError``: a pool too small for the load and a database that does not answer need different fixes.
 
     Two kinds of checkout. Work that *finishes* a request (renewing a running handler's lease, recording or
     releasing its outcome) is ``urgent``: it is served before anything else, and one connection is kept for it
@@ -85,10 +89,11 @@ class ConnectionPool:
         return urgent or len(self._lent) + self._opening < self._normal_cap
 
     async def acquire(self, *, urgent: bool = False) -> asyncpg.Connection:
+        """A connection within ``timeout``. Waiting that long for a busy pool raises :class:`PoolExhausted`;
+        connecting that long raises ``TimeoutError`` (the database is slow or gone, not the pool too small)."""
         if self._room(urgent) and (connection := self._take_idle(urgent)) is not None:
             return connection  # the common case: no timer, no await
-        async with asyncio.timeout(self.timeout):
-            return await self._wait_or_connect(urgent)
+        return await self._wait_or_connect(urgent, asyncio.get_running_loop().time() + self.timeout)
 
     def _take_idle(self, urgent: bool) -> asyncpg.Connection | None:
         while self._idle:
@@ -124,7 +129,7 @@ class ConnectionPool:
                     waiter.set_exception(PoolClosed("the idempotency store's pool was closed"))
         await asyncio.gather(*(connection.close(timeout=self.timeout) for connection in idle), return_exceptions=True)
 
-    async def _wait_or_connect(self, urgent: bool) -> asyncpg.Connection:
+    async def _wait_or_connect(self, urgent: bool, deadline: float) -> asyncpg.Connection:
         while True:
             if self._closed:
                 raise PoolClosed("the idempotency store's pool is closed")
@@ -136,7 +141,8 @@ class ConnectionPool:
                     self._size += 1
                     self._opening += counted
                     try:
-                        connection = await self._connect()
+                        async with asyncio.timeout_at(deadline):
+                            connection = await self._connect()
                     except BaseException:
                         self._size -= 1
                         self._opening -= counted
@@ -149,8 +155,9 @@ class ConnectionPool:
             waiter: asyncio.Future[asyncpg.Connection | None] = asyncio.get_running_loop().create_future()
             (self._urgent if urgent else self._normal).append(waiter)
             try:
-                handed = await waiter
-            except BaseException:
+                async with asyncio.timeout_at(deadline):
+                    handed = await waiter
+            except BaseException as error:
                 # Timed out or cancelled. A connection handed over in the same instant must not be lost with us.
                 if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                     late = waiter.result()
@@ -160,6 +167,10 @@ class ConnectionPool:
                         self._hand_over(None)
                 else:
                     waiter.cancel()
+                if isinstance(error, TimeoutError):
+                    raise PoolExhausted(
+                        "the idempotency store's connection pool", max_size=self.max_size, timeout=self.timeout
+                    ) from None
                 raise
             if handed is not None:
                 return handed

@@ -15,11 +15,19 @@ import asyncpg
 
 from idempotency_mw.capture import decode_headers, encode_headers
 from idempotency_mw.connections import ConnectionPool
-from idempotency_mw.sql import migrations, queries
-from idempotency_mw.store import Claim, ClaimOutcome, RecordInfo, StoredResponse, StoreUnavailable
+from idempotency_mw.sql import bookkeeping, check_schema, migrations, queries, reset_session
+from idempotency_mw.store import (
+    Claim,
+    ClaimOutcome,
+    PoolExhausted,
+    RecordInfo,
+    StoredResponse,
+    StoreNotMigrated,
+    StoreUnavailable,
+)
 
 # What "the store cannot be reached" looks like from asyncpg: connection failures, a server shutting down,
-# deadlines. Errors in our own SQL (a missing table) are not among them and surface as they are.
+# deadlines. Errors in our own SQL surface as they are, except a missing table (see NOT_MIGRATED).
 # A lost COMMIT (TransactionResolutionUnknownError, SQLSTATE 08007) is among them: the retry then finds the record
 # completed (and replays) or gone (and runs), so answering 503 and releasing the key is right either way.
 UNAVAILABLE = (
@@ -32,9 +40,17 @@ UNAVAILABLE = (
     asyncpg.exceptions.CrashShutdownError,
     asyncpg.exceptions.TooManyConnectionsError,
     asyncpg.exceptions.QueryCanceledError,
+    # A statement sent on a connection whose server process was just terminated (pg_terminate_backend, a
+    # failover): the server's FATAL error has arrived but the socket is not closed yet, and asyncpg, still in the
+    # middle of that error, refuses the statement with "cannot switch to state 11; another operation (2) is in
+    # progress". asyncpg raises this class for any client state it did not expect; a connection that saw it is
+    # closed, never reused, so a retry runs on a fresh one.
+    asyncpg.exceptions.InternalClientError,
 )
 
-MIGRATION_LOCK = 0x1DE4_0001  # pg_advisory_xact_lock key: concurrent migrate() calls take turns
+# What "the store's tables are not there" looks like: a table or sequence (42P01) or the schema itself (3F000)
+# does not exist. The store's statements name nothing else, so this means "not migrated" (or the wrong schema).
+NOT_MIGRATED = (asyncpg.exceptions.UndefinedTableError, asyncpg.exceptions.InvalidSchemaNameError)
 
 
 class PostgresStore:
@@ -43,7 +59,8 @@ class PostgresStore:
     ``PostgresStore("postgresql://…")`` opens its own connections on first use, at most ``max_size`` (see
     ``connections.py`` for why they are not an asyncpg pool); ``PostgresStore(pool)`` uses an asyncpg pool the app
     already has and leaves closing it to the app. ``timeout`` bounds every database call in seconds, connecting
-    and waiting for a free connection included.
+    and waiting for a free connection included. ``schema`` is where the tables live; every statement names it,
+    so a handler that changes ``search_path`` on a connection the store then uses changes nothing.
     """
 
     def __init__(
@@ -53,10 +70,12 @@ class PostgresStore:
         timeout: float = 5.0,
         min_size: int = 2,
         max_size: int = 20,
+        schema: str = "public",
     ) -> None:
         if timeout <= 0:
             raise ValueError("PostgresStore timeout must be positive")
         self.timeout = timeout
+        self.schema = check_schema(schema)
         self._own: ConnectionPool | None = None
         self._borrowed: asyncpg.Pool | None = None
         if isinstance(dsn_or_pool, str):
@@ -65,13 +84,20 @@ class PostgresStore:
             )
         else:
             self._borrowed = dsn_or_pool
-        self._sql = queries()
+        self._sql = queries(self.schema)
 
     async def open(self) -> None:
-        """Connect now (``min_size`` connections), so that a database that cannot be reached fails at startup."""
+        """Connect now (``min_size`` connections) and check that the tables exist, so that a database that cannot
+        be reached, or was never migrated, fails at startup: :class:`StoreNotMigrated` names the command to run.
+
+        :meth:`migrate` needs no ``open()`` first (it would refuse a database that is not migrated yet).
+        """
         if self._own is not None:
             with _reachable():
                 await self._own.open()
+        row = await self._fetchrow("migrated")
+        if row is None or not row[0]:
+            raise StoreNotMigrated(self.schema)
 
     async def close(self) -> None:
         """Close the connections the store opened, those still in use as they come back (a pool passed in is the
@@ -105,7 +131,7 @@ class PostgresStore:
         """A transaction on a connection of its own, for a transactional handler (``transaction.py``): begun here,
         committed or rolled back by the caller; the connection comes back with a clean session."""
         connection = await self._acquire()
-        transaction = PostgresTransaction(connection, self._sql["complete"], self.timeout)
+        transaction = PostgresTransaction(connection, self._sql["complete"], self.timeout, self.schema)
         try:
             await transaction.begin()
             yield transaction
@@ -126,7 +152,7 @@ class PostgresStore:
     async def _reset(self, connection: asyncpg.Connection) -> bool:
         """Give a lent connection the session of a fresh one: no transaction, the store's login role and session
         authorization, default settings (search_path included), no temp tables, no SQL-level prepared statements,
-        no advisory locks, no LISTEN (``reset_session`` in queries.sql; asyncpg's own reset leaves the role, the
+        no advisory locks, no LISTEN (``sql/reset_session.sql``; asyncpg's own reset leaves the role, the
         session authorization, temp tables and prepared statements behind). False if the connection is unusable.
         """
         try:
@@ -135,7 +161,7 @@ class PostgresStore:
             if self._own is not None:
                 await connection.reset(timeout=self.timeout)  # StoreConnection: the full reset, one round trip
             else:  # an asyncpg pool's connection: ours first, then the pool runs asyncpg's on release
-                await connection.execute(self._sql["reset_session"], timeout=self.timeout)
+                await connection.execute(reset_session(), timeout=self.timeout)
         except Exception:  # lost, broken or busy: a fresh connection is cheaper than a doubtful one
             return False
         return True
@@ -146,7 +172,17 @@ class PostgresStore:
             if self._own is not None:
                 return await self._own.acquire(urgent=urgent)
             assert self._borrowed is not None
-            proxy = await self._borrowed.acquire(timeout=self.timeout)
+            try:
+                proxy = await self._borrowed.acquire(timeout=self.timeout)
+            except TimeoutError:
+                # asyncpg's deadline covers waiting for a free connection and opening one: it was the wait if the
+                # pool is full and every connection is in use.
+                pool = self._borrowed
+                if pool.get_idle_size() == 0 and pool.get_size() >= pool.get_max_size():
+                    raise PoolExhausted(
+                        "the asyncpg pool passed to PostgresStore", max_size=pool.get_max_size(), timeout=self.timeout
+                    ) from None
+                raise
             return cast(asyncpg.Connection, proxy)  # a pool's proxy: it has every method of a Connection
 
     async def _give_back(self, connection: asyncpg.Connection, *, broken: bool = False) -> None:
@@ -181,7 +217,7 @@ class PostgresStore:
         the statement finishes a request (renew, complete, release) and goes before new claims for a connection."""
         connection = await self._acquire(urgent=urgent)
         try:
-            with _reachable():
+            with _reachable(self.schema):
                 result = await getattr(connection, method)(self._sql[name], *args, timeout=self.timeout)
         except BaseException:
             await self._give_back(connection, broken=True)
@@ -210,7 +246,7 @@ class PostgresStore:
         """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names."""
         if connection is None:
             return await self._execute("forget", tenant, key) == "DELETE 1"
-        with _reachable():
+        with _reachable(self.schema):
             status = await connection.execute(self._sql["forget"], tenant, key, timeout=self.timeout)
         return bool(status == "DELETE 1")
 
@@ -249,39 +285,45 @@ class PostgresStore:
         return dict(row)
 
     async def migrate(self) -> list[str]:
-        """Apply the migrations this database lacks, in order, each in its own transaction; return their names.
+        """Create the schema if it is missing and apply the migrations it lacks, in order, each in its own
+        transaction; return their names.
 
-        Safe to run repeatedly and from several processes at once (they take turns on an advisory lock).
+        Safe to run repeatedly and from several processes at once: every transaction here, the one that creates
+        the schema and the bookkeeping table included, first takes a transaction-scoped advisory lock, so
+        concurrent runs take turns and each migration is applied once (see ``sql/migrate.sql``).
         """
+        sql = bookkeeping(self.schema)
         applied: list[str] = []
         async with self._connection() as connection:
-            await connection.execute(
-                "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations ("
-                " version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-            for version, name, sql in migrations():
+            async with connection.transaction():
+                await connection.execute(sql["lock"])
+                if not await connection.fetchval(sql["schema_exists"]):
+                    await connection.execute(sql["create_schema"])
+                await connection.execute(sql["create_table"])
+            for version, name, migration in migrations(self.schema):
                 async with connection.transaction():
-                    await connection.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
-                    done = await connection.fetchval(
-                        "SELECT 1 FROM idempotency_schema_migrations WHERE version = $1", version
-                    )
-                    if done:
+                    await connection.execute(sql["lock"])
+                    if await connection.fetchval(sql["is_applied"], version):
                         continue
-                    await connection.execute(sql)
-                    await connection.execute(
-                        "INSERT INTO idempotency_schema_migrations (version, name) VALUES ($1, $2)", version, name
-                    )
+                    await connection.execute(migration)
+                    await connection.execute(sql["record"], version, name)
                     applied.append(name)
         return applied
 
 
 @contextlib.contextmanager
-def _reachable() -> Iterator[None]:
-    """Turn "the database cannot be reached" (see ``UNAVAILABLE``) into :class:`StoreUnavailable`; let the rest be."""
+def _reachable(schema: str | None = None) -> Iterator[None]:
+    """Turn "the database cannot be reached" (see ``UNAVAILABLE``) into :class:`StoreUnavailable` and, around the
+    store's own statements in ``schema``, "the tables are missing" into :class:`StoreNotMigrated`; let the rest be.
+    """
     try:
         yield
     except UNAVAILABLE as error:
         raise StoreUnavailable(str(error) or type(error).__name__) from error
+    except NOT_MIGRATED as error:
+        if schema is None:
+            raise
+        raise StoreNotMigrated(schema, str(error)) from error
 
 
 def claim_from_row(row: asyncpg.Record) -> Claim:
@@ -309,12 +351,13 @@ class PostgresTransaction:
     the connection ``lost`` (it goes back closed, without a reset that would wait out another deadline).
     """
 
-    def __init__(self, connection: asyncpg.Connection, complete_sql: str, timeout: float) -> None:
+    def __init__(self, connection: asyncpg.Connection, complete_sql: str, timeout: float, schema: str) -> None:
         self.connection = connection
         self.lost = False
         self._transaction: asyncpg.transaction.Transaction | None = None
         self._complete_sql = complete_sql
         self._timeout = timeout
+        self._schema = schema
 
     async def begin(self) -> None:
         with self._reachable():
@@ -323,7 +366,7 @@ class PostgresTransaction:
 
     async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
         args = completion(tenant, key, fence, response)
-        with self._reachable():
+        with self._reachable(self._schema):
             status = await self.connection.execute(self._complete_sql, *args, timeout=self._timeout)
         return bool(status == "UPDATE 1")
 
@@ -338,9 +381,9 @@ class PostgresTransaction:
             await self._transaction.rollback()
 
     @contextlib.contextmanager
-    def _reachable(self) -> Iterator[None]:
+    def _reachable(self, schema: str | None = None) -> Iterator[None]:
         try:
-            with _reachable():
+            with _reachable(schema):
                 yield
         except StoreUnavailable:
             self.lost = True
@@ -349,7 +392,7 @@ class PostgresTransaction:
 
 class StoreConnection(asyncpg.Connection):
     """The connections a DSN-built store opens: their reset (when a lent one comes back) is the full one of
-    ``reset_session`` in queries.sql, in one round trip, instead of asyncpg's partial one."""
+    ``sql/reset_session.sql``, in one round trip, instead of asyncpg's partial one."""
 
     def get_reset_query(self) -> str:
-        return queries()["reset_session"]
+        return reset_session()

@@ -62,6 +62,35 @@ class StoreUnavailable(Exception):
     """The store could not be reached or did not answer in time."""
 
 
+class PoolExhausted(StoreUnavailable):
+    """No connection of the store's pool came free within ``timeout``: every one was busy. Unlike a database that
+    cannot be reached, the usual fix is on the app's side: raise the pool's ``max_size`` (or hold connections for
+    less time). ``pool`` says which pool: the store's own, or an asyncpg pool the app passed in."""
+
+    def __init__(self, pool: str, *, max_size: int, timeout: float) -> None:
+        super().__init__(
+            f"{pool} is exhausted: no connection came free within {timeout:g}s (max_size={max_size}). "
+            "If the database answers promptly, the pool is too small for the load: raise max_size"
+        )
+        self.pool = pool
+        self.max_size = max_size
+        self.timeout = timeout
+
+
+class StoreNotMigrated(StoreUnavailable):
+    """The store's tables are not in the database: it was never migrated, or the store looks in another schema
+    than the one that was. The message names the schema and the command that fixes it."""
+
+    def __init__(self, schema: str, detail: str = "") -> None:
+        option = "" if schema == "public" else f" --schema {schema}"
+        super().__init__(
+            f'the idempotency tables are missing from schema "{schema}" of this database'
+            + (f" ({detail})" if detail else "")
+            + f": run `idempotency-mw{option} migrate`, or `await store.migrate()` before `store.open()`"
+        )
+        self.schema = schema
+
+
 @runtime_checkable
 class Store(Protocol):
     async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:

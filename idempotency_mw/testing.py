@@ -31,8 +31,11 @@ def idempotency_database_url() -> Iterator[str]:
 
 
 async def _migrate(url: str) -> None:
-    async with PostgresStore(url, min_size=1, max_size=1) as store:
+    store = PostgresStore(url, min_size=0, max_size=1)  # not opened: open() refuses a database not migrated yet
+    try:
         await store.migrate()
+    finally:
+        await store.close()
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The ``idempotency-mw`` command line, run in-process (``main([...])``) against a real PostgreSQL.
 
-Each test gets its own schema (``search_path`` in the URL), so ``gc`` and ``stats``, which see the whole table,
-give exact numbers whatever the rest of the suite left behind.
+Each test gets its own schema (``--schema``), so ``gc`` and ``stats``, which see the whole table, give exact
+numbers whatever the rest of the suite left behind.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import sys
 import types
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
@@ -34,26 +35,37 @@ TENANT = "a" * 64
 FINGERPRINT = bytes(range(32))
 
 
-def with_search_path(url: str, schema: str) -> str:
-    """The same server and database, with unqualified table names resolving in ``schema`` (asyncpg passes unknown
-    URL parameters on as server settings)."""
-    parts = urlsplit(url)
-    query = [*parse_qsl(parts.query), ("search_path", schema)]
-    return urlunsplit(parts._replace(query=urlencode(query)))
+@dataclass(frozen=True)
+class Database:
+    """A test's own store: the suite's database, in a schema no other test uses."""
+
+    url: str
+    schema: str
+
+    @property
+    def options(self) -> list[str]:
+        return ["--database-url", self.url, "--schema", self.schema]
 
 
-def on_db(url: str, work: Callable[[PostgresStore], Awaitable[T]]) -> T:
+def on_db(db: Database, work: Callable[[PostgresStore], Awaitable[T]]) -> T:
     async def run() -> T:
-        async with PostgresStore(url, min_size=1, max_size=1) as store:
+        store = PostgresStore(db.url, min_size=1, max_size=1, schema=db.schema)  # not opened: work may migrate
+        try:
             return await work(store)
+        finally:
+            await store.close()
 
     return asyncio.run(run())
 
 
-def sql(url: str, statement: str, *args: Any) -> str:
+def sql(url: str, statement: str, *args: Any, fetch: bool = False) -> str:
+    """Run one statement; return its status, or with ``fetch`` its one value."""
+
     async def run() -> str:
         connection = await asyncpg.connect(url)
         try:
+            if fetch:
+                return str(await connection.fetchval(statement, *args))
             return str(await connection.execute(statement, *args))
         finally:
             await connection.close()
@@ -61,22 +73,25 @@ def sql(url: str, statement: str, *args: Any) -> str:
     return asyncio.run(run())
 
 
+def with_database(url: str, name: str) -> str:
+    return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
+
+
 @pytest.fixture
-def empty_url(idempotency_database_url: str) -> Iterator[str]:
-    """A URL whose search_path is a fresh, empty schema (dropped afterwards)."""
+def empty_db(idempotency_database_url: str) -> Iterator[Database]:
+    """A schema that does not exist yet (``migrate`` creates it; dropped afterwards)."""
     schema = f"imw_cli_{uuid.uuid4().hex[:12]}"
-    sql(idempotency_database_url, f"CREATE SCHEMA {schema}")
     try:
-        yield with_search_path(idempotency_database_url, schema)
+        yield Database(idempotency_database_url, schema)
     finally:
-        sql(idempotency_database_url, f"DROP SCHEMA {schema} CASCADE")
+        sql(idempotency_database_url, f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 @pytest.fixture
-def url(empty_url: str) -> str:
+def db(empty_db: Database) -> Database:
     """A migrated, empty store of our own."""
-    on_db(empty_url, lambda store: store.migrate())
-    return empty_url
+    on_db(empty_db, lambda store: store.migrate())
+    return empty_db
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -97,28 +112,65 @@ async def completed(store: PostgresStore, tenant: str, key: str, body: bytes, *,
 # -- migrate ----------------------------------------------------------------------------------------------------
 
 
-def test_migrate_applies_then_is_up_to_date(capsys: pytest.CaptureFixture[str], empty_url: str) -> None:
-    assert cli(capsys, "--database-url", empty_url, "migrate") == (0, "applied 0001_initial.sql\n", "")
-    assert cli(capsys, "--database-url", empty_url, "migrate") == (0, "up to date\n", "")
+def test_migrate_creates_the_schema_then_is_up_to_date(capsys: pytest.CaptureFixture[str], empty_db: Database) -> None:
+    assert cli(capsys, *empty_db.options, "migrate") == (0, "applied 0001_initial.sql\n", "")
+    assert cli(capsys, *empty_db.options, "migrate") == (0, "up to date\n", "")
+    tables = sql(
+        empty_db.url,
+        "SELECT count(*) FROM pg_tables WHERE schemaname = $1 "
+        "AND tablename IN ('idempotency_records', 'idempotency_schema_migrations')",
+        empty_db.schema,
+        fetch=True,
+    )
+    assert tables == "2"
 
 
-def test_unmigrated_database_says_run_migrate(capsys: pytest.CaptureFixture[str], empty_url: str) -> None:
+def test_unmigrated_schema_says_run_migrate_with_that_schema(
+    capsys: pytest.CaptureFixture[str], empty_db: Database
+) -> None:
     for command in (["stats"], ["inspect", TENANT, "k"], ["forget", TENANT, "k"], ["gc"], ["gc", "--dry-run"]):
-        code, out, err = cli(capsys, "--database-url", empty_url, *command)
+        code, out, err = cli(capsys, *empty_db.options, *command)
         assert (code, out) == (3, "")
         assert err == (
-            "idempotency-mw: the idempotency tables are missing in this database: run `idempotency-mw migrate` first\n"
+            f'idempotency-mw: the idempotency tables are missing from schema "{empty_db.schema}" of this database: '
+            f"run `idempotency-mw --schema {empty_db.schema} migrate` first\n"
         )
+
+
+def test_unmigrated_database_says_run_migrate(
+    capsys: pytest.CaptureFixture[str], idempotency_database_url: str
+) -> None:
+    name = f"imw_cli_{uuid.uuid4().hex[:12]}"
+    sql(idempotency_database_url, f"CREATE DATABASE {name}")
+    try:
+        code, out, err = cli(capsys, "--database-url", with_database(idempotency_database_url, name), "stats")
+    finally:
+        sql(idempotency_database_url, f"DROP DATABASE {name} WITH (FORCE)")
+    assert (code, out) == (3, "")
+    assert err == (
+        'idempotency-mw: the idempotency tables are missing from schema "public" of this database: '
+        "run `idempotency-mw migrate` first\n"
+    )
+
+
+@pytest.mark.parametrize("schema", ["Billing", "a-b", "pg_idempotency"])
+def test_a_bad_schema_name_is_a_usage_error(capsys: pytest.CaptureFixture[str], schema: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--database-url", "postgresql://localhost/db", "--schema", schema, "migrate"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --schema: idempotency store schema" in err
+    assert repr(schema) in err
 
 
 # -- inspect and forget ---------------------------------------------------------------------------------------
 
 
-def test_inspect_shows_a_completed_record(capsys: pytest.CaptureFixture[str], url: str) -> None:
-    on_db(url, lambda store: completed(store, TENANT, "order-1", b'{"id": "ch_1",\n"amount": 10}', retries=2))
-    info = on_db(url, lambda store: store.inspect(TENANT, "order-1"))
+def test_inspect_shows_a_completed_record(capsys: pytest.CaptureFixture[str], db: Database) -> None:
+    on_db(db, lambda store: completed(store, TENANT, "order-1", b'{"id": "ch_1",\n"amount": 10}', retries=2))
+    info = on_db(db, lambda store: store.inspect(TENANT, "order-1"))
     assert info is not None
-    code, out, err = cli(capsys, "--database-url", url, "inspect", TENANT, "order-1")
+    code, out, err = cli(capsys, *db.options, "inspect", TENANT, "order-1")
     assert (code, err) == (0, "")
 
     def iso(epoch: float) -> str:
@@ -143,9 +195,9 @@ def test_inspect_shows_a_completed_record(capsys: pytest.CaptureFixture[str], ur
     ]
 
 
-def test_inspect_json(capsys: pytest.CaptureFixture[str], url: str) -> None:
-    on_db(url, lambda store: completed(store, TENANT, "k-json", b"\x00\x01binary" * 40))
-    code, out, _ = cli(capsys, "--database-url", url, "inspect", TENANT, "k-json", "--json")
+def test_inspect_json(capsys: pytest.CaptureFixture[str], db: Database) -> None:
+    on_db(db, lambda store: completed(store, TENANT, "k-json", b"\x00\x01binary" * 40))
+    code, out, _ = cli(capsys, *db.options, "inspect", TENANT, "k-json", "--json")
     assert code == 0
     shown = json.loads(out)
     assert shown["tenant"] == TENANT
@@ -168,9 +220,9 @@ def test_inspect_json(capsys: pytest.CaptureFixture[str], url: str) -> None:
     assert response["body_preview"] == ((b"\x00\x01binary" * 40)[:200]).hex()
 
 
-def test_inspect_in_progress_record_shows_its_lease(capsys: pytest.CaptureFixture[str], url: str) -> None:
-    on_db(url, lambda store: store.claim(TENANT, "running", FINGERPRINT, lease=30, ttl=3600))
-    code, out, _ = cli(capsys, "--database-url", url, "inspect", TENANT, "running", "--json")
+def test_inspect_in_progress_record_shows_its_lease(capsys: pytest.CaptureFixture[str], db: Database) -> None:
+    on_db(db, lambda store: store.claim(TENANT, "running", FINGERPRINT, lease=30, ttl=3600))
+    code, out, _ = cli(capsys, *db.options, "inspect", TENANT, "running", "--json")
     shown = json.loads(out)
     assert (code, shown["state"], shown["response"]) == (0, "in_progress", None)
     lease = datetime.datetime.fromisoformat(shown["lease_expires_at"])
@@ -178,50 +230,48 @@ def test_inspect_in_progress_record_shows_its_lease(capsys: pytest.CaptureFixtur
 
 
 def test_inspect_by_authorization_finds_what_the_middleware_stored(
-    capsys: pytest.CaptureFixture[str], url: str
+    capsys: pytest.CaptureFixture[str], db: Database
 ) -> None:
     """The tenant the default resolver stored is found from the Authorization header the client sent."""
 
     async def post_twice() -> None:
-        async with PostgresStore(url, min_size=1, max_size=2) as store:
+        async with PostgresStore(db.url, min_size=1, max_size=2, schema=db.schema) as store:
             client = client_for(build_app(store, Probe()), token="sk_test_alice")
             for _ in range(2):
                 await client.post("/charge", content=b'{"amount": 10}', headers={"Idempotency-Key": "pay-1"})
 
     asyncio.run(post_twice())
-    code, out, _ = cli(
-        capsys, "--database-url", url, "inspect", "--authorization", "Bearer sk_test_alice", "pay-1", "--json"
-    )
+    code, out, _ = cli(capsys, *db.options, "inspect", "--authorization", "Bearer sk_test_alice", "pay-1", "--json")
     shown = json.loads(out)
     assert code == 0
     assert shown["tenant"] == authorization_tenant({"headers": [(b"authorization", b"Bearer sk_test_alice")]})
     assert (shown["attempts"], shown["response"]["status"]) == (1, 201)
     assert shown["response"]["body_preview"] == '{"charge":1,"echo":"{\\"amount\\": 10}"}'
     # The wrong secret is another tenant: no record.
-    code, out, err = cli(capsys, "--database-url", url, "inspect", "--authorization", "Bearer sk_test_bob", "pay-1")
+    code, out, err = cli(capsys, *db.options, "inspect", "--authorization", "Bearer sk_test_bob", "pay-1")
     assert (code, out) == (1, "")
     assert "no record for key 'pay-1'" in err
 
 
-def test_unknown_key_is_exit_1_with_a_hint(capsys: pytest.CaptureFixture[str], url: str) -> None:
-    code, out, err = cli(capsys, "--database-url", url, "inspect", "Bearer sk_live_x", "nope")
+def test_unknown_key_is_exit_1_with_a_hint(capsys: pytest.CaptureFixture[str], db: Database) -> None:
+    code, out, err = cli(capsys, *db.options, "inspect", "Bearer sk_live_x", "nope")
     assert (code, out) == (1, "")
     assert err == (
         "idempotency-mw: no record for key 'nope' of tenant 'Bearer sk_live_x' "
         "(with the default tenant resolver TENANT is a SHA-256 hex digest: try --authorization)\n"
     )
-    assert cli(capsys, "--database-url", url, "inspect", TENANT, "nope", "--json")[:2] == (1, "")
+    assert cli(capsys, *db.options, "inspect", TENANT, "nope", "--json")[:2] == (1, "")
 
 
-def test_forget_deletes_then_reports_absence(capsys: pytest.CaptureFixture[str], url: str) -> None:
-    on_db(url, lambda store: completed(store, "", "anon-key", b"ok"))
-    assert cli(capsys, "--database-url", url, "forget", "", "anon-key") == (
+def test_forget_deletes_then_reports_absence(capsys: pytest.CaptureFixture[str], db: Database) -> None:
+    on_db(db, lambda store: completed(store, "", "anon-key", b"ok"))
+    assert cli(capsys, *db.options, "forget", "", "anon-key") == (
         0,
         "forgot key 'anon-key' of tenant ''\n",
         "",
     )
-    assert on_db(url, lambda store: store.inspect("", "anon-key")) is None
-    code, _, err = cli(capsys, "--database-url", url, "forget", "", "anon-key")
+    assert on_db(db, lambda store: store.inspect("", "anon-key")) is None
+    code, _, err = cli(capsys, *db.options, "forget", "", "anon-key")
     assert code == 1
     assert "no record for key 'anon-key' of tenant ''" in err
 
@@ -231,8 +281,8 @@ def test_forget_deletes_then_reports_absence(capsys: pytest.CaptureFixture[str],
     [["inspect", TENANT], ["forget"], ["inspect", "--authorization", "Bearer x", TENANT, "k"]],
     ids=["no-key", "nothing", "both-tenant-and-authorization"],
 )
-def test_record_arguments_are_checked(capsys: pytest.CaptureFixture[str], url: str, argv: list[str]) -> None:
-    code, out, err = cli(capsys, "--database-url", url, *argv)
+def test_record_arguments_are_checked(capsys: pytest.CaptureFixture[str], db: Database, argv: list[str]) -> None:
+    code, out, err = cli(capsys, *db.options, *argv)
     assert (code, out) == (2, "")
     assert err.startswith("idempotency-mw: ")
     assert err.count("\n") == 1
@@ -241,7 +291,7 @@ def test_record_arguments_are_checked(capsys: pytest.CaptureFixture[str], url: s
 # -- stats and gc ---------------------------------------------------------------------------------------------
 
 
-def seed_table(url: str) -> None:
+def seed_table(db: Database) -> None:
     """2 completed (one retried 3 times), 2 live in progress (one past its lease, one an hour old), 25 expired."""
 
     async def work(store: PostgresStore) -> None:
@@ -252,21 +302,22 @@ def seed_table(url: str) -> None:
         for i in range(25):
             await completed(store, "b" * 64, f"old-{i}", b"x")
 
-    on_db(url, work)
-    sql(url, "UPDATE idempotency_records SET lease_expires_at = now() - interval '1 second' WHERE key = 'stalled'")
-    sql(url, "UPDATE idempotency_records SET created_at = now() - interval '1 hour' WHERE key = 'running'")
-    sql(url, "UPDATE idempotency_records SET expires_at = now() - interval '1 minute' WHERE key LIKE 'old-%'")
+    on_db(db, work)
+    table = f"{db.schema}.idempotency_records"
+    sql(db.url, f"UPDATE {table} SET lease_expires_at = now() - interval '1 second' WHERE key = 'stalled'")
+    sql(db.url, f"UPDATE {table} SET created_at = now() - interval '1 hour' WHERE key = 'running'")
+    sql(db.url, f"UPDATE {table} SET expires_at = now() - interval '1 minute' WHERE key LIKE 'old-%'")
 
 
-def test_stats(capsys: pytest.CaptureFixture[str], url: str) -> None:
-    seed_table(url)
-    code, out, _ = cli(capsys, "--database-url", url, "stats", "--json")
+def test_stats(capsys: pytest.CaptureFixture[str], db: Database) -> None:
+    seed_table(db)
+    code, out, _ = cli(capsys, *db.options, "stats", "--json")
     stats = json.loads(out)
     oldest = stats.pop("oldest_in_progress_seconds")
     assert code == 0
     assert stats == {"in_progress": 2, "completed": 2, "expired": 25, "past_lease": 1, "attempts": 3}
     assert 3600 <= oldest < 3660
-    code, out, _ = cli(capsys, "--database-url", url, "stats")
+    code, out, _ = cli(capsys, *db.options, "stats")
     assert out == (
         "in progress             2\n"
         "completed               2\n"
@@ -277,18 +328,18 @@ def test_stats(capsys: pytest.CaptureFixture[str], url: str) -> None:
     )
 
 
-def test_stats_of_an_empty_table(capsys: pytest.CaptureFixture[str], url: str) -> None:
-    code, out, _ = cli(capsys, "--database-url", url, "stats")
+def test_stats_of_an_empty_table(capsys: pytest.CaptureFixture[str], db: Database) -> None:
+    code, out, _ = cli(capsys, *db.options, "stats")
     assert code == 0
     assert "oldest in progress      -\n" in out
 
 
-def test_gc_dry_run_then_batches(capsys: pytest.CaptureFixture[str], url: str) -> None:
-    seed_table(url)
-    args = ["--database-url", url, "gc", "--batch-size", "10"]
+def test_gc_dry_run_then_batches(capsys: pytest.CaptureFixture[str], db: Database) -> None:
+    seed_table(db)
+    args = [*db.options, "gc", "--batch-size", "10"]
     assert cli(capsys, *args, "--dry-run") == (0, "25 expired records would be deleted (dry run)\n", "")
     assert cli(capsys, *args, "--dry-run", "--max-batches", "2")[1] == "20 expired records would be deleted (dry run)\n"
-    assert on_db(url, lambda store: store.count_expired()) == 25  # a dry run deletes nothing
+    assert on_db(db, lambda store: store.count_expired()) == 25  # a dry run deletes nothing
 
     assert cli(capsys, *args, "--max-batches", "2") == (
         0,
@@ -297,21 +348,21 @@ def test_gc_dry_run_then_batches(capsys: pytest.CaptureFixture[str], url: str) -
     )
     assert cli(capsys, *args) == (0, "deleted 5 expired records\n", "batch 1: deleted 5 (5 so far)\n")
     assert cli(capsys, *args) == (0, "deleted 0 expired records\n", "batch 1: deleted 0 (0 so far)\n")
-    stats = on_db(url, lambda store: store.stats())
+    stats = on_db(db, lambda store: store.stats())
     assert (stats["expired"], stats["completed"], stats["in_progress"]) == (0, 2, 2)  # live records untouched
 
 
-def test_gc_stops_after_a_short_batch(capsys: pytest.CaptureFixture[str], url: str) -> None:
-    seed_table(url)
-    code, out, err = cli(capsys, "--database-url", url, "gc", "--batch-size", "25")
+def test_gc_stops_after_a_short_batch(capsys: pytest.CaptureFixture[str], db: Database) -> None:
+    seed_table(db)
+    code, out, err = cli(capsys, *db.options, "gc", "--batch-size", "25")
     assert (code, out) == (0, "deleted 25 expired records\n")
     assert err.splitlines() == ["batch 1: deleted 25 (25 so far)", "batch 2: deleted 0 (25 so far)"]
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "x"])
-def test_gc_rejects_bad_batch_sizes(capsys: pytest.CaptureFixture[str], url: str, value: str) -> None:
+def test_gc_rejects_bad_batch_sizes(capsys: pytest.CaptureFixture[str], db: Database, value: str) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        main(["--database-url", url, "gc", "--batch-size", value])
+        main([*db.options, "gc", "--batch-size", value])
     assert exit_info.value.code == 2
     assert "--batch-size" in capsys.readouterr().err
 
@@ -325,10 +376,10 @@ def test_no_database_url(capsys: pytest.CaptureFixture[str], monkeypatch: pytest
 
 
 def test_database_url_from_the_environment(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, url: str
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, db: Database
 ) -> None:
-    monkeypatch.setenv("DATABASE_URL", url)
-    assert cli(capsys, "migrate") == (0, "up to date\n", "")
+    monkeypatch.setenv("DATABASE_URL", db.url)
+    assert cli(capsys, "--schema", db.schema, "migrate") == (0, "up to date\n", "")
 
 
 @pytest.mark.parametrize(
@@ -420,16 +471,14 @@ def test_demo_is_listed_in_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.slow
-def test_installed_console_script(url: str) -> None:
+def test_installed_console_script(db: Database) -> None:
     script = Path(sys.executable).parent / "idempotency-mw"
-    on_db(url, lambda store: completed(store, TENANT, "via-script", b"{}"))
-    result = subprocess.run(
-        [str(script), "--database-url", url, "stats", "--json"], capture_output=True, text=True, timeout=60
-    )
+    on_db(db, lambda store: completed(store, TENANT, "via-script", b"{}"))
+    result = subprocess.run([str(script), *db.options, "stats", "--json"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["completed"] == 1
     result = subprocess.run(
-        [str(script), "--database-url", url, "inspect", TENANT, "nope"], capture_output=True, text=True, timeout=60
+        [str(script), *db.options, "inspect", TENANT, "nope"], capture_output=True, text=True, timeout=60
     )
     assert (result.returncode, result.stdout) == (1, "")
     assert result.stderr == f"idempotency-mw: no record for key 'nope' of tenant '{TENANT}'\n"

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import socket
+from collections.abc import AsyncIterator, Iterator
 
 import asyncpg
 import pytest
 
 from idempotency_mw import PostgresStore
 from idempotency_mw.connections import ConnectionPool, PoolClosed
-from idempotency_mw.store import StoreUnavailable
+from idempotency_mw.store import PoolExhausted, StoreUnavailable
 
 
 @pytest.fixture
@@ -42,7 +43,7 @@ async def test_the_last_connection_is_kept_for_work_that_finishes_requests(idemp
     release always finds that one (after other urgent work only)."""
     pool = ConnectionPool(idempotency_database_url, min_size=0, max_size=3, timeout=0.3)
     handlers = [await pool.acquire(), await pool.acquire()]
-    with pytest.raises(TimeoutError):
+    with pytest.raises(PoolExhausted):
         await pool.acquire()  # a third request waits although a connection could still be opened
     renewal = await pool.acquire(urgent=True)
     assert pool.size == 3
@@ -96,7 +97,7 @@ async def test_waiters_are_served_in_arrival_order(pool: ConnectionPool) -> None
 async def test_a_checkout_waits_no_longer_than_the_timeout(idempotency_database_url: str) -> None:
     pool = ConnectionPool(idempotency_database_url, min_size=0, max_size=1, timeout=0.2)
     held = await pool.acquire()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(PoolExhausted):
         await pool.acquire()
     pool.release(held)
     assert pool.idle == 1  # the waiter that gave up left nothing behind
@@ -176,6 +177,58 @@ async def test_a_database_that_cannot_be_reached_fails_the_checkout() -> None:
     await pool.close()
 
 
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """A DSN whose server accepts connections (the kernel does) and never says a word: connecting times out."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        yield f"postgresql://nobody@127.0.0.1:{silent.getsockname()[1]}/none"
+
+
+async def test_a_busy_pool_and_a_database_that_does_not_answer_fail_differently(
+    idempotency_database_url: str, silent_server: str
+) -> None:
+    """Waiting out the timeout for a busy pool says "raise max_size"; connecting for that long stays a timeout."""
+    busy = ConnectionPool(idempotency_database_url, min_size=0, max_size=1, timeout=0.2)
+    held = await busy.acquire()
+    with pytest.raises(PoolExhausted) as exhausted:
+        await busy.acquire(urgent=True)
+    assert (exhausted.value.max_size, exhausted.value.timeout) == (1, 0.2)
+    assert str(exhausted.value) == (
+        "the idempotency store's connection pool is exhausted: no connection came free within 0.2s (max_size=1). "
+        "If the database answers promptly, the pool is too small for the load: raise max_size"
+    )
+    busy.release(held)
+    await busy.close()
+
+    silent = ConnectionPool(silent_server, min_size=0, max_size=1, timeout=0.2)
+    with pytest.raises(TimeoutError) as timed_out:
+        await silent.acquire()
+    assert not isinstance(timed_out.value, PoolExhausted)
+    assert silent.size == 0
+    await silent.close()
+
+
+async def test_a_store_with_every_connection_busy_raises_pool_exhausted(
+    idempotency_database_url: str, silent_server: str
+) -> None:
+    store = PostgresStore(idempotency_database_url, min_size=0, max_size=2, timeout=0.2)
+    async with store.connection():  # one handler holds the only connection new requests may use
+        with pytest.raises(PoolExhausted, match=r"within 0\.2s \(max_size=2\).*raise max_size") as exhausted:
+            await store.claim("t", "k", b"f", lease=10, ttl=60)
+    assert isinstance(exhausted.value, StoreUnavailable)  # the middleware still answers 503
+    assert exhausted.value.pool == "the idempotency store's connection pool"
+    await store.close()
+
+    unreachable = PostgresStore(silent_server, min_size=0, max_size=2, timeout=0.2)
+    with pytest.raises(StoreUnavailable) as unavailable:
+        await unreachable.claim("t", "k", b"f", lease=10, ttl=60)
+    assert not isinstance(unavailable.value, PoolExhausted)
+    assert isinstance(unavailable.value.__cause__, TimeoutError)
+    await unreachable.close()
+
+
 def test_sizes_are_checked() -> None:
     with pytest.raises(ValueError, match="pool sizes"):
         ConnectionPool("postgresql://x/y", min_size=3, max_size=2, timeout=1.0)
@@ -200,7 +253,7 @@ async def test_connections_being_opened_count_against_the_share_of_other_work(id
     results = await asyncio.gather(*(pool.acquire() for _ in range(3)), return_exceptions=True)
     held = [r for r in results if isinstance(r, asyncpg.Connection)]
     assert len(held) == 2
-    assert sum(isinstance(r, TimeoutError) for r in results) == 1
+    assert sum(isinstance(r, PoolExhausted) for r in results) == 1
     renewal = await pool.acquire(urgent=True)  # the reserved one is still there
     for connection in (renewal, *held):
         pool.release(connection)

@@ -29,7 +29,7 @@ from idempotency_mw.telemetry import SpanAttributes, hooks
 from idempotency_mw.tenants import authorization_tenant
 from tests.apps import Probe, build_app
 from tests.conftest import client_for
-from tests.test_cli import empty_url, seed_table, url  # noqa: F401  (fixtures: a store of our own)
+from tests.test_cli import Database, db, empty_db, seed_table  # noqa: F401  (fixtures: a store of our own)
 
 
 class Registry:
@@ -221,10 +221,10 @@ async def test_custom_route_label() -> None:
     assert registry.get_sample_value("payments_idem_requests_total", labels) == 1
 
 
-async def test_store_gauges_come_from_the_store_stats(url: str) -> None:  # noqa: F811
-    await asyncio.to_thread(seed_table, url)
+async def test_store_gauges_come_from_the_store_stats(db: Database) -> None:  # noqa: F811
+    await asyncio.to_thread(seed_table, db)
     m = Registry()
-    async with PostgresStore(url, min_size=1, max_size=1) as store:
+    async with PostgresStore(db.url, min_size=1, max_size=1, schema=db.schema) as store:
         await m.metrics.update_from_store(store)
     assert m.value("idempotency_records", {"state": "in_progress"}) == 2
     assert m.value("idempotency_records", {"state": "completed"}) == 2

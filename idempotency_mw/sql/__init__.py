@@ -1,4 +1,9 @@
-"""SQL kept in ``.sql`` files and loaded by name, so every statement the store runs can be read in one place."""
+"""SQL kept in ``.sql`` files and loaded by name, so every statement the store runs can be read in one place.
+
+Every table and sequence in them is written ``{schema}.name``, and the loader puts the store's schema there as a
+quoted identifier. Fully qualified names keep the statements independent of the session's ``search_path``, which
+a transactional handler may change (schema-per-tenant apps do) on the very connection the store then completes on.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +12,61 @@ from functools import cache
 from importlib import resources
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+_SCHEMA = re.compile(r"[a-z_][a-z0-9_]*")
+PLACEHOLDER = "{schema}"
+MAX_IDENTIFIER_BYTES = 63  # PostgreSQL's NAMEDATALEN - 1: a longer name would be truncated, not refused
 
 
-@cache
-def queries() -> dict[str, str]:
-    """``queries.sql`` split on its ``-- name: x`` lines."""
-    text = resources.files(__package__).joinpath("queries.sql").read_text()
+def check_schema(schema: str) -> str:
+    """``schema`` if it is a name the store accepts, else ValueError saying which names are.
+
+    Plain lower-case identifiers only: they need no escaping, and quoted they mean what they mean unquoted (a
+    name with capitals would name a different schema with and without quotes)."""
+    if not isinstance(schema, str) or not _SCHEMA.fullmatch(schema) or len(schema) > MAX_IDENTIFIER_BYTES:
+        raise ValueError(
+            f"idempotency store schema must be a plain lower-case identifier: a letter a-z or '_', then letters, "
+            f"digits or '_', at most {MAX_IDENTIFIER_BYTES} characters; got {schema!r}"
+        )
+    if schema.startswith("pg_"):
+        raise ValueError(f"idempotency store schema {schema!r}: names starting with 'pg_' are reserved by PostgreSQL")
+    return schema
+
+
+def _load(filename: str, schema: str) -> str:
+    text = resources.files(__package__).joinpath(filename).read_text()
+    return text.replace(PLACEHOLDER, f'"{check_schema(schema)}"')
+
+
+def _split(text: str) -> dict[str, str]:
+    """A file split on its ``-- name: x`` lines."""
     parts = _NAME.split(text)
     return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
 
 
 @cache
-def migrations() -> list[tuple[int, str, str]]:
-    """``(version, name, sql)`` for every file in ``migrations/``, in order."""
+def queries(schema: str) -> dict[str, str]:
+    """The statements of ``queries.sql`` (one per store operation), by name, for a store in ``schema``."""
+    return _split(_load("queries.sql", schema))
+
+
+@cache
+def bookkeeping(schema: str) -> dict[str, str]:
+    """The statements of ``migrate.sql`` (the lock, the migrations table), by name, for a store in ``schema``."""
+    return _split(_load("migrate.sql", schema))
+
+
+@cache
+def migrations(schema: str) -> list[tuple[int, str, str]]:
+    """``(version, name, sql)`` for every file in ``migrations/``, in order, for a store in ``schema``."""
     found = []
     for entry in resources.files(__package__).joinpath("migrations").iterdir():
         if entry.name.endswith(".sql"):
             version = int(entry.name.split("_", 1)[0])
-            found.append((version, entry.name, entry.read_text()))
+            found.append((version, entry.name, _load(f"migrations/{entry.name}", schema)))
     return sorted(found)
+
+
+@cache
+def reset_session() -> str:
+    """``reset_session.sql``: the full reset of a connection lent to a handler (it names no table)."""
+    return resources.files(__package__).joinpath("reset_session.sql").read_text()

@@ -1,13 +1,15 @@
--- Every statement the PostgreSQL store runs, loaded by name (the "-- name:" lines).
--- Parameters are numbered; each statement is one round trip and is prepared once per connection.
+-- Every statement the PostgreSQL store runs for requests and operators, loaded by name (the "-- name:" lines);
+-- migrate() runs migrate.sql and migrations/. Parameters are numbered; each statement is one round trip and is
+-- prepared once per connection. {schema} is the store's schema (PostgresStore(schema=...)), so no statement
+-- depends on the session's search_path.
 
 -- name: claim
 -- Insert a fresh in_progress record, or take over an expired record or a lapsed lease of the same request,
 -- or else leave the record alone (counting the attempt) and return it. ON CONFLICT DO UPDATE locks and returns
 -- the current row even when it was committed after this statement's snapshot, so one round trip always answers.
 -- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds
-WITH new AS (SELECT nextval('idempotency_fence') AS fence)
-INSERT INTO idempotency_records AS r
+WITH new AS (SELECT nextval('{schema}.idempotency_fence') AS fence)
+INSERT INTO {schema}.idempotency_records AS r
     (tenant, key, fingerprint, state, fence, lease_expires_at, created_at, expires_at)
 SELECT $1, $2, $3, 'in_progress', new.fence,
        now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
@@ -40,25 +42,25 @@ RETURNING
 
 -- name: renew
 -- $1 tenant, $2 key, $3 fence, $4 lease seconds
-UPDATE idempotency_records
+UPDATE {schema}.idempotency_records
 SET lease_expires_at = now() + make_interval(secs => $4)
 WHERE tenant = $1 AND key = $2 AND fence = $3 AND state = 'in_progress';
 
 -- name: complete
 -- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size
-UPDATE idempotency_records
+UPDATE {schema}.idempotency_records
 SET state = 'completed', lease_expires_at = NULL, completed_at = now(),
     status = $4, headers = $5, body = $6, body_size = $7
 WHERE tenant = $1 AND key = $2 AND fence = $3 AND state = 'in_progress';
 
 -- name: release
 -- $1 tenant, $2 key, $3 fence
-DELETE FROM idempotency_records
+DELETE FROM {schema}.idempotency_records
 WHERE tenant = $1 AND key = $2 AND fence = $3 AND state = 'in_progress';
 
 -- name: forget
 -- $1 tenant, $2 key
-DELETE FROM idempotency_records WHERE tenant = $1 AND key = $2;
+DELETE FROM {schema}.idempotency_records WHERE tenant = $1 AND key = $2;
 
 -- name: inspect
 -- $1 tenant, $2 key
@@ -67,19 +69,19 @@ SELECT tenant, key, state, fence, fingerprint, attempts,
        extract(epoch FROM expires_at)::float8 AS expires_at,
        extract(epoch FROM lease_expires_at)::float8 AS lease_expires_at,
        status, headers, body, body_size
-FROM idempotency_records WHERE tenant = $1 AND key = $2;
+FROM {schema}.idempotency_records WHERE tenant = $1 AND key = $2;
 
 -- name: purge_expired
 -- Batched so that a large backlog never holds locks for long; the expires_at index finds the batch.
 -- $1 batch size
-DELETE FROM idempotency_records
+DELETE FROM {schema}.idempotency_records
 WHERE ctid = ANY (ARRAY(
-    SELECT ctid FROM idempotency_records WHERE expires_at <= now()
+    SELECT ctid FROM {schema}.idempotency_records WHERE expires_at <= now()
     ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED
 ));
 
 -- name: count_expired
-SELECT count(*) FROM idempotency_records WHERE expires_at <= now();
+SELECT count(*) FROM {schema}.idempotency_records WHERE expires_at <= now();
 
 -- name: stats
 SELECT
@@ -90,25 +92,10 @@ SELECT
     extract(epoch FROM now() - min(created_at) FILTER (WHERE state = 'in_progress' AND expires_at > now()))::float8
         AS oldest_in_progress_seconds,
     coalesce(sum(attempts), 0)::bigint AS attempts
-FROM idempotency_records;
+FROM {schema}.idempotency_records;
 
--- name: reset_session
--- A connection lent to a handler comes back as a fresh one would be. SET SESSION AUTHORIZATION DEFAULT also ends a
--- SET ROLE, and comes first so the rest runs as the login role; RESET ALL leaves role and session authorization
--- alone. Prepared statements made with SQL PREPARE are deallocated; the driver's own (protocol-level, not
--- from_sql) stay, so its statement cache stays valid.
-SET SESSION AUTHORIZATION DEFAULT;
-RESET ALL;
-CLOSE ALL;
-UNLISTEN *;
-SELECT pg_advisory_unlock_all();
-DISCARD TEMP;
-DISCARD SEQUENCES;
-DO $$
-DECLARE statement_name text;
-BEGIN
-    FOR statement_name IN SELECT name FROM pg_prepared_statements WHERE from_sql LOOP
-        EXECUTE format('DEALLOCATE %I', statement_name);
-    END LOOP;
-END
-$$;
+-- name: migrated
+-- open() runs this once: a database that was never migrated (or a store pointed at the wrong schema) fails at
+-- startup with the command that fixes it, instead of at every request.
+SELECT to_regclass('{schema}.idempotency_records') IS NOT NULL
+   AND to_regclass('{schema}.idempotency_fence') IS NOT NULL;

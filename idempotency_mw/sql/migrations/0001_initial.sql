@@ -1,8 +1,8 @@
 -- One row per (tenant, key). The tenant leads the primary key, so a table sharded by tenant (Citus) keeps
--- every statement on one shard.
-CREATE SEQUENCE idempotency_fence AS bigint;
+-- every statement on one shard. Names are qualified with the store's schema (see sql/__init__.py).
+CREATE SEQUENCE {schema}.idempotency_fence AS bigint;
 
-CREATE TABLE idempotency_records (
+CREATE TABLE {schema}.idempotency_records (
     tenant            text        NOT NULL,
     key               text        NOT NULL,
     fingerprint       bytea       NOT NULL,
@@ -20,4 +20,4 @@ CREATE TABLE idempotency_records (
     PRIMARY KEY (tenant, key)
 ) WITH (fillfactor = 90);  -- room for HOT updates: replays only bump attempts, an unindexed column
 
-CREATE INDEX idempotency_records_expires_at ON idempotency_records (expires_at);
+CREATE INDEX idempotency_records_expires_at ON {schema}.idempotency_records (expires_at);

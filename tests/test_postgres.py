@@ -1,0 +1,357 @@
+"""PostgresStore on its own, against a real PostgreSQL: migrations, schemas, and what its errors say.
+
+Tests that need a database nobody else touches create one on the test server (``fresh_url``) and drop it after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from idempotency_mw import PostgresStore, StoredResponse
+from idempotency_mw.sql import migrations
+from idempotency_mw.store import ClaimOutcome, PoolExhausted, StoreNotMigrated, StoreUnavailable
+
+FINGERPRINT = bytes(range(32))
+RESPONSE = StoredResponse(201, [(b"content-type", b"application/json")], b'{"id": 1}', 9)
+
+
+def with_database(url: str, name: str) -> str:
+    return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
+
+
+def with_setting(url: str, name: str, value: str) -> str:
+    """The same database, with a server setting for every session (asyncpg passes unknown URL parameters on as
+    server settings): ``search_path``, or ``role`` to run as another role, like ``SET ROLE``."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(query=urlencode([*parse_qsl(parts.query), (name, value)])))
+
+
+@pytest.fixture
+async def fresh_url(idempotency_database_url: str) -> AsyncIterator[str]:
+    """A database of its own, created empty on the test server, dropped afterwards."""
+    name = f"imw_test_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(idempotency_database_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        yield with_database(idempotency_database_url, name)
+    finally:
+        await admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+        await admin.close()
+
+
+@pytest.fixture
+async def migrated_url(fresh_url: str) -> str:
+    store = PostgresStore(fresh_url, min_size=0, max_size=1)
+    await store.migrate()
+    await store.close()
+    return fresh_url
+
+
+async def fetch(url: str, query: str, *args: object) -> list[asyncpg.Record]:
+    connection = await asyncpg.connect(url)
+    try:
+        return list(await connection.fetch(query, *args))
+    finally:
+        await connection.close()
+
+
+async def relations_in(url: str, schema: str) -> list[str]:
+    rows = await fetch(
+        url,
+        "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1 "
+        "ORDER BY c.relname",
+        schema,
+    )
+    return [row["relname"] for row in rows]
+
+
+# -- migrate --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schema", ["public", "idempotency"])
+async def test_concurrent_migrations_of_a_fresh_database_take_turns(fresh_url: str, schema: str) -> None:
+    """Replicas that migrate at startup all start at once. Creating the bookkeeping table (and the schema) used to
+    happen before the advisory lock, and concurrent runs failed on the catalog (UniqueViolationError on pg_type)."""
+    stores = [PostgresStore(fresh_url, min_size=0, max_size=1, schema=schema) for _ in range(16)]
+    try:
+        results = await asyncio.gather(*(store.migrate() for store in stores), return_exceptions=True)
+    finally:
+        await asyncio.gather(*(store.close() for store in stores))
+    failures = [result for result in results if isinstance(result, BaseException)]
+    assert failures == []
+    applied = sorted(name for result in results if isinstance(result, list) for name in result)
+    assert applied == [name for _, name, _ in migrations(schema)]  # each migration exactly once
+    rows = await fetch(fresh_url, f"SELECT version, name FROM {schema}.idempotency_schema_migrations ORDER BY 1")
+    assert [(row["version"], row["name"]) for row in rows] == [(v, n) for v, n, _ in migrations(schema)]
+
+
+async def test_migrate_twice_applies_nothing_the_second_time(fresh_url: str) -> None:
+    store = PostgresStore(fresh_url, min_size=0, max_size=1)
+    assert await store.migrate() == [name for _, name, _ in migrations("public")]
+    assert await store.migrate() == []
+    await store.close()
+
+
+async def test_migrate_needs_no_create_privilege_on_the_database_when_the_schema_exists(fresh_url: str) -> None:
+    """A deploy role that owns its schema but may not create schemas still migrates (CREATE SCHEMA IF NOT EXISTS
+    would need that privilege even for a schema that exists)."""
+    role = f"imw_deploy_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(fresh_url)
+    try:
+        await admin.execute(f"CREATE ROLE {role}")  # no CREATE on the database: PUBLIC does not have it either
+        await admin.execute(f"CREATE SCHEMA idempotency AUTHORIZATION {role}")
+        store = PostgresStore(with_setting(fresh_url, "role", role), min_size=0, max_size=1, schema="idempotency")
+        try:
+            assert await store.migrate() == [name for _, name, _ in migrations("idempotency")]
+        finally:
+            await store.close()
+        owner = await admin.fetchval(
+            "SELECT tableowner FROM pg_tables WHERE schemaname = 'idempotency' AND tablename = 'idempotency_records'"
+        )
+        assert owner == role  # the migration really ran as that role
+    finally:
+        await admin.execute(f"DROP SCHEMA idempotency CASCADE; DROP OWNED BY {role}; DROP ROLE {role}")
+        await admin.close()
+
+
+# -- schemas --------------------------------------------------------------------------------------------------
+
+
+async def exercise(store: PostgresStore, prefix: str) -> None:
+    """Every statement the store runs, each checked for its effect."""
+    key = f"{prefix}-key"
+    claim = await store.claim("tenant", key, FINGERPRINT, lease=30, ttl=3600)
+    assert claim.outcome is ClaimOutcome.OWNED
+    assert await store.renew("tenant", key, claim.fence, lease=30)
+    assert await store.complete("tenant", key, claim.fence, RESPONSE)
+    replay = await store.claim("tenant", key, FINGERPRINT, lease=30, ttl=3600)
+    assert (replay.outcome, replay.response) == (ClaimOutcome.COMPLETED, RESPONSE)
+    record = await store.inspect("tenant", key)
+    assert record is not None
+    assert (record.state, record.response, record.attempts) == ("completed", RESPONSE, 1)
+    stats = await store.stats()
+    assert (stats["completed"], stats["in_progress"], stats["attempts"]) == (1, 0, 1)
+
+    released = await store.claim("tenant", f"{prefix}-released", FINGERPRINT, lease=30, ttl=3600)
+    assert await store.release("tenant", f"{prefix}-released", released.fence)
+    assert await store.inspect("tenant", f"{prefix}-released") is None
+
+    await store.claim("tenant", f"{prefix}-forgotten", FINGERPRINT, lease=30, ttl=3600)
+    assert await store.forget("tenant", f"{prefix}-forgotten")
+    assert await store.inspect("tenant", f"{prefix}-forgotten") is None
+
+    expiring = await store.claim("tenant", f"{prefix}-expiring", FINGERPRINT, lease=30, ttl=0.001)
+    assert await store.complete("tenant", f"{prefix}-expiring", expiring.fence, RESPONSE)
+    for _ in range(200):  # expires_at is 1 ms after the claim, by the database's clock
+        if await store.count_expired() == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert await store.count_expired() == 1
+    assert await store.purge_expired(batch_size=10) == 1
+    assert await store.inspect("tenant", f"{prefix}-expiring") is None
+
+
+@pytest.mark.parametrize("pool", ["own", "asyncpg"])
+async def test_the_store_does_not_depend_on_the_search_path(migrated_url: str, pool: str) -> None:
+    """A transactional handler of a schema-per-tenant app sets search_path on the connection the store then
+    completes on. Unqualified table names made the store's statements fail there with UndefinedTableError."""
+    elsewhere = with_setting(migrated_url, "search_path", "tenant_without_tables")
+    admin = await asyncpg.connect(migrated_url)
+    await admin.execute("CREATE SCHEMA tenant_without_tables")
+    await admin.close()
+    app_pool = await asyncpg.create_pool(elsewhere, min_size=1, max_size=2) if pool == "asyncpg" else None
+    store = PostgresStore(app_pool or elsewhere, min_size=1, max_size=2)
+    try:
+        connection = await asyncpg.connect(elsewhere)
+        assert await connection.fetchval("SHOW search_path") == "tenant_without_tables"
+        await connection.close()
+        await store.open()
+        await exercise(store, "search-path")
+    finally:
+        await store.close()
+        if app_pool is not None:
+            await app_pool.close()
+
+
+@pytest.mark.parametrize("schema", ["idempotency", "user"])  # "user" is a reserved word: it works quoted
+async def test_a_store_in_a_schema_of_its_own(fresh_url: str, schema: str) -> None:
+    store = PostgresStore(fresh_url, min_size=1, max_size=2, schema=schema)
+    assert store.schema == schema
+    try:
+        assert await store.migrate() == [name for _, name, _ in migrations(schema)]
+        await store.open()
+        await exercise(store, "own-schema")
+    finally:
+        await store.close()
+    assert await relations_in(fresh_url, "public") == []  # nothing was created in public
+    assert "idempotency_records" in await relations_in(fresh_url, schema)
+    assert "idempotency_schema_migrations" in await relations_in(fresh_url, schema)
+    default = PostgresStore(fresh_url, min_size=0, max_size=1)  # the same database, the default schema
+    with pytest.raises(StoreNotMigrated, match='schema "public"'):
+        await default.open()
+    await default.close()
+
+
+@pytest.mark.parametrize(
+    "schema", ["", "Idempotency", "1st", "tenant-a", "a.b", 'x"; DROP TABLE t; --', "é", "a" * 64, "pg_mine"]
+)
+def test_schema_names_are_checked(schema: str) -> None:
+    with pytest.raises(ValueError, match="idempotency store schema") as refused:
+        PostgresStore("postgresql://localhost/db", schema=schema)
+    assert repr(schema) in str(refused.value)
+
+
+@pytest.mark.parametrize("schema", ["a", "_", "tenant_42", "a" * 63])
+def test_plain_lower_case_identifiers_are_accepted(schema: str) -> None:
+    assert PostgresStore("postgresql://localhost/db", schema=schema).schema == schema
+
+
+def test_a_bad_schema_name_says_what_is_allowed() -> None:
+    with pytest.raises(ValueError, match="Billing") as refused:
+        PostgresStore("postgresql://localhost/db", schema="Billing")
+    assert str(refused.value) == (
+        "idempotency store schema must be a plain lower-case identifier: a letter a-z or '_', then letters, "
+        "digits or '_', at most 63 characters; got 'Billing'"
+    )
+
+
+# -- a database that was not migrated -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("schema", "command"),
+    [("public", "idempotency-mw migrate"), ("tenant_a", "idempotency-mw --schema tenant_a migrate")],
+)
+async def test_open_refuses_a_database_that_was_not_migrated(fresh_url: str, schema: str, command: str) -> None:
+    store = PostgresStore(fresh_url, min_size=1, max_size=1, schema=schema)
+    with pytest.raises(StoreNotMigrated) as refused:
+        await store.open()
+    assert str(refused.value) == (
+        f'the idempotency tables are missing from schema "{schema}" of this database: '
+        f"run `{command}`, or `await store.migrate()` before `store.open()`"
+    )
+    assert refused.value.schema == schema
+    await store.migrate()
+    await store.open()  # now it opens
+    await store.close()
+
+
+async def test_open_checks_an_app_pool_too(fresh_url: str) -> None:
+    async with asyncpg.create_pool(fresh_url, min_size=1, max_size=1) as pool:
+        store = PostgresStore(pool)
+        with pytest.raises(StoreNotMigrated, match="idempotency-mw migrate"):
+            await store.open()
+        await store.migrate()
+        await store.open()
+
+
+async def test_every_statement_on_a_database_that_was_not_migrated_says_run_migrate(fresh_url: str) -> None:
+    """Without open(), the first request used to fail with UndefinedTableError, and the middleware's 503 said
+    "cannot be reached". StoreNotMigrated is still StoreUnavailable (503), with a message that names the fix."""
+    store = PostgresStore(fresh_url, min_size=0, max_size=1, schema="not_created")
+    calls: list[Callable[[], Awaitable[Any]]] = [
+        lambda: store.claim("t", "k", FINGERPRINT, lease=10, ttl=60),
+        lambda: store.renew("t", "k", 1, lease=10),
+        lambda: store.complete("t", "k", 1, RESPONSE),
+        lambda: store.release("t", "k", 1),
+        lambda: store.forget("t", "k"),
+        lambda: store.inspect("t", "k"),
+        store.stats,
+        store.count_expired,
+        store.purge_expired,
+    ]
+    for call in calls:
+        with pytest.raises(
+            StoreNotMigrated, match=r'schema "not_created".*idempotency-mw --schema not_created migrate'
+        ):
+            await call()
+    await store.close()
+
+
+async def test_a_missing_sequence_is_caught_too(migrated_url: str) -> None:
+    admin = await asyncpg.connect(migrated_url)
+    await admin.execute("DROP SEQUENCE public.idempotency_fence")
+    await admin.close()
+    store = PostgresStore(migrated_url, min_size=1, max_size=1)
+    with pytest.raises(StoreNotMigrated):
+        await store.open()
+    with pytest.raises(StoreNotMigrated, match="idempotency_fence"):
+        await store.claim("t", "k", FINGERPRINT, lease=10, ttl=60)
+    await store.close()
+
+
+# -- an app's asyncpg pool ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """A DSN whose server accepts connections (the kernel does) and never says a word: connecting times out."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        yield f"postgresql://nobody@127.0.0.1:{silent.getsockname()[1]}/none"
+
+
+async def test_an_exhausted_app_pool_raises_pool_exhausted(idempotency_database_url: str) -> None:
+    async with asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=2) as pool:
+        store = PostgresStore(pool, timeout=0.2)
+        async with pool.acquire(), pool.acquire():  # the app's own work holds every connection
+            with pytest.raises(PoolExhausted) as exhausted:
+                await store.claim("t", str(uuid.uuid4()), FINGERPRINT, lease=10, ttl=60)
+        assert str(exhausted.value) == (
+            "the asyncpg pool passed to PostgresStore is exhausted: no connection came free within 0.2s "
+            "(max_size=2). If the database answers promptly, the pool is too small for the load: raise max_size"
+        )
+        assert (exhausted.value.pool, exhausted.value.max_size, exhausted.value.timeout) == (
+            "the asyncpg pool passed to PostgresStore",
+            2,
+            0.2,
+        )
+        assert isinstance(exhausted.value, StoreUnavailable)
+
+
+async def test_an_app_pool_that_cannot_connect_is_not_called_exhausted(silent_server: str) -> None:
+    async with asyncpg.create_pool(silent_server, min_size=0, max_size=2) as pool:
+        store = PostgresStore(pool, timeout=0.2)
+        with pytest.raises(StoreUnavailable) as unavailable:
+            await store.claim("t", "k", FINGERPRINT, lease=10, ttl=60)
+        assert not isinstance(unavailable.value, PoolExhausted)
+        assert isinstance(unavailable.value.__cause__, TimeoutError)
+
+
+# -- a server process terminated mid-sequence -----------------------------------------------------------------
+
+
+async def test_a_backend_terminated_between_two_statements_is_store_unavailable(idempotency_database_url: str) -> None:
+    """The claim's connection goes back to the pool; its server process is terminated; the next statement takes it.
+    Depending on how far the server's goodbye has got, asyncpg raised ConnectionDoesNotExistError or, while still
+    reading that FATAL error, InternalClientError ("cannot switch to state 11"), which escaped as a 500."""
+    store = PostgresStore(idempotency_database_url, min_size=1, max_size=1)
+    admin = await asyncpg.connect(idempotency_database_url)
+    unavailable = 0
+    try:
+        for attempt in range(20):
+            key = f"terminated-{uuid.uuid4()}"
+            claim = await store.claim("t", key, FINGERPRINT, lease=30, ttl=60)
+            async with store.connection() as connection:
+                pid = connection.get_server_pid()
+            await admin.execute("SELECT pg_terminate_backend($1)", pid)
+            for _ in range(attempt):  # let the server's FATAL error in, at different points
+                await asyncio.sleep(0)
+            try:
+                assert await store.renew("t", key, claim.fence, lease=30)
+            except StoreUnavailable:
+                unavailable += 1
+            assert await store.complete("t", key, claim.fence, RESPONSE)  # the next statement gets a new connection
+    finally:
+        await admin.close()
+        await store.close()
+    assert unavailable > 0  # the termination was seen (otherwise this test tested nothing)
