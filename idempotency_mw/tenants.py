@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import inspect
 import os
 import re
+import time
 from collections.abc import Awaitable, Callable
 
 from starlette.types import Scope
+
+from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers
+from idempotency_mw.store import Store, StoreUnavailable
 
 TenantResolver = Callable[[Scope], "str | Awaitable[str | None] | None"]
 
@@ -73,6 +78,38 @@ def header_tenant(header: str, *, anonymous: str | None = None) -> TenantResolve
         if len(values) > 1:
             return None
         return values[0].decode("latin-1") if values else shared
+
+    return resolve
+
+
+def legacy_sha256_fallback(store: Store, tenant: TenantResolver | None = None) -> TenantResolver:
+    """For one ``ttl`` after upgrading from the unsalted SHA-256 default: then remove it.
+
+    A keyed request whose record was written before the upgrade (under ``sha256(Authorization)``, as the old
+    default stored it) keeps that tenant, so its retry still finds its record; every other request gets ``tenant``
+    (by default ``AuthorizationTenant()``), so no new SHA-256 value is written. It costs one extra store read per
+    keyed request. Once every record written before the upgrade has expired, it finds nothing: switch to
+    ``tenant`` alone.
+    """
+    new = AuthorizationTenant() if tenant is None else tenant
+
+    async def resolve(scope: Scope) -> str | None:
+        values = _values(scope, b"authorization")
+        if len(values) == 1:
+            try:
+                key = key_from_headers(scope["headers"])
+            except (MissingKey, InvalidKey):
+                key = None
+            if key is not None:
+                legacy = hashlib.sha256(values[0]).hexdigest()
+                try:
+                    record = await store.inspect(legacy, key)
+                except StoreUnavailable:
+                    record = None  # the claim will meet the same outage and answer 503
+                if record is not None and record.expires_at > time.time():
+                    return legacy
+        resolved = new(scope)
+        return await resolved if inspect.isawaitable(resolved) else resolved
 
     return resolve
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import time
 from typing import Any
 
 import httpx
@@ -21,9 +22,12 @@ from idempotency_mw import (
     MemoryStore,
     Outcome,
     Store,
+    StoredResponse,
+    StoreUnavailable,
     header_tenant,
 )
 from idempotency_mw.events import Event
+from idempotency_mw.tenants import legacy_sha256_fallback
 from tests.apps import Probe, build_app
 from tests.conftest import TEST_TENANT_SECRET, client_for
 from tests.faults import asgi
@@ -336,3 +340,67 @@ async def test_a_resolver_must_return_a_str_or_none(key: str) -> None:
     client = client_for(build_app(MemoryStore(), Probe(), tenant=lambda scope: 42))
     with pytest.raises(TypeError, match="str or None"):
         await client.post("/charge", content=b"x", headers={"Idempotency-Key": key})
+
+
+# -- the upgrade: records written under the old SHA-256 tenant ------------------------------------------------
+
+
+async def test_legacy_fallback_finds_records_written_before_the_upgrade(store: Store, key: str) -> None:
+    """A retry of a request made before the upgrade (its record under the old SHA-256 tenant) replays; a new
+    request goes to the new tenant, so no new password verifier is written."""
+    legacy = hashlib.sha256(b"Bearer sk_test_alice").hexdigest()
+    claim = await store.claim(legacy, key, b"f" * 32, lease=60, ttl=3600)
+    await store.complete(legacy, key, claim.fence, StoredResponse(201, [], b"before the upgrade", 18))
+
+    probe = Probe()
+    events: list[Event] = []
+    client = client_for(build_app(store, probe, tenant=legacy_sha256_fallback(store), on_event=events.append))
+    # Same key, same (old) tenant: the stored fingerprint differs from this request's, so the store says 422,
+    # which proves the record was found; the handler did not run.
+    found = await client.post("/charge", content=b"x", headers={"Idempotency-Key": key})
+    assert found.json()["code"] == "idempotency_key_reused"
+    assert events[-1].tenant == legacy
+    fresh = await client.post("/charge", content=b"x", headers={"Idempotency-Key": "new-" + key})
+    assert fresh.status_code == 201
+    assert events[-1].tenant == AuthorizationTenant()(scope_with(b"Bearer sk_test_alice"))
+    assert await store.inspect(legacy, "new-" + key) is None
+    assert probe.calls["charge"] == 1
+
+
+async def test_legacy_fallback_replays_an_old_record(key: str) -> None:
+    old_store = MemoryStore()
+    probe = Probe()
+    old_app = build_app(
+        old_store, probe, tenant=lambda scope: hashlib.sha256(dict(scope["headers"])[b"authorization"]).hexdigest()
+    )
+    original = await client_for(old_app).post("/charge", content=b"x", headers={"Idempotency-Key": key})
+    new_app = build_app(old_store, probe, tenant=legacy_sha256_fallback(old_store))
+    retry = await client_for(new_app).post("/charge", content=b"x", headers={"Idempotency-Key": key})
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert retry.content == original.content
+    assert probe.calls["charge"] == 1
+
+
+async def test_legacy_fallback_ignores_expired_records_and_keeps_refusing_unknown_tenants(key: str) -> None:
+    store = MemoryStore(clock=lambda: time.time() - 7200)  # the record was claimed two hours ago, for one hour
+    legacy = hashlib.sha256(b"Bearer sk_test_alice").hexdigest()
+    await store.claim(legacy, key, b"f" * 32, lease=60, ttl=3600)
+    resolve = legacy_sha256_fallback(store)
+    headers = [(b"authorization", b"Bearer sk_test_alice"), (b"idempotency-key", key.encode())]
+    assert await resolve({"headers": headers}) == AuthorizationTenant()(scope_with(b"Bearer sk_test_alice"))
+    assert await resolve({"headers": [(b"idempotency-key", key.encode())]}) is None
+    anonymous = legacy_sha256_fallback(store, AuthorizationTenant(anonymous="public"))
+    assert await anonymous({"headers": [(b"idempotency-key", key.encode())]}) == "public"
+
+
+async def test_legacy_fallback_leaves_an_outage_to_the_claim(key: str) -> None:
+    """A store that cannot be reached answers the claim with 503; the lookup before it must not turn that into a
+    500."""
+
+    class Down(MemoryStore):
+        async def inspect(self, tenant: str, key: str) -> Any:
+            raise StoreUnavailable("down")
+
+    resolve = legacy_sha256_fallback(Down())
+    headers = [(b"authorization", b"Bearer sk_test_alice"), (b"idempotency-key", key.encode())]
+    assert await resolve({"headers": headers}) == AuthorizationTenant()(scope_with(b"Bearer sk_test_alice"))
