@@ -28,6 +28,7 @@ from idempotency_mw import (
 )
 from idempotency_mw.events import Event
 from idempotency_mw.tenants import legacy_sha256_fallback
+from idempotency_mw.testing import assert_idempotent
 from tests.apps import Probe, build_app
 from tests.conftest import TEST_TENANT_SECRET, client_for
 from tests.faults import asgi
@@ -404,3 +405,11 @@ async def test_legacy_fallback_leaves_an_outage_to_the_claim(key: str) -> None:
     resolve = legacy_sha256_fallback(Down())
     headers = [(b"authorization", b"Bearer sk_test_alice"), (b"idempotency-key", key.encode())]
     assert await resolve({"headers": headers}) == AuthorizationTenant()(scope_with(b"Bearer sk_test_alice"))
+
+
+async def test_assert_idempotent_names_a_missing_tenant(key: str) -> None:
+    """A newcomer's first test, without credentials, is told why every request got 400."""
+    app = build_app(MemoryStore(), Probe())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        with pytest.raises(AssertionError, match="idempotency_tenant_unknown"):
+            await assert_idempotent(client, "POST", "/charge", content=b"x", times=3)
