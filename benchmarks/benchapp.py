@@ -33,6 +33,9 @@ from starlette.routing import Route
 VARIANTS = ("bare", "ours", "ours-memory", "fastidempotent", "fastapi-idempotency")
 PEERS = ("fastidempotent", "fastapi-idempotency")
 MiB = 1024 * 1024
+# The secret of our default tenant resolver (AuthorizationTenant) in every benchmark, so bulk-loaded records and
+# served requests agree on the load generator's tenant. A fixed value: nothing here is secret.
+TENANT_SECRET = "benchmark-tenant-secret-0123456789abcdef"
 
 Hook = Callable[[], Awaitable[Any]]
 
@@ -69,16 +72,17 @@ def build(variant: str, db: Database | None, gate: asyncio.Event | None = None) 
     startup: Hook = _nothing
     shutdown: Hook = _nothing
     if variant == "ours":
-        from idempotency_mw import IdempotencyMiddleware, PostgresStore
+        from idempotency_mw import AuthorizationTenant, IdempotencyMiddleware, PostgresStore
 
         assert db is not None
         store = PostgresStore(db.url)
-        middleware.append(Middleware(IdempotencyMiddleware, store=store))
+        middleware.append(Middleware(IdempotencyMiddleware, store=store, tenant=AuthorizationTenant(TENANT_SECRET)))
         startup, shutdown = store.open, store.close
     elif variant == "ours-memory":
-        from idempotency_mw import IdempotencyMiddleware, MemoryStore
+        from idempotency_mw import AuthorizationTenant, IdempotencyMiddleware, MemoryStore
 
-        middleware.append(Middleware(IdempotencyMiddleware, store=MemoryStore()))
+        tenant = AuthorizationTenant(TENANT_SECRET)
+        middleware.append(Middleware(IdempotencyMiddleware, store=MemoryStore(), tenant=tenant))
     elif variant == "fastidempotent":
         from fastidempotent import IdempotencyMiddleware as FastIdempotent
         from fastidempotent.backends.postgres import PostgresBackend

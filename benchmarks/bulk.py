@@ -12,18 +12,19 @@ from __future__ import annotations
 import time
 
 import asyncpg
+from benchapp import TENANT_SECRET
 from loadgen import BODY, HEADERS
 
 from idempotency_mw.capture import encode_headers
 from idempotency_mw.fingerprint import fingerprint
-from idempotency_mw.tenants import authorization_tenant
+from idempotency_mw.tenants import AuthorizationTenant
 
 REPLAYABLE_EVERY = 100  # every 100th generated key belongs to the load generator's tenant
 STORED_BODY = b'{"id":1,"status":"accepted","amount":1250,"currency":"eur","customer":"cus_42"}'
 STORED_HEADERS = encode_headers(
     [(b"content-length", str(len(STORED_BODY)).encode()), (b"content-type", b"application/json")]
 )
-BENCH_TENANT = authorization_tenant({"headers": [(b"authorization", HEADERS["authorization"].encode())]})
+BENCH_TENANT = AuthorizationTenant(TENANT_SECRET)({"headers": [(b"authorization", HEADERS["authorization"].encode())]})
 BENCH_FINGERPRINT = fingerprint("POST", "/orders", b"", HEADERS["content-type"].encode(), BODY)
 CHUNK = 1_000_000
 

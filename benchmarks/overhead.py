@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchapp import routes
+from benchapp import TENANT_SECRET, routes
 from common import Target, table, target_table
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -28,7 +28,7 @@ from idempotency_mw import IdempotencyMiddleware, MemoryStore
 from idempotency_mw.events import hash_key
 from idempotency_mw.fingerprint import fingerprint
 from idempotency_mw.leases import LeaseKeeper
-from idempotency_mw.tenants import authorization_tenant
+from idempotency_mw.tenants import AuthorizationTenant
 
 BODY = b'{"amount": 1250, "currency": "eur", "customer": "cus_42"}'
 BASE_HEADERS = [
@@ -51,6 +51,7 @@ SCOPE = {
     "server": ("127.0.0.1", 8000),
 }
 REQUEST: Message = {"type": "http.request", "body": BODY, "more_body": False}
+TENANT = AuthorizationTenant(TENANT_SECRET)  # the default resolver, with the benchmarks' fixed secret
 
 # What each variant sends and what it must answer (checked once per round, outside the timing).
 VARIANTS = {
@@ -84,7 +85,7 @@ def bare_app() -> Starlette:
 
 
 def covered_app(store: MemoryStore) -> Starlette:
-    return Starlette(routes=routes(), middleware=[Middleware(IdempotencyMiddleware, store=store)])
+    return Starlette(routes=routes(), middleware=[Middleware(IdempotencyMiddleware, store=store, tenant=TENANT)])
 
 
 async def timed(app: ASGIApp, keys: list[bytes | None], sink: Sink) -> float:
@@ -105,7 +106,8 @@ async def round_of(n: int, serial: int) -> dict[str, tuple[float, int, bool]]:
     """One pass of every variant, ``n`` requests each: {variant: (seconds per request, last status, replayed)}."""
     out: dict[str, tuple[float, int, bool]] = {}
     fresh_keys: list[bytes | None] = [f"r{serial}-k{i}".encode() for i in range(n)]
-    tenant = authorization_tenant({"headers": BASE_HEADERS})
+    tenant = TENANT({"headers": BASE_HEADERS})
+    assert tenant is not None
     digest = fingerprint("POST", "/orders", b"", b"application/json", BODY)
 
     runs: dict[str, Callable[[], tuple[ASGIApp, list[bytes | None]]]] = {}
@@ -177,7 +179,7 @@ async def components(n: int) -> dict[str, float]:
         "fingerprint (JSON body canonicalised + SHA-256)": each(
             lambda: fingerprint("POST", "/orders", b"", b"application/json", BODY)
         ),
-        "tenant (SHA-256 of Authorization)": each(lambda: authorization_tenant(scope)),
+        "tenant (HMAC-SHA256 of Authorization)": each(lambda: TENANT(scope)),
         "key hash for the event (SHA-256)": each(lambda: hash_key("some-idempotency-key")),
         "MemoryStore.claim": await each_async(lambda: store.claim("t", str(next(keys)), b"f", lease=60.0, ttl=86400.0)),
         "lease keeper: hold + drop (one timer per middleware)": await each_async(lease_cycle) - baseline,

@@ -54,6 +54,11 @@ async def apply_schema(connection: Any) -> None:
         await connection.execute(SCHEMA)
 
 
+def harness_tenant(scope: Any) -> str:
+    """The ledger's one client is the fault harness, which sends no credentials: all its keys are one tenant's."""
+    return "faults"
+
+
 def _env_flag(name: str, default: bool) -> bool:
     value = os.environ.get(name)
     return default if value is None else value.strip().lower() in ("1", "true", "yes")
@@ -170,6 +175,7 @@ def create_app(
     app.add_middleware(
         IdempotencyMiddleware,
         store=store,
+        tenant=harness_tenant,
         transactional=transactional,
         lease=lease,
         max_response_bytes=max_response_bytes,

@@ -12,11 +12,12 @@ from idempotency_mw.middleware import IdempotencyMiddleware
 from idempotency_mw.policy import Policy, idempotent
 from idempotency_mw.postgres import PostgresStore
 from idempotency_mw.store import Store, StoredResponse, StoreUnavailable
-from idempotency_mw.tenants import authorization_tenant, header_tenant
+from idempotency_mw.tenants import AuthorizationTenant, header_tenant
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthorizationTenant",
     "Event",
     "IdempotencyContext",
     "IdempotencyMiddleware",
@@ -27,7 +28,6 @@ __all__ = [
     "Store",
     "StoreUnavailable",
     "StoredResponse",
-    "authorization_tenant",
     "header_tenant",
     "idempotency_context",
     "idempotent",

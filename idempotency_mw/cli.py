@@ -28,7 +28,7 @@ import asyncpg
 from idempotency_mw.postgres import PostgresStore
 from idempotency_mw.sql import check_schema
 from idempotency_mw.store import RecordInfo, StoreNotMigrated, StoreUnavailable
-from idempotency_mw.tenants import authorization_tenant
+from idempotency_mw.tenants import PREFIX, SECRET_VARIABLE, AuthorizationTenant
 
 PROG = "idempotency-mw"
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_DATABASE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -119,15 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
             help=summary,
             usage=f"{PROG} {name} [-h] [--authorization VALUE] [TENANT] KEY"
             + (" [--json]" if name == "inspect" else ""),
-            description=f"{summary.capitalize()}. TENANT is the tenant string as stored; with the default "
-            "resolver that is the SHA-256 hex of the Authorization header, so --authorization may name it instead.",
+            description=f"{summary.capitalize()}. TENANT is the tenant string exactly as the app's tenant resolver "
+            f"returned it. With the default resolver (AuthorizationTenant) --authorization may name it instead: "
+            f"it computes the tenant from the client's Authorization header and {SECRET_VARIABLE}.",
         )
-        sub.add_argument("tenant", nargs="?", metavar="TENANT", help="the tenant as stored ('' for anonymous)")
+        sub.add_argument("tenant", nargs="?", metavar="TENANT", help="the tenant as stored")
         sub.add_argument("key", nargs="?", metavar="KEY", help="the Idempotency-Key as the client sent it")
         sub.add_argument(
             "--authorization",
             metavar="VALUE",
-            help='the client\'s Authorization header value ("Bearer sk_..."), hashed like the default resolver',
+            help=f'the client\'s Authorization header value ("Bearer sk_..."): the tenant the default resolver '
+            f"derives from it with ${SECRET_VARIABLE}",
         )
         if name == "inspect":
             sub.add_argument("--json", action="store_true", help="machine-readable output")
@@ -213,12 +215,14 @@ def _record_id(args: argparse.Namespace) -> tuple[str, str]:
             raise CommandError("give either TENANT or --authorization, not both", EXIT_USAGE)
         if args.tenant is None:
             raise CommandError("KEY is required", EXIT_USAGE)
-        # Servers strip the optional whitespace around a header value before the app sees it; so do we.
         try:
-            value = args.authorization.strip(" \t").encode("latin-1")
+            value = args.authorization.encode("latin-1")
         except UnicodeEncodeError:
             raise CommandError("--authorization must be a latin-1 header value", EXIT_USAGE) from None
-        return authorization_tenant({"headers": [(b"authorization", value)]}), args.tenant
+        tenant = _default_resolver()({"headers": [(b"authorization", value)]})
+        if tenant is None:
+            raise CommandError("--authorization is empty: give the client's Authorization header value", EXIT_USAGE)
+        return tenant, args.tenant
     if args.tenant is None or args.key is None:
         raise CommandError("TENANT and KEY are required (or --authorization VALUE and KEY)", EXIT_USAGE)
     return args.tenant, args.key
@@ -362,10 +366,29 @@ async def cmd_stats(store: PostgresStore, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _default_resolver() -> AuthorizationTenant:
+    """The default resolver with the servers' secret, which must be in this environment too."""
+    if not os.environ.get(SECRET_VARIABLE):
+        raise CommandError(
+            f"--authorization needs the secret the servers' default tenant resolver uses: set {SECRET_VARIABLE} "
+            "to the same value (or give TENANT as stored)",
+            EXIT_USAGE,
+        )
+    try:
+        return AuthorizationTenant()
+    except ValueError as error:
+        raise CommandError(str(error), EXIT_USAGE) from error
+
+
 def _not_found(args: argparse.Namespace, tenant: str, key: str) -> CommandError:
     message = f"no record for key {key!r} of tenant {tenant!r}"
-    if args.authorization is None and not _looks_like_sha256(tenant):
-        message += " (with the default tenant resolver TENANT is a SHA-256 hex digest: try --authorization)"
+    if args.authorization is not None:
+        message += f" (if it should exist, check that {SECRET_VARIABLE} is the servers' secret)"
+    elif not tenant.startswith(PREFIX):
+        message += (
+            " (TENANT must be exactly what the app's tenant resolver returned; with the default resolver, "
+            "give the client's header as --authorization instead)"
+        )
     return CommandError(message, EXIT_NOT_FOUND)
 
 
@@ -405,7 +428,7 @@ def record_to_dict(record: RecordInfo, *, now: float) -> dict[str, Any]:
 def format_record(shown: dict[str, Any]) -> str:
     state = shown["state"] + (" (expired: counts as absent, awaiting gc)" if shown["expired"] else "")
     rows: list[tuple[str, str]] = [
-        ("tenant", shown["tenant"] or "'' (anonymous)"),
+        ("tenant", shown["tenant"] or "'' (empty)"),
         ("key", shown["key"]),
         ("state", state),
         ("fence", str(shown["fence"])),
@@ -456,10 +479,6 @@ def _duration(seconds: float) -> str:
     if whole < 3600:
         return f"{whole // 60}m {whole % 60:02d}s"
     return f"{whole // 3600}h {whole % 3600 // 60:02d}m"
-
-
-def _looks_like_sha256(text: str) -> bool:
-    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 def _s(count: int) -> str:

@@ -21,6 +21,7 @@ class Outcome(enum.Enum):
     KEY_REUSED = "key_reused"  # 422: same key, different request
     KEY_INVALID = "key_invalid"  # 400: malformed key
     KEY_MISSING = "key_missing"  # 400: a required key was absent
+    TENANT_UNKNOWN = "tenant_unknown"  # 400: a keyed request whose tenant the resolver could not determine
     KEY_EXPIRED = "key_expired"  # 422: a UUIDv7 key older than the retention window
     REQUEST_TOO_LARGE = "request_too_large"  # 413
     RELEASED = "released"  # the handler ran but the outcome was transient: the key is free again

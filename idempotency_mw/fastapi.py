@@ -83,7 +83,8 @@ PROBLEM_SCHEMA = {
     },
 }
 _PROBLEMS = {
-    "400": "Idempotency-Key missing or invalid (code idempotency_key_missing / idempotency_key_invalid)",
+    "400": "Idempotency-Key missing or invalid, or sent without credentials to scope it by (code "
+    "idempotency_key_missing / idempotency_key_invalid / idempotency_tenant_unknown)",
     "409": "A request with this Idempotency-Key is still in progress (code idempotency_request_in_progress); "
     "retry after Retry-After seconds with the same key",
     "413": "Request body over the idempotency size limit (code request_too_large)",

@@ -36,7 +36,7 @@ from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers, uuid7_
 from idempotency_mw.leases import HeldLease, LeaseKeeper
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
 from idempotency_mw.store import Claim, ClaimOutcome, Store, Transaction, TransactionalStore
-from idempotency_mw.tenants import TenantResolver, authorization_tenant
+from idempotency_mw.tenants import AuthorizationTenant, TenantResolver
 from idempotency_mw.transaction import Claimed, State, TransactionalRun
 
 T = TypeVar("T")
@@ -51,8 +51,10 @@ class IdempotencyMiddleware:
     ``app.add_middleware(IdempotencyMiddleware, store=PostgresStore(dsn))``. Every keyword below is also a
     field of :class:`~idempotency_mw.policy.Policy`, except:
 
-    - ``tenant``: maps the ASGI scope to the tenant that owns the key (sync or async); by default a hash of the
-      ``Authorization`` header.
+    - ``tenant``: maps the ASGI scope to the tenant that owns the key (sync or async), or to None when it cannot
+      tell (the keyed request is then refused with 400); by default
+      :class:`~idempotency_mw.tenants.AuthorizationTenant`, an HMAC of the ``Authorization`` header keyed by
+      ``IDEMPOTENCY_TENANT_SECRET``.
     - ``routes``: per-path overrides, ``{"/v1/refunds*": {"required": True}}`` (``*`` matches anything).
     - ``on_event``: called with an :class:`~idempotency_mw.events.Event` when a keyed request ends; if it also
       has a ``started(scope)`` method, that is called when the request reaches the store (metrics use it for
@@ -65,7 +67,7 @@ class IdempotencyMiddleware:
         app: ASGIApp,
         store: Store,
         *,
-        tenant: TenantResolver = authorization_tenant,
+        tenant: TenantResolver | None = None,
         methods: tuple[str, ...] | frozenset[str] = ("POST", "PATCH"),
         required: bool = False,
         ttl: float = DAY,
@@ -81,6 +83,8 @@ class IdempotencyMiddleware:
         on_event: EventHook | None = log_event,
         retry_after: int = 1,
     ) -> None:
+        if tenant is None:
+            tenant = AuthorizationTenant()  # fails here, with what to set, when no secret is configured
         if not callable(tenant):
             raise TypeError("tenant must be a callable taking the ASGI scope")
         if not isinstance(retry_after, int) or retry_after < 0:
@@ -102,6 +106,7 @@ class IdempotencyMiddleware:
         self.store = store
         self.tenant = tenant
         self.tenant_is_async = inspect.iscoroutinefunction(tenant)
+        self.tenant_unknown_logged = False  # the operator hears of unscoped keyed requests once, not per request
         self.policies = PolicyResolver.build(default, routes or {})
         self.leases = LeaseKeeper(store)  # renews the lease of every handler still running
         self.on_event = on_event
@@ -207,8 +212,11 @@ class IdempotentRequest:
         except InvalidKey as error:
             return await self._refuse(problems.key_invalid(str(error)), Outcome.KEY_INVALID)
 
-        # 2. The tenant.
-        self.tenant = await self._resolve_tenant()
+        # 2. The tenant: none means the key cannot be scoped, and an unscoped key must never meet another client's.
+        tenant = await self._resolve_tenant()
+        if tenant is None:
+            return await self._refuse(problems.tenant_unknown(), Outcome.TENANT_UNKNOWN)
+        self.tenant = tenant
 
         # 3. The body, capped, and the fingerprint.
         if not await self._read_body():
@@ -428,12 +436,21 @@ class IdempotentRequest:
 
     # -- helpers --------------------------------------------------------------------------------------------
 
-    async def _resolve_tenant(self) -> str:
+    async def _resolve_tenant(self) -> str | None:
         tenant = self.middleware.tenant(self.scope)
         if self.middleware.tenant_is_async or inspect.isawaitable(tenant):
             tenant = await tenant  # type: ignore[misc]
-        if not isinstance(tenant, str):
-            raise TypeError(f"the tenant resolver must return a str, not {type(tenant).__name__}")
+        if tenant is None and not self.middleware.tenant_unknown_logged:
+            self.middleware.tenant_unknown_logged = True
+            logger.warning(
+                "idempotency: a request with an Idempotency-Key got 400 idempotency_tenant_unknown because the "
+                "tenant resolver could not tell whose key it is (the default resolver needs exactly one "
+                "Authorization header). If your clients authenticate otherwise (cookies, a gateway), pass tenant= a "
+                "resolver that returns their account; to let requests without credentials share one namespace, "
+                'pass tenant=AuthorizationTenant(anonymous="public"). Logged once per middleware.'
+            )
+        if tenant is not None and not isinstance(tenant, str):
+            raise TypeError(f"the tenant resolver must return a str or None, not {type(tenant).__name__}")
         return tenant
 
     async def _read_body(self) -> bool:

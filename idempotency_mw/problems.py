@@ -47,6 +47,17 @@ def key_missing() -> Problem:
     )
 
 
+def tenant_unknown() -> Problem:
+    return Problem(
+        400,
+        "idempotency_tenant_unknown",
+        "Idempotency-Key owner unknown",
+        "This request carries an Idempotency-Key but no credentials the server can scope that key by, so it was "
+        "not processed. Send it with the credentials this API expects (for example exactly one Authorization "
+        "header).",
+    )
+
+
 def key_invalid(reason: str) -> Problem:
     return Problem(400, "idempotency_key_invalid", "Invalid Idempotency-Key", reason + ".")
 

@@ -48,7 +48,7 @@ class SpanAttributes:
     instrumentation wraps the app) with what the middleware did. Never the key itself, nor the tenant: hashes.
 
     Attributes: ``idempotency.outcome``, ``idempotency.replayed``, ``idempotency.key_hash``,
-    ``idempotency.tenant_hash`` (absent for the anonymous tenant), ``idempotency.store_seconds``.
+    ``idempotency.tenant_hash`` (absent for the tenant ``""``), ``idempotency.store_seconds``.
     """
 
     def __init__(self) -> None:

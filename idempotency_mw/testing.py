@@ -74,6 +74,10 @@ async def assert_idempotent(
 
     responses = list(await asyncio.gather(*(once() for _ in range(times))))
     responses.append(await once())  # everything has settled: this one must be a replay
+    assert not any(_problem_code(r) == "idempotency_tenant_unknown" for r in responses), (
+        "the middleware could not tell whose key this is (400 idempotency_tenant_unknown): send the credentials "
+        "the app's tenant resolver reads (for the default resolver, one Authorization header)"
+    )
     originals = [r for r in responses if r.status_code != 409 and "idempotent-replayed" not in r.headers]
     replays = [r for r in responses if "idempotent-replayed" in r.headers]
     conflicts = [r for r in responses if r.status_code == 409 and "idempotent-replayed" not in r.headers]
@@ -85,3 +89,10 @@ async def assert_idempotent(
     assert replays, "the final request was not answered with a replay"
     assert "idempotent-replayed" in responses[-1].headers
     return IdempotencyReport([r.status_code for r in responses], len(originals), len(replays), len(conflicts))
+
+
+def _problem_code(response: Any) -> str | None:
+    if response.headers.get("content-type") != "application/problem+json":
+        return None
+    code = response.json().get("code")
+    return code if isinstance(code, str) else None

@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
-from idempotency_mw import MemoryStore, PostgresStore, Store
+from idempotency_mw import AuthorizationTenant, MemoryStore, PostgresStore, Store
+
+# The default tenant resolver's secret, set before any app is built; child processes (fault workers) inherit it.
+TEST_TENANT_SECRET = "test-tenant-secret-0123456789abcdef0123456789abcdef"
+os.environ["IDEMPOTENCY_TENANT_SECRET"] = TEST_TENANT_SECRET
 
 
 @pytest.fixture(params=["memory", "postgres"])
@@ -30,6 +35,13 @@ async def pg_store(idempotency_store: PostgresStore) -> PostgresStore:
 @pytest.fixture
 def key() -> str:
     return str(uuid.uuid4())
+
+
+def tenant_of(token: str = "sk_test_alice") -> str:
+    """The tenant the default resolver derives from ``Authorization: Bearer <token>`` (the header of client_for)."""
+    tenant = AuthorizationTenant()({"headers": [(b"authorization", f"Bearer {token}".encode())]})
+    assert tenant is not None
+    return tenant
 
 
 def client_for(app: object, *, token: str = "sk_test_alice") -> httpx.AsyncClient:

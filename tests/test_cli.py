@@ -26,9 +26,8 @@ import pytest
 
 from idempotency_mw import PostgresStore, StoredResponse
 from idempotency_mw.cli import main
-from idempotency_mw.tenants import authorization_tenant
 from tests.apps import Probe, build_app
-from tests.conftest import client_for
+from tests.conftest import client_for, tenant_of
 
 T = TypeVar("T")
 TENANT = "a" * 64
@@ -244,23 +243,46 @@ def test_inspect_by_authorization_finds_what_the_middleware_stored(
     code, out, _ = cli(capsys, *db.options, "inspect", "--authorization", "Bearer sk_test_alice", "pay-1", "--json")
     shown = json.loads(out)
     assert code == 0
-    assert shown["tenant"] == authorization_tenant({"headers": [(b"authorization", b"Bearer sk_test_alice")]})
+    assert shown["tenant"] == tenant_of("sk_test_alice")
     assert (shown["attempts"], shown["response"]["status"]) == (1, 201)
     assert shown["response"]["body_preview"] == '{"charge":1,"echo":"{\\"amount\\": 10}"}'
-    # The wrong secret is another tenant: no record.
+    # The header as another client library spells it names the same tenant.
+    code, out, _ = cli(capsys, *db.options, "inspect", "--authorization", " bearer  sk_test_alice", "pay-1", "--json")
+    assert (code, json.loads(out or "{}").get("tenant")) == (0, tenant_of("sk_test_alice"))
+    # The wrong credential is another tenant: no record.
     code, out, err = cli(capsys, *db.options, "inspect", "--authorization", "Bearer sk_test_bob", "pay-1")
     assert (code, out) == (1, "")
     assert "no record for key 'pay-1'" in err
+    assert "IDEMPOTENCY_TENANT_SECRET" in err  # the one thing that can differ from the servers'
+
+
+def test_authorization_without_the_tenant_secret_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("IDEMPOTENCY_TENANT_SECRET")
+    code, out, err = cli(capsys, *db.options, "forget", "--authorization", "Bearer sk_test_alice", "k")
+    assert (code, out) == (2, "")
+    assert err == (
+        "idempotency-mw: --authorization needs the secret the servers' default tenant resolver uses: "
+        "set IDEMPOTENCY_TENANT_SECRET to the same value (or give TENANT as stored)\n"
+    )
+    monkeypatch.setenv("IDEMPOTENCY_TENANT_SECRET", "too-short")
+    code, _, err = cli(capsys, *db.options, "inspect", "--authorization", "Bearer sk_test_alice", "k")
+    assert code == 2
+    assert "IDEMPOTENCY_TENANT_SECRET is 9 characters long; it must be at least 32" in err
 
 
 def test_unknown_key_is_exit_1_with_a_hint(capsys: pytest.CaptureFixture[str], db: Database) -> None:
     code, out, err = cli(capsys, *db.options, "inspect", "Bearer sk_live_x", "nope")
     assert (code, out) == (1, "")
     assert err == (
-        "idempotency-mw: no record for key 'nope' of tenant 'Bearer sk_live_x' "
-        "(with the default tenant resolver TENANT is a SHA-256 hex digest: try --authorization)\n"
+        "idempotency-mw: no record for key 'nope' of tenant 'Bearer sk_live_x' (TENANT must be exactly what the "
+        "app's tenant resolver returned; with the default resolver, give the client's header as --authorization "
+        "instead)\n"
     )
-    assert cli(capsys, *db.options, "inspect", TENANT, "nope", "--json")[:2] == (1, "")
+    code, out, err = cli(capsys, *db.options, "inspect", tenant_of(), "nope", "--json")
+    assert (code, out) == (1, "")
+    assert "--authorization" not in err  # a tenant the default resolver made: the hint has nothing to add
 
 
 def test_forget_deletes_then_reports_absence(capsys: pytest.CaptureFixture[str], db: Database) -> None:
@@ -481,4 +503,4 @@ def test_installed_console_script(db: Database) -> None:
         [str(script), *db.options, "inspect", TENANT, "nope"], capture_output=True, text=True, timeout=60
     )
     assert (result.returncode, result.stdout) == (1, "")
-    assert result.stderr == f"idempotency-mw: no record for key 'nope' of tenant '{TENANT}'\n"
+    assert result.stderr.startswith(f"idempotency-mw: no record for key 'nope' of tenant '{TENANT}' (TENANT must be")

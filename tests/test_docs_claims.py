@@ -8,7 +8,6 @@ statement that does run goes to the real database.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from typing import Any
 
 from starlette.applications import Starlette
@@ -20,9 +19,9 @@ from idempotency_mw import IdempotencyMiddleware, PostgresStore, StoredResponse
 from idempotency_mw.context import mark_not_executed
 from idempotency_mw.events import Event, Outcome
 from tests.apps import Probe, build_app
-from tests.conftest import client_for
+from tests.conftest import client_for, tenant_of
 
-ALICE = hashlib.sha256(b"Bearer sk_test_alice").hexdigest()  # the default tenant of tests.conftest.client_for
+ALICE = tenant_of()  # the default tenant of tests.conftest.client_for
 
 
 class CompleteFails(PostgresStore):
@@ -162,19 +161,6 @@ async def test_mark_not_executed_releases_a_starlette_validation_error(pg_store:
     assert (await client.post("/create?mark=1", content=b"bad", headers=marked)).status_code == 422
     assert (await client.post("/create?mark=1", content=b"good", headers=marked)).status_code == 201
     assert runs == ["bad", "bad", "good"]
-
-
-async def test_requests_without_authorization_share_the_anonymous_tenant(pg_store: PostgresStore, key: str) -> None:
-    """semantics.md, "uniqueness scope": the default resolver puts every unauthenticated request in tenant ''."""
-    probe = Probe()
-    app = build_app(pg_store, probe)
-    first, second = client_for(app), client_for(app)
-    first.headers.pop("Authorization")
-    second.headers.pop("Authorization")
-    await first.post("/charge", content=b"from-one", headers={"Idempotency-Key": key})
-    other = await second.post("/charge", content=b"from-one", headers={"Idempotency-Key": key})
-    assert other.headers["idempotent-replayed"] == "true"
-    assert probe.calls["charge"] == 1
 
 
 async def test_replay_sends_the_body_in_one_message(pg_store: PostgresStore, key: str) -> None:

@@ -26,9 +26,8 @@ from idempotency_mw import Event, IdempotencyMiddleware, MemoryStore, Outcome, P
 from idempotency_mw.events import hash_key, log_event
 from idempotency_mw.metrics import UNMATCHED, PrometheusMetrics
 from idempotency_mw.telemetry import SpanAttributes, hooks
-from idempotency_mw.tenants import authorization_tenant
 from tests.apps import Probe, build_app
-from tests.conftest import client_for
+from tests.conftest import client_for, tenant_of
 from tests.test_cli import Database, db, empty_db, seed_table  # noqa: F401  (fixtures: a store of our own)
 
 
@@ -171,7 +170,8 @@ async def test_root_path_and_requests_refused_before_the_store() -> None:
     m = Registry()
     app = build_app(MemoryStore(), Probe(), on_event=m.metrics)
     transport = httpx.ASGITransport(app=app, root_path="/api")
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+    auth = {"Authorization": "Bearer sk_test_alice"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", headers=auth) as client:
         invalid = {"Idempotency-Key": ""}
         assert (await client.post("/api/status/201", headers=invalid)).status_code == 400
         assert (await client.post("/api/status/201", headers=key())).status_code == 201
@@ -258,7 +258,7 @@ async def test_span_attributes_on_the_current_span() -> None:
         with tracer.start_as_current_span(name):  # stands in for the server span of an ASGI instrumentation
             await client.post("/status/201", headers=headers)
     first, retry = (span.attributes or {} for span in exporter.get_finished_spans())
-    tenant_hash = hash_key(authorization_tenant({"headers": [(b"authorization", b"Bearer sk_test_alice")]}))
+    tenant_hash = hash_key(tenant_of())
     assert first["idempotency.outcome"] == "executed"
     assert first["idempotency.replayed"] is False
     assert retry["idempotency.outcome"] == "replayed"

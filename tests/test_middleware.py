@@ -11,7 +11,7 @@ import pytest
 
 from idempotency_mw import MemoryStore, PostgresStore, Store
 from tests.apps import Probe, build_app
-from tests.conftest import client_for
+from tests.conftest import client_for, tenant_of
 
 
 def setup(store: Store, **options: Any) -> tuple[Probe, httpx.AsyncClient]:
@@ -217,7 +217,7 @@ async def test_transient_and_not_executed_outcomes_are_released(store: Store, ke
     assert first.status_code == second.status_code == code
     assert "idempotent-replayed" not in second.headers
     assert probe.calls["status"] == 2
-    assert await store.inspect(_tenant(), key) is None
+    assert await store.inspect(tenant_of(), key) is None
 
 
 @pytest.mark.parametrize("code", [200, 201, 202, 204, 302, 400, 402, 409, 410, 422])
@@ -279,7 +279,7 @@ async def test_disconnect_while_sending_the_body_claims_nothing(store: Store, ke
     await app(_scope("/charge", key), receive, send)
     assert sent == []
     assert probe.calls["charge"] == 0
-    assert await store.inspect(_tenant(), key) is None
+    assert await store.inspect(tenant_of(), key) is None
 
 
 # -- leases and fences -------------------------------------------------------------------------------------
@@ -502,12 +502,6 @@ async def test_fail_open_runs_the_handler_unprotected(key: str) -> None:
 # -- helpers -----------------------------------------------------------------------------------------------
 
 
-def _tenant(token: str = "sk_test_alice") -> str:
-    import hashlib
-
-    return hashlib.sha256(f"Bearer {token}".encode()).hexdigest()
-
-
 def _scope(path: str, key: str | None, extra_headers: list[tuple[bytes, bytes]] | None = None) -> dict[str, Any]:
     headers = [(b"authorization", b"Bearer sk_test_alice"), (b"content-type", b"application/json")]
     if key is not None:
@@ -610,7 +604,7 @@ async def test_attempts_are_counted_on_the_record(store: Store, key: str) -> Non
     probe, client = setup(store)
     for _ in range(4):
         await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
-    info = await store.inspect(_tenant(), key)
+    info = await store.inspect(tenant_of(), key)
     assert info is not None
     assert info.attempts == 3  # three retries after the first request
     assert info.state == "completed"

@@ -19,7 +19,7 @@ from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, id
 from idempotency_mw.events import Event, Outcome
 from idempotency_mw.postgres import PostgresTransaction
 from idempotency_mw.store import StoreUnavailable
-from tests.conftest import client_for
+from tests.conftest import client_for, tenant_of
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ async def test_response_is_sent_only_after_the_commit(pg_store: PostgresStore, d
         "path": "/write",
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"idempotency-key", key.encode())],
+        "headers": [(b"idempotency-key", key.encode()), (b"authorization", b"Bearer sk_test_alice")],
         "scheme": "http",
         "server": ("t", 80),
     }
@@ -116,7 +116,7 @@ async def test_handler_failure_rolls_back_effect_and_record(
     else:
         assert (await client.post(f"/write?note={note}", headers={"Idempotency-Key": key})).status_code == 500
     assert await effects(db, key) == 0
-    assert await pg_store.inspect(_tenant(), key) is None
+    assert await pg_store.inspect(tenant_of(), key) is None
     retry = await client.post("/write?note=ok", headers={"Idempotency-Key": key})
     assert retry.status_code == 201
     assert await effects(db, key) == 1
@@ -230,19 +230,13 @@ def test_transactional_mode_needs_a_database_store() -> None:
         IdempotencyMiddleware(Starlette(), MemoryStore(), transactional=True)
 
 
-def _tenant(token: str = "sk_test_alice") -> str:
-    import hashlib
-
-    return hashlib.sha256(f"Bearer {token}".encode()).hexdigest()
-
-
 async def test_forget_in_the_deleting_transaction(pg_store: PostgresStore, db: asyncpg.Connection) -> None:
     """The resource-deleted race: deleting a resource and its creation record together means a late retry of
     the creation runs again (creating anew) instead of replaying a response naming a resource that is gone."""
     key = str(uuid.uuid4())
     client = client_for(build(pg_store, Gate()))
     assert (await client.post("/write", headers={"Idempotency-Key": key})).status_code == 201
-    tenant = _tenant()
+    tenant = tenant_of()
     async with pg_store.connection() as connection, connection.transaction():
         await connection.execute("DELETE FROM tx_effects WHERE key = $1", key)
         assert await pg_store.forget(tenant, key, connection=connection)
@@ -290,7 +284,7 @@ async def test_a_transaction_the_database_refuses_is_a_handler_failure(
     with pytest.raises(asyncpg.PostgresError):
         await client.post(f"/write?how={how}", headers={"Idempotency-Key": key})
     assert await effects(db, key) == 0
-    assert await pg_store.inspect(_tenant(), key) is None
+    assert await pg_store.inspect(tenant_of(), key) is None
     assert "savepoint" in caplog.text
     retry = await client.post("/write?how=fixed", headers={"Idempotency-Key": key})
     assert retry.status_code == 201
@@ -407,7 +401,7 @@ async def test_a_transaction_lost_before_its_rollback_is_503_and_frees_the_key(
     response = await client_for(app).post("/write", headers={"Idempotency-Key": key})
     assert response.status_code == 503
     assert response.json()["code"] == "idempotency_store_unavailable"
-    assert await pg_store.inspect(_tenant(), key) is None  # released: the retry runs afresh
+    assert await pg_store.inspect(tenant_of(), key) is None  # released: the retry runs afresh
 
 
 # -- a lent connection comes back with a clean session ------------------------------------------------------

@@ -39,6 +39,7 @@ STABLE_CODES = {
     "idempotency_store_unavailable": 503,
     "idempotency_response_not_replayable": 409,
     "idempotency_key_expired": 422,
+    "idempotency_tenant_unknown": 400,
 }
 PROBLEM_FIELDS = {"type", "title", "status", "detail", "code"}
 COVERED = {"POST", "PATCH"}
@@ -253,6 +254,8 @@ def expected_problem(request: HostileRequest) -> str | None:
         return None
     if len(keys) > 1 or oracle_key(keys[0]) is None:
         return "idempotency_key_invalid"
+    if len(request.values(b"authorization")) != 1:
+        return "idempotency_tenant_unknown"  # extra headers may repeat Authorization: whose key would it be?
     declared = request.values(b"content-length")
     if declared and declared[0].isdigit() and int(declared[0]) > MAX_REQUEST_BYTES:
         return "request_too_large"
