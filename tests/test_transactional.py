@@ -336,7 +336,7 @@ async def test_a_connection_lost_before_begin_is_store_unavailable(pg_store: Pos
     async with pg_store.connection() as connection:
         connection.terminate()
         with pytest.raises(StoreUnavailable):
-            await PostgresTransaction(connection, "", timeout=1).begin()
+            await PostgresTransaction(connection, "", timeout=1, schema="public").begin()
 
 
 async def test_a_handler_failing_after_an_over_cap_commit_keeps_its_record(
