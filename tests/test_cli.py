@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
-import os
 import socket
 import subprocess
 import sys
-import types
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -379,41 +377,22 @@ def test_unknown_database(capsys: pytest.CaptureFixture[str], idempotency_databa
     )
 
 
-# -- demo -------------------------------------------------------------------------------------------------------
+# -- the commands ---------------------------------------------------------------------------------------------
 
 
-def test_demo_gets_every_argument_after_it_verbatim(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The demo is its own program (idempotency_mw.demo.run); here it is replaced by one that records its call."""
-    calls: list[list[str]] = []
-    environment: list[str | None] = []
-    fake = types.ModuleType("idempotency_mw.demo.run")
-
-    def fake_main(argv: list[str]) -> int:
-        calls.append(argv)
-        environment.append(os.environ.get("DATABASE_URL"))
-        return 7
-
-    fake.main = fake_main  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "idempotency_mw.demo.run", fake)
-    monkeypatch.delenv("DATABASE_URL", raising=False)
-
-    assert main(["demo"]) == 7
-    assert main(["demo", "--port", "0", "-h", "--", "demo", "--database-url", "x"]) == 7
-    assert main(["--database-url", "postgresql://h/db", "--timeout", "2", "demo", "--requests", "5"]) == 7
-    assert calls == [[], ["--port", "0", "-h", "--", "demo", "--database-url", "x"], ["--requests", "5"]]
-    assert environment == [None, None, "postgresql://h/db"]
-    assert capsys.readouterr() == ("", "")  # the command line itself printed nothing
-
-
-def test_demo_is_listed_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_lists_the_operators_commands_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """The payments demo lives in examples/ (``./dev demo``), not in the installed command line."""
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for command in ("migrate", "gc", "inspect", "forget", "stats", "demo"):
+    for command in ("migrate", "gc", "inspect", "forget", "stats"):
         assert f"    {command} " in out
+    assert "demo" not in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'demo'" in capsys.readouterr().err
 
 
 # -- the installed script ---------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The payments example: a Stripe-style API whose every write runs in transactional mode.
 
-``uvicorn idempotency_mw.demo.payments:app`` serves it on ``$DATABASE_URL``; ``create_app(dsn)`` builds one for
+``uvicorn examples.payments.app:app`` serves it on ``$DATABASE_URL``; ``create_app(dsn)`` builds one for
 tests. Each POST handler writes through ``db: IdempotencyConnection``, the transaction the middleware opened for it:
 the ledger rows and the idempotency record of the response commit together, and the client hears the answer only
 after that commit. A retried request with the same key gets the recorded answer and never writes again.
@@ -23,10 +23,10 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from examples.payments import ledger, objects, wire
+from examples.payments.wire import StripeError
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, __version__
 from idempotency_mw.context import mark_not_executed
-from idempotency_mw.demo import ledger, objects, wire
-from idempotency_mw.demo.wire import StripeError
 from idempotency_mw.fastapi import Idempotency, IdempotencyConnection, setup
 
 # The smallest charge (in the currency's smallest unit) is 50 everywhere here; Stripe's minimums vary a little.
@@ -530,7 +530,7 @@ _default_app: FastAPI | None = None
 
 
 def __getattr__(name: str) -> FastAPI:
-    """``app``: the API on ``$DATABASE_URL``, built on first use (``uvicorn idempotency_mw.demo.payments:app``)."""
+    """``app``: the API on ``$DATABASE_URL``, built on first use (``uvicorn examples.payments.app:app``)."""
     global _default_app
     if name != "app":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

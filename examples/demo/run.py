@@ -1,4 +1,5 @@
-"""``idempotency-mw demo``: the payments example behind a lossy network, driven by a client that keeps retrying.
+"""``./dev demo`` (``python -m examples.demo``): the payments example behind a lossy network, driven by a client
+that keeps retrying.
 
 It starts PostgreSQL (embedded, unless ``DATABASE_URL`` is set), serves the payments example with uvicorn in a child
 process on loopback, puts the lossy proxy in front of it, and sends logical payments through
@@ -21,14 +22,14 @@ from typing import TextIO
 
 import httpx
 
+from examples.demo.audit import Audit, audit
+from examples.demo.workload import Mix, Workload
+from faults.proxy import LossyProxy, ProxyStats
+from faults.server import ServerProcess, ServerStartFailed
 from idempotency_mw.client import AsyncIdempotentClient, Retry
-from idempotency_mw.demo.audit import Audit, audit
-from idempotency_mw.demo.proxy import LossyProxy, ProxyStats
-from idempotency_mw.demo.server import ServerProcess, ServerStartFailed
-from idempotency_mw.demo.workload import Mix, Workload
 from idempotency_mw.devdb import local_database
 
-APP = "idempotency_mw.demo.payments:app"
+APP = "examples.payments.app:app"
 CLIENT_RETRY = Retry(attempts=8, deadline=30.0, backoff=0.05, max_backoff=2.0)
 
 
@@ -161,7 +162,7 @@ def render(report: Report) -> str:
         ("card declines", sum(op.declined for op in work.operations), "402, recorded and replayed like any answer"),
     ]
     lines = [
-        f"idempotency-mw demo: {mix.payments} logical payments, {mix.concurrency} at a time, in {report.seconds:.1f}s",
+        f"payments demo: {mix.payments} logical payments, {mix.concurrency} at a time, in {report.seconds:.1f}s",
         f"network: {net.drop_rate:.0%} of responses dropped, {net.reset_rate:.0%} of connections reset, "
         f"{net.cut_rate:.0%} of requests cut mid-flight (seed {mix.seed})",
         "",
@@ -218,7 +219,7 @@ def _positive(text: str) -> int:
 def parser() -> argparse.ArgumentParser:
     defaults, network = Mix(), Network()
     parser = argparse.ArgumentParser(
-        prog="idempotency-mw demo",
+        prog="python -m examples.demo",
         description="Drive the Stripe-style payments example through a lossy proxy with a retrying client, then "
         "check the ledger: no payment may take effect twice, none may be lost. Uses DATABASE_URL if set, else an "
         "embedded PostgreSQL.",
@@ -237,7 +238,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.drop_rate + args.reset_rate + args.cut_rate > 0.95:
-        print("idempotency-mw demo: the drop, reset and cut rates add up to more than 0.95", file=sys.stderr)
+        print("demo: the drop, reset and cut rates add up to more than 0.95", file=sys.stderr)
         return 2
     payments, concurrency = (
         (min(args.payments, 40), min(args.concurrency, 8))
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted: the server, the proxy and the database the demo started are stopped", file=sys.stderr)
         return 130
     except ServerStartFailed as error:
-        print(f"idempotency-mw demo: the payments server did not start. {error}", file=sys.stderr)
+        print(f"demo: the payments server did not start. {error}", file=sys.stderr)
         return 1
     print(render(report))
     return 0 if report.audit.ok else 1

@@ -1,4 +1,4 @@
-"""The payments example (idempotency_mw.demo.payments): Stripe's wire conventions, the ledger, transactional mode."""
+"""The payments example (examples.payments): Stripe's wire conventions, the ledger, transactional mode."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from examples.payments import wire
+from examples.payments.app import create_app
 from idempotency_mw import PostgresStore
 from idempotency_mw.client import should_retry
-from idempotency_mw.demo import wire
-from idempotency_mw.demo.payments import create_app
 from idempotency_mw.fingerprint import fingerprint
 from idempotency_mw.testing import assert_idempotent
 
