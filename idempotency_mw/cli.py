@@ -61,18 +61,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- arguments ------------------------------------------------------------------------------------------------
 
 
-def _global_options() -> argparse.ArgumentParser:
-    """Options that come before the subcommand."""
+def _global_options(*, after_command: bool = False) -> argparse.ArgumentParser:
+    """``--database-url`` and ``--timeout``, accepted before the command and after it (users type both orders).
+
+    After the command they default to "not given" (``SUPPRESS``), so that a value given before the command is kept.
+    """
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument(
         "--database-url",
         metavar="URL",
+        default=argparse.SUPPRESS if after_command else None,
         help="PostgreSQL URL, postgresql://user:password@host:port/database (default: $DATABASE_URL)",
     )
     parser.add_argument(
         "--timeout",
         type=_positive(float),
-        default=5.0,
+        default=argparse.SUPPRESS if after_command else 5.0,
         metavar="SECONDS",
         help="give up on connecting or on any one statement after this long (default: 5)",
     )
@@ -86,11 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[_global_options()],
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    after = [_global_options(after_command=True)]
 
-    migrate = commands.add_parser("migrate", help="create or upgrade the tables (safe to repeat)")
+    migrate = commands.add_parser("migrate", parents=after, help="create or upgrade the tables (safe to repeat)")
     migrate.set_defaults(handler=cmd_migrate)
 
-    gc = commands.add_parser("gc", help="delete expired records in batches")
+    gc = commands.add_parser("gc", parents=after, help="delete expired records in batches")
     gc.add_argument("--batch-size", type=_positive(int), default=1000, help="records per batch (default: 1000)")
     gc.add_argument("--max-batches", type=_positive(int), help="stop after this many batches (default: no limit)")
     gc.add_argument("--pause", type=_non_negative(float), default=0.0, metavar="SECONDS", help="sleep between batches")
@@ -103,9 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         sub = commands.add_parser(
             name,
+            parents=after,
             help=summary,
             usage=f"{PROG} {name} [-h] [--authorization VALUE] [TENANT] KEY"
-            + (" [--json]" if name == "inspect" else ""),
+            + (" [--json]" if name == "inspect" else "")
+            + " [--database-url URL] [--timeout SECONDS]",
             description=f"{summary.capitalize()}. TENANT is the tenant string as stored; with the default "
             "resolver that is the SHA-256 hex of the Authorization header, so --authorization may name it instead.",
         )
@@ -120,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--json", action="store_true", help="machine-readable output")
         sub.set_defaults(handler=handler)
 
-    stats = commands.add_parser("stats", help="records by state, expired, past their lease, attempts")
+    stats = commands.add_parser("stats", parents=after, help="records by state, expired, past their lease, attempts")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     stats.set_defaults(handler=cmd_stats)
 

@@ -22,7 +22,7 @@ import asyncpg
 import pytest
 
 from idempotency_mw import PostgresStore, StoredResponse
-from idempotency_mw.cli import main
+from idempotency_mw.cli import EXIT_NOT_FOUND, build_parser, main
 from idempotency_mw.tenants import authorization_tenant
 from tests.apps import Probe, build_app
 from tests.conftest import client_for
@@ -375,6 +375,48 @@ def test_unknown_database(capsys: pytest.CaptureFixture[str], idempotency_databa
     assert (
         err == 'idempotency-mw: the database refused the connection: database "no_such_database_here" does not exist\n'
     )
+
+
+# -- global options, before or after the command ------------------------------------------------------------
+
+# Each command with arguments that make it succeed (or, for a key that is not there, exit 1) on a migrated store.
+COMMAND_LINES = {
+    "migrate": ["migrate"],
+    "gc": ["gc", "--dry-run"],
+    "inspect": ["inspect", TENANT, "no-such-key"],
+    "forget": ["forget", TENANT, "no-such-key"],
+    "stats": ["stats", "--json"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMAND_LINES))
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_global_options_before_or_after_the_command(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, url: str, command: str, where: str
+) -> None:
+    """Users type ``idempotency-mw migrate --database-url …`` (the guide did) as often as the other order."""
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    options = ["--database-url", url, "--timeout", "7"]
+    line = COMMAND_LINES[command]
+    argv = [*options, *line] if where == "before" else [*line, *options]
+    args = build_parser().parse_args(argv)
+    assert (args.database_url, args.timeout) == (url, 7.0)
+    code, _, err = cli(capsys, *argv)
+    assert code == (EXIT_NOT_FOUND if command in ("inspect", "forget") else 0), err
+
+
+def test_global_option_defaults_and_precedence() -> None:
+    args = build_parser().parse_args(["stats"])
+    assert (args.database_url, args.timeout) == (None, 5.0)
+    args = build_parser().parse_args(["--timeout", "2", "gc", "--timeout", "3"])
+    assert args.timeout == 3.0  # the later one wins, as with any repeated option
+
+
+def test_a_bad_global_option_after_the_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["stats", "--timeout", "0"])
+    assert exit_info.value.code == 2
+    assert "argument --timeout: must be positive, got 0" in capsys.readouterr().err
 
 
 # -- the commands ---------------------------------------------------------------------------------------------
