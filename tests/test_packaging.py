@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import tomllib
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,3 +59,23 @@ def test_the_wheel_declares_the_command_line_and_the_pytest_plugin(wheel: zipfil
     text = wheel.read(entry_points).decode()
     assert "idempotency-mw = idempotency_mw.cli:main" in text
     assert "idempotency_mw = idempotency_mw.testing" in text
+
+
+def _names(requirements: list[str]) -> list[str]:
+    return [re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0] for requirement in requirements]
+
+
+def test_the_readme_lists_every_library_extra_with_what_it_brings() -> None:
+    """The Install table in README.md cannot drift from pyproject.toml."""
+    extras = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    readme = (REPOSITORY / "README.md").read_text()
+    install = readme[readme.index("## Install") : readme.index("## Use it")]
+    documented = {
+        match["extra"]: match["brings"].split(", ")
+        for match in re.finditer(r"^\| `(?P<extra>[a-z]+)` \| (?P<brings>[^|]+?) \|", install, re.MULTILINE)
+    }
+    repository_only = {"example", "demo", "dev"}
+    assert set(documented) == set(extras) - repository_only
+    for extra, brings in documented.items():
+        assert brings == _names(extras[extra]), extra
+    assert "idempotency-mw migrate --database-url" in install
