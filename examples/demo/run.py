@@ -164,7 +164,9 @@ def render(report: Report) -> str:
     lines = [
         f"payments demo: {mix.payments} logical payments, {mix.concurrency} at a time, in {report.seconds:.1f}s",
         f"network: {net.drop_rate:.0%} of responses dropped, {net.reset_rate:.0%} of connections reset, "
-        f"{net.cut_rate:.0%} of requests cut mid-flight (seed {mix.seed})",
+        f"{net.cut_rate:.0%} of requests cut mid-flight",
+        f"seed {mix.seed} fixes the operations and the balances; timing decides which requests the proxy's dice hit,",
+        "so the attempts, drops, resets, cuts and replays vary from run to run",
         "",
     ]
     lines += [f"  {label:<20} {value:>7}   {note}" for label, value, note in rows]
@@ -230,7 +232,13 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--drop-rate", type=_rate, default=network.drop_rate, help="share of responses dropped")
     parser.add_argument("--reset-rate", type=_rate, default=network.reset_rate, help="share of connections reset")
     parser.add_argument("--cut-rate", type=_rate, default=network.cut_rate, help="share of requests cut mid-flight")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the workload and the proxy's dice")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help="fixes the workload (operations, amounts, balances) and the proxy's sequence of throws; timing still "
+        "decides which request meets which throw",
+    )
     parser.add_argument("--quick", action="store_true", help="a short run: 40 payments, 8 at a time")
     return parser
 
