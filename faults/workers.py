@@ -18,7 +18,7 @@ def payments_worker(dsn: str, *, pool_size: int = 20) -> ServerProcess:
     """The payments example (transactional, Stripe-style) on ``dsn``."""
     return ServerProcess(
         "examples.payments.app:app",
-        env={"DATABASE_URL": dsn, "PAYMENTS_POOL_SIZE": str(pool_size)},
+        env={"DATABASE_URL": dsn, "PAYMENTS_POOL_SIZE": str(pool_size), "PAYMENTS_MIGRATE": "1"},
     )
 
 

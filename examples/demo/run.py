@@ -55,7 +55,8 @@ async def run_demo(mix: Mix, network: Network, dsn: str, *, stream: TextIO = sys
     """Serve, drive, audit; stop everything started here, whatever happens."""
     run = secrets.token_hex(4)  # fresh accounts per run, so balances start at zero even on a reused database
     api_keys = [f"sk_test_demo_{run}_{n}" for n in range(max(1, mix.accounts))]
-    env = {"DATABASE_URL": dsn, "PAYMENTS_POOL_SIZE": str(mix.concurrency + 4)}
+    # The demo's server creates its own tables, whatever PAYMENTS_MIGRATE says in the caller's environment.
+    env = {"DATABASE_URL": dsn, "PAYMENTS_POOL_SIZE": str(mix.concurrency + 4), "PAYMENTS_MIGRATE": "1"}
     started = time.monotonic()
     async with ServerProcess(APP, env=env) as server:
         async with LossyProxy(
