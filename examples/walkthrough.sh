@@ -4,7 +4,7 @@
 #   examples/walkthrough.sh [base-url]          (default http://localhost:8000)
 #
 # Start the API first: `docker compose up --build`, or
-# `DATABASE_URL=postgresql://… uvicorn idempotency_mw.demo.payments:app --port 8000`.
+# `DATABASE_URL=postgresql://… uvicorn examples.payments.app:app --port 8000` from the repository root.
 # Needs curl and python3 (to pick fields out of the JSON answers).
 set -euo pipefail
 

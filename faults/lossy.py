@@ -1,6 +1,6 @@
 """Lossy network: the demo's proxy drops answers, resets connections and cuts clients off, at random.
 
-The payments example runs in a worker process; the demo's :class:`~idempotency_mw.demo.proxy.LossyProxy` sits
+The payments example runs in a worker process; the demo's :class:`~faults.proxy.LossyProxy` sits
 between it and the retrying client. Every payment is one logical call with one key, retried through the losses;
 afterwards the ledger must hold exactly one charge per payment: none lost (every call got its answer in the end)
 and none doubled (an answer lost after the charge committed was replayed, not charged again).
@@ -12,10 +12,10 @@ import asyncio
 import uuid
 from collections import Counter
 
+from faults.proxy import LossyProxy
 from faults.report import PeakRss, Result
 from faults.workers import charges_per_key, payments_worker, tally
 from idempotency_mw.client import AsyncIdempotentClient, RetriesExhausted, Retry
-from idempotency_mw.demo.proxy import LossyProxy
 
 
 async def run_lossy(

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from faults.ledger_app import create_app
 from faults.pg import DisposablePostgres
 from faults.report import PeakRss, Result, this_process
+from faults.server import serve
 from faults.timing import TimingTransport
 from faults.workers import effects_per_key, tally, violations
 from idempotency_mw.client import AsyncIdempotentClient, RetriesExhausted, Retry
-from idempotency_mw.demo.server import serve
 
 
 @dataclass

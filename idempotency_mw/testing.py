@@ -1,9 +1,14 @@
 """A pytest plugin for apps that use idempotency_mw (installed with the package, loaded by pytest itself).
 
+It needs the ``testing`` extra (``pip install 'idempotency-mw[testing]'``: pytest, pytest-asyncio, and an embedded
+PostgreSQL for when ``DATABASE_URL`` is not set).
+
 Fixtures:
 
 - ``idempotency_database_url``: a migrated PostgreSQL for the test session (``DATABASE_URL``, else embedded).
-- ``idempotency_store``: a :class:`~idempotency_mw.PostgresStore` on it, closed after each test.
+- ``idempotency_store``: a :class:`~idempotency_mw.PostgresStore` on it, closed after each test. It is an async
+  fixture declared with pytest-asyncio's own decorator, so it works in pytest-asyncio's default strict mode (mark
+  the test ``@pytest.mark.asyncio``) as well as in auto mode.
 
 Helper: :func:`assert_idempotent` fires one request many times, concurrently, and checks that the endpoint ran
 once and every answer was the first response or a 409 in-progress.
@@ -13,14 +18,36 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
+try:
+    import pytest
+except ImportError as error:
+    raise ImportError("idempotency_mw.testing needs pytest: pip install 'idempotency-mw[testing]'") from error
 
 from idempotency_mw.devdb import local_database
 from idempotency_mw.postgres import PostgresStore
+
+
+def _async_fixture(function: Callable[..., Any]) -> Any:
+    """pytest-asyncio's fixture decorator, which works in its strict mode (the default) and in auto mode.
+
+    Without pytest-asyncio the fixture fails with the install line when a test asks for it. The plugin itself
+    still loads: pytest loads it in every project that has this package installed, async tests or not.
+    """
+    try:
+        import pytest_asyncio
+    except ImportError:
+        name = function.__name__
+
+        @pytest.fixture(name=name)
+        def unavailable() -> None:
+            pytest.fail(f"{name} needs pytest-asyncio: pip install 'idempotency-mw[testing]'", pytrace=False)
+
+        return unavailable
+    return pytest_asyncio.fixture(function)
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +65,7 @@ async def _migrate(url: str) -> None:
         await store.close()
 
 
-@pytest.fixture
+@_async_fixture
 async def idempotency_store(idempotency_database_url: str) -> AsyncIterator[PostgresStore]:
     async with PostgresStore(idempotency_database_url) as store:
         yield store

@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
-import os
 import socket
 import subprocess
 import sys
-import types
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -25,7 +23,7 @@ import asyncpg
 import pytest
 
 from idempotency_mw import PostgresStore, StoredResponse
-from idempotency_mw.cli import main
+from idempotency_mw.cli import EXIT_NOT_FOUND, build_parser, main
 from tests.apps import Probe, build_app
 from tests.conftest import client_for, tenant_of
 
@@ -452,41 +450,66 @@ def test_unknown_database(capsys: pytest.CaptureFixture[str], idempotency_databa
     )
 
 
-# -- demo -------------------------------------------------------------------------------------------------------
+# -- global options, before or after the command ------------------------------------------------------------
+
+# Each command with arguments that make it succeed (or, for a key that is not there, exit 1) on a migrated store.
+COMMAND_LINES = {
+    "migrate": ["migrate"],
+    "gc": ["gc", "--dry-run"],
+    "inspect": ["inspect", TENANT, "no-such-key"],
+    "forget": ["forget", TENANT, "no-such-key"],
+    "stats": ["stats", "--json"],
+}
 
 
-def test_demo_gets_every_argument_after_it_verbatim(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("command", sorted(COMMAND_LINES))
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_global_options_before_or_after_the_command(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, db: Database, command: str, where: str
 ) -> None:
-    """The demo is its own program (idempotency_mw.demo.run); here it is replaced by one that records its call."""
-    calls: list[list[str]] = []
-    environment: list[str | None] = []
-    fake = types.ModuleType("idempotency_mw.demo.run")
-
-    def fake_main(argv: list[str]) -> int:
-        calls.append(argv)
-        environment.append(os.environ.get("DATABASE_URL"))
-        return 7
-
-    fake.main = fake_main  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "idempotency_mw.demo.run", fake)
+    """Users type ``idempotency-mw migrate --database-url …`` (the guide did) as often as the other order."""
     monkeypatch.delenv("DATABASE_URL", raising=False)
+    options = [*db.options, "--timeout", "7"]
+    line = COMMAND_LINES[command]
+    argv = [*options, *line] if where == "before" else [*line, *options]
+    args = build_parser().parse_args(argv)
+    assert (args.database_url, args.timeout, args.schema) == (db.url, 7.0, db.schema)
+    code, _, err = cli(capsys, *argv)
+    assert code == (EXIT_NOT_FOUND if command in ("inspect", "forget") else 0), err
 
-    assert main(["demo"]) == 7
-    assert main(["demo", "--port", "0", "-h", "--", "demo", "--database-url", "x"]) == 7
-    assert main(["--database-url", "postgresql://h/db", "--timeout", "2", "demo", "--requests", "5"]) == 7
-    assert calls == [[], ["--port", "0", "-h", "--", "demo", "--database-url", "x"], ["--requests", "5"]]
-    assert environment == [None, None, "postgresql://h/db"]
-    assert capsys.readouterr() == ("", "")  # the command line itself printed nothing
+
+def test_global_option_defaults_and_precedence() -> None:
+    args = build_parser().parse_args(["stats"])
+    assert (args.database_url, args.timeout, args.schema) == (None, 5.0, "public")
+    args = build_parser().parse_args(["--schema", "billing", "stats"])
+    assert args.schema == "billing"  # not reset by the command's own copy of the option
+    args = build_parser().parse_args(["--timeout", "2", "gc", "--timeout", "3"])
+    assert args.timeout == 3.0  # the later one wins, as with any repeated option
 
 
-def test_demo_is_listed_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_bad_global_option_after_the_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["stats", "--timeout", "0"])
+    assert exit_info.value.code == 2
+    assert "argument --timeout: must be positive, got 0" in capsys.readouterr().err
+
+
+# -- the commands ---------------------------------------------------------------------------------------------
+
+
+def test_help_lists_the_operators_commands_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """The payments demo lives in examples/ (``./dev demo``), not in the installed command line."""
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for command in ("migrate", "gc", "inspect", "forget", "stats", "demo"):
+    for command in ("migrate", "gc", "inspect", "forget", "stats"):
         assert f"    {command} " in out
+    assert "demo" not in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'demo'" in capsys.readouterr().err
 
 
 # -- the installed script ---------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is not i
 from schemathesis import checks as st_checks  # noqa: E402
 from schemathesis.python import asgi as st_asgi  # noqa: E402
 
-from idempotency_mw.demo.payments import create_app  # noqa: E402
+from examples.payments.app import create_app  # noqa: E402
 
 EXAMPLES_PER_OPERATION = 25
 

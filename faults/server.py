@@ -1,4 +1,5 @@
-"""Serve an ASGI app with uvicorn on loopback, wait until it answers, and stop it again: for the demo and for tests.
+"""Serve an ASGI app with uvicorn on loopback, wait until it answers, and stop it again: for tests, the fault
+scenarios and the payments demo.
 
 Two ways, one for each need:
 
@@ -12,7 +13,8 @@ Either way this process binds the listening socket first, so the port is known b
 is no window in which another program could take it. A child process inherits the socket, and while it is down
 (killed, restarting) connections wait in the socket's backlog instead of being refused.
 
-``python -m idempotency_mw.demo.server module:app --fd N`` is the child's side.
+``python -m faults.server module:app --fd N`` is the child's side. The child finds its app by module name with the
+repository on its ``PYTHONPATH`` (this harness, ``examples`` and ``tests`` are not installed packages).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from types import TracebackType
 from typing import IO
 
@@ -35,6 +38,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 LOOPBACK = "127.0.0.1"
+REPOSITORY = str(Path(__file__).resolve().parent.parent)
 
 
 class ServerStartFailed(RuntimeError):
@@ -89,7 +93,7 @@ async def serve(
 class ServerProcess:
     """An ASGI app (``"package.module:attribute"``) served by uvicorn in a child process.
 
-    ``async with ServerProcess("idempotency_mw.demo.payments:app", env={"DATABASE_URL": dsn}) as server:``
+    ``async with ServerProcess("examples.payments.app:app", env={"DATABASE_URL": dsn}) as server:``
     starts it and waits until it answers HTTP; ``server.base_url`` is where. ``kill()`` is a crash (SIGKILL, no
     cleanup); ``stop()`` a graceful shutdown; ``start()`` again brings it back on the same port. The child's
     output goes to a log file, whose end ``log_tail()`` returns (errors quote it).
@@ -107,7 +111,7 @@ class ServerProcess:
         ready_timeout: float = 60.0,
     ) -> None:
         self.app = app
-        self.env = {**os.environ, **(env or {})}
+        self.env = _with_repository_on_path({**os.environ, **(env or {})})
         self.factory = factory
         self.log_level = log_level
         self.ready_timeout = ready_timeout
@@ -132,7 +136,7 @@ class ServerProcess:
         command = [
             sys.executable,
             "-m",
-            "idempotency_mw.demo.server",
+            "faults.server",
             self.app,
             "--fd",
             str(self.socket.fileno()),
@@ -209,6 +213,11 @@ class ServerProcess:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         await self.close()
+
+
+def _with_repository_on_path(env: dict[str, str]) -> dict[str, str]:
+    path = env.get("PYTHONPATH")
+    return {**env, "PYTHONPATH": REPOSITORY + (os.pathsep + path if path else "")}
 
 
 async def answers_http(host: str, port: int, *, patience: float) -> bool:

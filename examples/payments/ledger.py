@@ -9,13 +9,13 @@ impossible even for code that forgets to.
 from __future__ import annotations
 
 import time
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 import orjson
 
-from idempotency_mw.demo.wire import new_id
+from examples.payments.wire import new_id
 
 SCHEMA_LOCK = 0x1DE4_0DE1  # pg_advisory_xact_lock key: app instances starting together apply the schema in turn
 
@@ -23,7 +23,7 @@ Connection = asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
 
 
 def schema_sql() -> str:
-    return resources.files("idempotency_mw.demo").joinpath("schema.sql").read_text()
+    return Path(__file__).with_name("schema.sql").read_text()
 
 
 async def apply_schema(pool: asyncpg.Pool) -> None:

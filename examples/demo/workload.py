@@ -8,6 +8,11 @@ is the contract under test: however often an operation is sent, it takes effect 
 
 Each operation also carries ``metadata[demo_op]``, a name the server stores with the object it creates, so the
 audit can count effects per logical operation without trusting the keys at all.
+
+The seed decides the whole workload before anything is sent (:func:`plan`): each payment's account, whether it
+creates a customer or pays as the customer an earlier payment created, its amount, currency, card and refunds.
+So one seed gives the same operations and the same balances at any concurrency. What the seed cannot fix is
+timing: which attempt the proxy's dice hit, and so how many attempts, drops, replays and 409s a run sees.
 """
 
 from __future__ import annotations
@@ -80,6 +85,55 @@ class Operation:
         return self.declined if self.expect_decline else self.succeeded
 
 
+@dataclass(frozen=True)
+class Payment:
+    """One logical payment as the seed decides it, before anything is sent."""
+
+    index: int
+    account: int  # index into the workload's API keys, in sorted order
+    customer: int  # the payment that creates the customer this one pays as (``index`` itself: a new customer)
+    amount: int
+    currency: str
+    decline: bool
+    refunds: tuple[int, ...]  # partial refunds, in order; each at most half of what is left
+
+    @property
+    def new_customer(self) -> bool:
+        return self.customer == self.index
+
+
+def plan(mix: Mix, accounts: int) -> list[Payment]:
+    """The payments ``mix`` makes over ``accounts`` accounts: a function of the seed alone.
+
+    Each payment has dice of its own, seeded with the run's seed and its index, and throws all of them in one order
+    whatever the outcome, so no throw depends on another payment's progress.
+    """
+    payments: list[Payment] = []
+    creators: dict[int, list[int]] = defaultdict(list)  # per account: the payments that create a customer
+    for index in range(mix.payments):
+        dice = random.Random(f"{mix.seed}:{index}")
+        account = index % accounts
+        new_customer, pick = dice.random() < mix.new_customer_rate, dice.random()
+        amount = dice.randrange(500, 20_000)
+        decline = dice.random() < mix.decline_rate
+        currency = mix.currencies[dice.randrange(len(mix.currencies))]
+        refund, count = dice.random() < mix.refund_rate, 1 + dice.randrange(2)
+        parts, left = [], amount
+        for _ in range(count):
+            part = dice.randrange(1, left // 2 + 1)
+            parts.append(part)
+            left -= part
+        earlier = creators[account]
+        if new_customer or not earlier:
+            customer = index
+            earlier.append(index)
+        else:
+            customer = earlier[int(pick * len(earlier))]
+        refunds = tuple(parts) if refund and not decline else ()
+        payments.append(Payment(index, account, customer, amount, currency, decline, refunds))
+    return payments
+
+
 class Workload:
     """Runs ``mix.payments`` logical payments, ``mix.concurrency`` at a time, through one client per account."""
 
@@ -89,7 +143,9 @@ class Workload:
         self.api_keys = sorted(clients)
         self.run_name = run
         self.operations: list[Operation] = []
-        self.customers: dict[str, list[str]] = defaultdict(list)
+        self.plan = plan(mix, len(self.api_keys))
+        # The id of each planned customer once its creation has an answer (None if it never got one).
+        self.customer_ids: dict[int, asyncio.Future[str | None]] = {}
         self.payments_done = 0
 
     # -- what the client believes -------------------------------------------------------------------------------
@@ -116,9 +172,11 @@ class Workload:
     # -- driving ---------------------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        queue: asyncio.Queue[int] = asyncio.Queue()
-        for index in range(self.mix.payments):
-            queue.put_nowait(index)
+        loop = asyncio.get_running_loop()
+        self.customer_ids = {p.index: loop.create_future() for p in self.plan if p.new_customer}
+        queue: asyncio.Queue[Payment] = asyncio.Queue()
+        for payment in self.plan:
+            queue.put_nowait(payment)
 
         async def worker() -> None:
             while not queue.empty():
@@ -127,52 +185,58 @@ class Workload:
 
         await asyncio.gather(*(worker() for _ in range(max(1, self.mix.concurrency))))
 
-    async def payment(self, index: int) -> None:
-        """One logical payment: customer (maybe new), payment intent, then perhaps partial refunds."""
-        dice = random.Random(f"{self.mix.seed}:{index}")
-        api_key = self.api_keys[index % len(self.api_keys)]
-        name = f"{self.run_name}-{index}"
-        customers = self.customers[api_key]
-        customer: str | None = None
-        if not customers or dice.random() < self.mix.new_customer_rate:
-            created = await self.perform(
-                Operation(
-                    "customer",
-                    api_key,
-                    "/v1/customers",
-                    {"email": f"buyer{index}@example.com", "name": f"Buyer {index}", "metadata[demo_op]": name + "-c"},
-                    name + "-c",
-                )
-            )
-            customer = created.object_id if created.succeeded else None
-            if customer is not None:
-                customers.append(customer)
-        else:
-            customer = dice.choice(customers)
+    async def payment(self, payment: Payment) -> None:
+        """One logical payment: customer (new, or an earlier payment's), payment intent, then perhaps refunds.
 
-        amount = dice.randrange(500, 20_000)
-        decline = dice.random() < self.mix.decline_rate
+        A payment that pays as an earlier payment's customer waits for that customer's creation, which started
+        before it (payments start in index order) and waits for nothing itself.
+        """
+        index = payment.index
+        api_key = self.api_keys[payment.account]
+        name = f"{self.run_name}-{index}"
+        if payment.new_customer:
+            created = self.customer_ids[index]
+            try:
+                op = await self.perform(
+                    Operation(
+                        "customer",
+                        api_key,
+                        "/v1/customers",
+                        {
+                            "email": f"buyer{index}@example.com",
+                            "name": f"Buyer {index}",
+                            "metadata[demo_op]": name + "-c",
+                        },
+                        name + "-c",
+                    )
+                )
+                created.set_result(op.object_id if op.succeeded else None)
+            finally:
+                if not created.done():
+                    created.set_result(None)
+        customer = await self.customer_ids[payment.customer]
+
         data = {
-            "amount": str(amount),
-            "currency": dice.choice(self.mix.currencies),
+            "amount": str(payment.amount),
+            "currency": payment.currency,
             "confirm": "true",
             "metadata[demo_op]": name + "-p",
             "metadata[order]": str(index),
         }
         if customer is not None:
             data["customer"] = customer
-        if decline:
+        if payment.decline:
             data["payment_method"] = "pm_card_chargeDeclined"
         intent = await self.perform(
-            Operation("payment_intent", api_key, "/v1/payment_intents", data, name + "-p", expect_decline=decline)
+            Operation(
+                "payment_intent", api_key, "/v1/payment_intents", data, name + "-p", expect_decline=payment.decline
+            )
         )
-        if not intent.succeeded or dice.random() >= self.mix.refund_rate:
+        if not intent.succeeded:
             return
-        unrefunded = amount
-        for number in range(dice.choice((1, 2))):
-            part = dice.randrange(1, unrefunded // 2 + 1)
+        for number, part in enumerate(payment.refunds):
             refund_name = f"{name}-r{number}"
-            refund = await self.perform(
+            await self.perform(
                 Operation(
                     "refund",
                     api_key,
@@ -181,8 +245,6 @@ class Workload:
                     refund_name,
                 )
             )
-            if refund.succeeded:
-                unrefunded -= part
 
     async def perform(self, op: Operation) -> Operation:
         """Send ``op`` until it gets a final answer, always with its one key; give up after ``mix.resends``."""

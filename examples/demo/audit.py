@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import asyncpg
 import httpx
 
-from idempotency_mw.demo.wire import account_id
-from idempotency_mw.demo.workload import Workload
+from examples.demo.workload import Workload
+from examples.payments.wire import account_id
 
 _OBJECTS = """
 SELECT 'customer' AS kind, id, metadata->>'demo_op' AS name, NULL AS status FROM payments.customers

@@ -1,9 +1,10 @@
 """The payments example: a Stripe-style API whose every write runs in transactional mode.
 
-``uvicorn idempotency_mw.demo.payments:app`` serves it on ``$DATABASE_URL``; ``create_app(dsn)`` builds one for
-tests. Each POST handler writes through ``db: IdempotencyConnection``, the transaction the middleware opened for it:
-the ledger rows and the idempotency record of the response commit together, and the client hears the answer only
-after that commit. A retried request with the same key gets the recorded answer and never writes again.
+``uvicorn examples.payments.app:app`` serves it on ``$DATABASE_URL`` (from the repository root);
+``create_app(dsn)`` builds one for tests. Each POST handler writes through ``db: IdempotencyConnection``, the
+transaction the middleware opened for it: the ledger rows and the idempotency record of the response commit
+together, and the client hears the answer only after that commit. A retried request with the same key gets the
+recorded answer and never writes again.
 
 Which answers are recorded follows Stripe: a request refused before anything ran (bad parameters, an unknown
 object, a bad API key) frees its key, so the corrected retry may reuse it; a request that ran (a payment, a card
@@ -12,6 +13,7 @@ decline, a refund refused because of what the ledger holds) is recorded and repl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator
@@ -23,10 +25,11 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from examples.payments import ledger, objects, wire
+from examples.payments.migrate import apply_migrations
+from examples.payments.wire import StripeError
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, __version__
 from idempotency_mw.context import mark_not_executed
-from idempotency_mw.demo import ledger, objects, wire
-from idempotency_mw.demo.wire import StripeError
 from idempotency_mw.fastapi import Idempotency, IdempotencyConnection, setup
 
 # The smallest charge (in the currency's smallest unit) is 50 everywhere here; Stripe's minimums vary a little.
@@ -48,6 +51,10 @@ TEST_PAYMENT_METHODS: dict[str, tuple[str, str, str] | None] = {
     ),
 }
 REFUND_REASONS = ("duplicate", "fraudulent", "requested_by_customer")
+
+# Connections per app process: the store's (``pool_size``, for writes) plus this many for the GET endpoints.
+READ_POOL_SIZE = 4
+HEALTH_TIMEOUT = 2.0  # seconds for GET /healthz to get a connection and an answer
 
 
 # -- dependencies ----------------------------------------------------------------------------------------------
@@ -474,26 +481,43 @@ async def _server_error(request: Request, error: Exception) -> Response:
 # -- the app ---------------------------------------------------------------------------------------------------
 
 
-def create_app(dsn: str, *, pool_size: int = 20) -> FastAPI:
-    """The payments API on the PostgreSQL at ``dsn``; migrations and the demo schema are applied at startup.
+async def _health(request: Request) -> Response:
+    """For a container's health check: the app serves, and its database answers within ``HEALTH_TIMEOUT``."""
+    pool: asyncpg.Pool = request.app.state.pool
+    try:
+        async with asyncio.timeout(HEALTH_TIMEOUT), pool.acquire() as connection:
+            await connection.fetchval("SELECT 1")
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
+        return JSONResponse({"status": "unavailable", "detail": f"the database: {error or type(error).__name__}"}, 503)
+    return JSONResponse({"status": "ok"})
+
+
+def create_app(dsn: str, *, pool_size: int = 20, migrate: bool = True) -> FastAPI:
+    """The payments API on the PostgreSQL at ``dsn``.
+
+    With ``migrate`` (the default) the lifespan startup applies the idempotency migrations and the payments schema
+    (``examples.payments.migrate``), which needs a role that may create them. With ``migrate=False`` the app runs
+    no DDL at all: the tables must exist (``python -m examples.payments.migrate``), and the app's role needs only to
+    read and write rows, as in docker-compose.yml.
 
     Writes run on the connection the store lends them: a transactional request holds one from its claim's commit
     to its own commit, so ``pool_size`` (the store's ``max_size``) bounds how many writes run at once; the others
     wait for a connection (up to the store's timeout, then a 503 the client retries). Reads (the GET endpoints)
-    use a small asyncpg pool of the app's own.
+    use a small asyncpg pool of the app's own (``READ_POOL_SIZE``). One process holds at most
+    ``pool_size + READ_POOL_SIZE`` connections.
     """
     store = PostgresStore(dsn, min_size=2, max_size=pool_size)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
-            await store.migrate()
-            async with asyncpg.create_pool(dsn, min_size=1, max_size=4, timeout=store.timeout) as pool:
-                await ledger.apply_schema(pool)
+            async with asyncpg.create_pool(dsn, min_size=1, max_size=READ_POOL_SIZE, timeout=store.timeout) as pool:
+                if migrate:
+                    await apply_migrations(store, pool)
                 app.state.pool = pool
                 yield
         finally:
-            await store.close()
+            await store.close()  # the store built from a DSN owns its connections: close them at shutdown
 
     app = FastAPI(
         title="idempotency_mw payments example",
@@ -503,6 +527,7 @@ def create_app(dsn: str, *, pool_size: int = 20) -> FastAPI:
         lifespan=lifespan,
     )
     app.include_router(router)
+    app.add_api_route("/healthz", _health, methods=["GET"], include_in_schema=False)
     app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=wire.tenant)
     app.add_middleware(wire.StripeEnvelope)  # added last, so outside: it sees the middleware's own answers
     setup(app)
@@ -529,8 +554,29 @@ def create_app(dsn: str, *, pool_size: int = 20) -> FastAPI:
 _default_app: FastAPI | None = None
 
 
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 1 or 0 (true or false), got {os.environ[name]!r}")
+
+
+def _positive(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip() or str(default)
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{name} must be a positive integer, got {text!r}")
+    return int(text)
+
+
 def __getattr__(name: str) -> FastAPI:
-    """``app``: the API on ``$DATABASE_URL``, built on first use (``uvicorn idempotency_mw.demo.payments:app``)."""
+    """``app``: the API on ``$DATABASE_URL``, built on first use (``uvicorn examples.payments.app:app``).
+
+    ``PAYMENTS_POOL_SIZE`` (20) is the store's ``max_size``; ``PAYMENTS_MIGRATE=0`` keeps DDL out of the startup.
+    """
     global _default_app
     if name != "app":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -538,5 +584,7 @@ def __getattr__(name: str) -> FastAPI:
         dsn = os.environ.get("DATABASE_URL")
         if not dsn:
             raise RuntimeError("set DATABASE_URL to the PostgreSQL the payments example should use")
-        _default_app = create_app(dsn, pool_size=int(os.environ.get("PAYMENTS_POOL_SIZE", "20")))
+        _default_app = create_app(
+            dsn, pool_size=_positive("PAYMENTS_POOL_SIZE", 20), migrate=_flag("PAYMENTS_MIGRATE", True)
+        )
     return _default_app

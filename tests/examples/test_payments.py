@@ -1,11 +1,15 @@
-"""The payments example (idempotency_mw.demo.payments): Stripe's wire conventions, the ledger, transactional mode."""
+"""The payments example (examples.payments): Stripe's wire conventions, the ledger, transactional mode."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -13,12 +17,15 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from examples.payments import app as payments_app
+from examples.payments import wire
+from examples.payments.app import create_app
 from idempotency_mw import PostgresStore
 from idempotency_mw.client import should_retry
-from idempotency_mw.demo import wire
-from idempotency_mw.demo.payments import create_app
 from idempotency_mw.fingerprint import fingerprint
 from idempotency_mw.testing import assert_idempotent
+
+REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -448,3 +455,81 @@ async def test_openapi_documents_form_bodies_keys_and_envelopes(client: httpx.As
     assert set(schema["components"]["securitySchemes"]) == {"secretKey", "basic"}
     retrieve = schema["paths"]["/v1/payment_intents/{intent}"]["get"]
     assert "422" not in retrieve["responses"]
+
+
+# -- startup, migrations and health -------------------------------------------------------------------------------
+
+TABLES = "SELECT to_regclass('idempotency_records') IS NOT NULL, to_regclass('payments.ledger') IS NOT NULL"
+
+
+async def test_startup_without_migrate_runs_no_ddl(fresh_database_url: str) -> None:
+    """docker-compose.yml serves the app as a role that cannot create tables: its startup must not try."""
+    app = create_app(fresh_database_url, migrate=False)
+    async with app.router.lifespan_context(app), client_for(app, None) as client:
+        assert (await client.get("/healthz")).json() == {"status": "ok"}
+    connection = await asyncpg.connect(fresh_database_url)
+    try:
+        assert tuple(await connection.fetchrow(TABLES)) == (False, False)
+    finally:
+        await connection.close()
+
+
+async def test_startup_migrates_by_default(fresh_database_url: str) -> None:
+    app = create_app(fresh_database_url)
+    async with app.router.lifespan_context(app), client_for(app, f"sk_test_{uuid.uuid4().hex}") as client:
+        assert (await pay(client))["status"] == "succeeded"
+    connection = await asyncpg.connect(fresh_database_url)
+    try:
+        assert tuple(await connection.fetchrow(TABLES)) == (True, True)
+    finally:
+        await connection.close()
+
+
+@pytest.mark.slow
+def test_the_migrate_command_creates_the_tables_then_is_up_to_date(fresh_database_url: str) -> None:
+    def migrate(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "examples.payments.migrate"],
+            cwd=REPOSITORY,
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    first = migrate({"DATABASE_URL": fresh_database_url})
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("idempotency tables: applied 0001_initial.sql")
+    assert first.stdout.endswith("\npayments schema: up to date\n")
+    again = migrate({"DATABASE_URL": fresh_database_url})
+    assert again.stdout == "idempotency tables: up to date\npayments schema: up to date\n"
+    missing = migrate({"DATABASE_URL": ""})
+    assert missing.returncode == 2
+    assert "set DATABASE_URL" in missing.stderr
+
+
+async def test_health_says_when_the_database_does_not_answer(app: FastAPI) -> None:
+    async with client_for(app, None) as client:
+        assert (await client.get("/healthz")).status_code == 200
+        await app.state.pool.close()  # what the app sees of a database that went away
+        answer = await client.get("/healthz")
+    assert answer.status_code == 503
+    assert answer.json()["status"] == "unavailable"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"PAYMENTS_MIGRATE": "maybe"}, "PAYMENTS_MIGRATE must be 1 or 0"),
+        ({"PAYMENTS_POOL_SIZE": "0"}, "PAYMENTS_POOL_SIZE must be a positive integer"),
+    ],
+)
+def test_the_module_app_refuses_bad_settings(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str
+) -> None:
+    monkeypatch.setenv("DATABASE_URL", "postgresql://app@127.0.0.1:1/app")
+    monkeypatch.setattr(payments_app, "_default_app", None)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        payments_app.app  # noqa: B018  (the module attribute builds the app)

@@ -1,4 +1,5 @@
-"""``idempotency-mw demo``: the payments example behind a lossy network, driven by a client that keeps retrying.
+"""``./dev demo`` (``python -m examples.demo``): the payments example behind a lossy network, driven by a client
+that keeps retrying.
 
 It starts PostgreSQL (embedded, unless ``DATABASE_URL`` is set), serves the payments example with uvicorn in a child
 process on loopback, puts the lossy proxy in front of it, and sends logical payments through
@@ -21,14 +22,14 @@ from typing import TextIO
 
 import httpx
 
+from examples.demo.audit import Audit, audit
+from examples.demo.workload import Mix, Workload
+from faults.proxy import LossyProxy, ProxyStats
+from faults.server import ServerProcess, ServerStartFailed
 from idempotency_mw.client import AsyncIdempotentClient, Retry
-from idempotency_mw.demo.audit import Audit, audit
-from idempotency_mw.demo.proxy import LossyProxy, ProxyStats
-from idempotency_mw.demo.server import ServerProcess, ServerStartFailed
-from idempotency_mw.demo.workload import Mix, Workload
 from idempotency_mw.devdb import local_database
 
-APP = "idempotency_mw.demo.payments:app"
+APP = "examples.payments.app:app"
 CLIENT_RETRY = Retry(attempts=8, deadline=30.0, backoff=0.05, max_backoff=2.0)
 
 
@@ -54,7 +55,8 @@ async def run_demo(mix: Mix, network: Network, dsn: str, *, stream: TextIO = sys
     """Serve, drive, audit; stop everything started here, whatever happens."""
     run = secrets.token_hex(4)  # fresh accounts per run, so balances start at zero even on a reused database
     api_keys = [f"sk_test_demo_{run}_{n}" for n in range(max(1, mix.accounts))]
-    env = {"DATABASE_URL": dsn, "PAYMENTS_POOL_SIZE": str(mix.concurrency + 4)}
+    # The demo's server creates its own tables, whatever PAYMENTS_MIGRATE says in the caller's environment.
+    env = {"DATABASE_URL": dsn, "PAYMENTS_POOL_SIZE": str(mix.concurrency + 4), "PAYMENTS_MIGRATE": "1"}
     started = time.monotonic()
     async with ServerProcess(APP, env=env) as server:
         async with LossyProxy(
@@ -161,9 +163,11 @@ def render(report: Report) -> str:
         ("card declines", sum(op.declined for op in work.operations), "402, recorded and replayed like any answer"),
     ]
     lines = [
-        f"idempotency-mw demo: {mix.payments} logical payments, {mix.concurrency} at a time, in {report.seconds:.1f}s",
+        f"payments demo: {mix.payments} logical payments, {mix.concurrency} at a time, in {report.seconds:.1f}s",
         f"network: {net.drop_rate:.0%} of responses dropped, {net.reset_rate:.0%} of connections reset, "
-        f"{net.cut_rate:.0%} of requests cut mid-flight (seed {mix.seed})",
+        f"{net.cut_rate:.0%} of requests cut mid-flight",
+        f"seed {mix.seed} fixes the operations and the balances; timing decides which requests the proxy's dice hit,",
+        "so the attempts, drops, resets, cuts and replays vary from run to run",
         "",
     ]
     lines += [f"  {label:<20} {value:>7}   {note}" for label, value, note in rows]
@@ -218,7 +222,7 @@ def _positive(text: str) -> int:
 def parser() -> argparse.ArgumentParser:
     defaults, network = Mix(), Network()
     parser = argparse.ArgumentParser(
-        prog="idempotency-mw demo",
+        prog="python -m examples.demo",
         description="Drive the Stripe-style payments example through a lossy proxy with a retrying client, then "
         "check the ledger: no payment may take effect twice, none may be lost. Uses DATABASE_URL if set, else an "
         "embedded PostgreSQL.",
@@ -229,7 +233,13 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--drop-rate", type=_rate, default=network.drop_rate, help="share of responses dropped")
     parser.add_argument("--reset-rate", type=_rate, default=network.reset_rate, help="share of connections reset")
     parser.add_argument("--cut-rate", type=_rate, default=network.cut_rate, help="share of requests cut mid-flight")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of the workload and the proxy's dice")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        help="fixes the workload (operations, amounts, balances) and the proxy's sequence of throws; timing still "
+        "decides which request meets which throw",
+    )
     parser.add_argument("--quick", action="store_true", help="a short run: 40 payments, 8 at a time")
     return parser
 
@@ -237,7 +247,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.drop_rate + args.reset_rate + args.cut_rate > 0.95:
-        print("idempotency-mw demo: the drop, reset and cut rates add up to more than 0.95", file=sys.stderr)
+        print("demo: the drop, reset and cut rates add up to more than 0.95", file=sys.stderr)
         return 2
     payments, concurrency = (
         (min(args.payments, 40), min(args.concurrency, 8))
@@ -258,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted: the server, the proxy and the database the demo started are stopped", file=sys.stderr)
         return 130
     except ServerStartFailed as error:
-        print(f"idempotency-mw demo: the payments server did not start. {error}", file=sys.stderr)
+        print(f"demo: the payments server did not start. {error}", file=sys.stderr)
         return 1
     print(render(report))
     return 0 if report.audit.ok else 1

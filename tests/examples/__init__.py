@@ -1,0 +1,1 @@
+"""Tests of the programs in examples/: the payments API, its OpenAPI schema, and the demo."""
