@@ -105,7 +105,9 @@ async def test_charge_runs_once(idempotency_store):
 
     app = Starlette(routes=[Route("/charges", charge, methods=["POST"])])
     app.add_middleware(IdempotencyMiddleware, store=idempotency_store)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as client:
+    transport = httpx.ASGITransport(app=app)
+    credentials = {"Authorization": "Bearer sk_test_user"}  # what the default tenant resolver scopes keys by
+    async with httpx.AsyncClient(transport=transport, base_url="http://app", headers=credentials) as client:
         report = await assert_idempotent(client, "POST", "/charges", json={"amount": 5}, times=5)
     assert (runs, report.executed) == ([1], 1)
 

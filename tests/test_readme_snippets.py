@@ -43,7 +43,7 @@ async def test_the_use_it_snippet_opens_the_store_at_startup_and_closes_it_at_sh
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://app") as client:
-            headers = {"Idempotency-Key": str(uuid.uuid4())}
+            headers = {"Idempotency-Key": str(uuid.uuid4()), "Authorization": "Bearer sk_test_readme"}
             first = await client.post("/charges", headers=headers)
             again = await client.post("/charges", headers=headers)
         assert (first.status_code, again.headers.get("idempotent-replayed")) == (201, "true")

@@ -29,11 +29,12 @@ STATEMENT_TIMEOUT = 30.0  # seconds for connecting and for each statement; DDL m
 
 
 async def migrate(dsn: str) -> list[str]:
-    async with (
-        PostgresStore(dsn, min_size=1, max_size=1, timeout=STATEMENT_TIMEOUT) as store,
-        asyncpg.create_pool(dsn, min_size=1, max_size=1, timeout=STATEMENT_TIMEOUT) as pool,
-    ):
-        return await apply_migrations(store, pool)
+    store = PostgresStore(dsn, min_size=1, max_size=1, timeout=STATEMENT_TIMEOUT)  # not opened: open() wants tables
+    try:
+        async with asyncpg.create_pool(dsn, min_size=1, max_size=1, timeout=STATEMENT_TIMEOUT) as pool:
+            return await apply_migrations(store, pool)
+    finally:
+        await store.close()
 
 
 def main() -> int:
