@@ -485,3 +485,62 @@ async def test_a_lent_connection_comes_back_with_a_clean_session(
         await store.close()
         if app_pool is not None:
             await app_pool.close()
+
+
+async def test_a_handler_that_changes_search_path_still_completes(
+    pg_store: PostgresStore, db: asyncpg.Connection
+) -> None:
+    """Schema-per-tenant apps set the search_path on the connection they are lent; the record's completion, on the
+    same connection, names its table in full and does not care."""
+    await db.execute("CREATE SCHEMA IF NOT EXISTS imw_tenant_schema")
+    key = str(uuid.uuid4())
+
+    async def write(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await context.connection.execute("SET search_path = imw_tenant_schema")
+        await context.connection.execute("INSERT INTO public.tx_effects VALUES ($1, 'schema')", context.key)
+        return JSONResponse({"ok": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=pg_store, transactional=True)
+    client = client_for(app)
+    assert (await client.post("/write", headers={"Idempotency-Key": key})).status_code == 201
+    again = await client.post("/write", headers={"Idempotency-Key": key})
+    assert again.headers["idempotent-replayed"] == "true"
+    assert await effects(db, key) == 1
+
+
+async def test_a_backend_terminated_while_the_handler_runs_is_503_and_frees_the_key(
+    pg_store: PostgresStore, idempotency_database_url: str, key: str
+) -> None:
+    """The handler's own statement dies with its connection (an operator's pg_terminate_backend, a failover): the
+    store is what failed, so the answer is 503 with the key released, not a 500."""
+    runs: list[int] = []
+
+    async def write(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        runs.append(1)
+        if len(runs) == 1:
+            pid = context.connection.get_server_pid()
+            killer = await asyncpg.connect(idempotency_database_url)
+            try:
+                await killer.execute("SELECT pg_terminate_backend($1)", pid)
+            finally:
+                await killer.close()
+        await context.connection.execute("SELECT pg_sleep(0.05)")
+        return JSONResponse({"ok": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=pg_store, transactional=True)
+    client = client_for(app)
+    response = await client.post("/write", headers={"Idempotency-Key": key})
+    assert response.status_code == 503
+    assert response.json()["code"] == "idempotency_store_unavailable"
+    assert await pg_store.inspect(tenant_of(), key) is None
+    retry = await client.post("/write", headers={"Idempotency-Key": key})
+    assert retry.status_code == 201
+    assert runs == [1, 1]
