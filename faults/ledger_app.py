@@ -6,7 +6,7 @@ in either mode of the middleware, and a ledger that tells afterwards how many ti
 - transactional (``FAULTS_TRANSACTIONAL=1``, the default): the row is written through the request's transaction,
   so it commits with the idempotency record or not at all;
 - plain (``FAULTS_TRANSACTIONAL=0``): the row is written at once through the app's own pool, and the record is
-  completed after the handler returns: the seen-set window of DESIGN.md §6.
+  completed after the handler returns: the seen-set window of docs/design.md §6.
 
 Every handler first notes its entry in ``faults_entries`` (its own pool, committed at once, so a test sees
 handlers that are mid-flight) and checks, through the request's connection, that the middleware's claim on its

@@ -14,8 +14,9 @@ import orjson
 from starlette.types import Message, Send
 
 from idempotency_mw.store import Headers, StoredResponse
+from idempotency_mw.wire import REPLAYED_HEADER
 
-REPLAYED_HEADER = (b"idempotent-replayed", b"true")
+REPLAYED = (REPLAYED_HEADER.lower().encode("ascii"), b"true")
 
 
 class ResponseRecorder:
@@ -99,9 +100,7 @@ class ResponseRecorder:
 async def replay(response: StoredResponse, send: Send) -> None:
     """Send a stored response exactly as first sent, plus ``Idempotent-Replayed: true``."""
     assert response.body is not None
-    await send(
-        {"type": "http.response.start", "status": response.status, "headers": [*response.headers, REPLAYED_HEADER]}
-    )
+    await send({"type": "http.response.start", "status": response.status, "headers": [*response.headers, REPLAYED]})
     await send({"type": "http.response.body", "body": response.body})
 
 

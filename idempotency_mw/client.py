@@ -34,14 +34,12 @@ except ImportError as error:  # httpx is an optional dependency of the package
     raise ImportError("idempotency_mw.client needs httpx: pip install 'idempotency-mw[client]'") from error
 
 from idempotency_mw.keys import InvalidKey, parse_key
+from idempotency_mw.wire import KEY_HEADER, REPLAYED_HEADER, ProblemCode
 
 __all__ = ["AsyncIdempotentClient", "IdempotentClient", "IdempotentResult", "RetriesExhausted", "Retry"]
 
 logger = logging.getLogger("idempotency_mw.client")
 
-HEADER = "Idempotency-Key"
-REPLAYED_HEADER = "Idempotent-Replayed"
-IN_PROGRESS_CODE = "idempotency_request_in_progress"
 
 KEYED_METHODS = frozenset({"POST", "PATCH"})  # get a fresh key unless the caller gives one
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})  # never carry a key: they change nothing
@@ -215,7 +213,7 @@ def should_retry(response: httpx.Response) -> bool:
     if status in RETRY_STATUSES or 500 <= status <= 599:
         return True
     if status == 409:
-        return "retry-after" in response.headers or _problem_code(response) == IN_PROGRESS_CODE
+        return "retry-after" in response.headers or _problem_code(response) == ProblemCode.IN_PROGRESS
     return False
 
 
@@ -235,9 +233,9 @@ def _problem_code(response: httpx.Response) -> str | None:
 
 
 def _check_headers(headers: Mapping[str, str] | None, where: str) -> None:
-    if headers is not None and HEADER.lower() in httpx.Headers(headers):
+    if headers is not None and KEY_HEADER.lower() in httpx.Headers(headers):
         raise ValueError(
-            f"{where} set an {HEADER} header; pass idempotency_key=... instead, so the client knows the key "
+            f"{where} set an {KEY_HEADER} header; pass idempotency_key=... instead, so the client knows the key "
             "and keeps it across retries"
         )
 
@@ -326,8 +324,8 @@ class _Call:
     def _check_key(self) -> None:
         # The request object is the only thing attempts send; this catches an event hook or auth flow that
         # rewrote its header, which would turn retries into new operations.
-        if self.request.headers.get(HEADER) != self.key:
-            raise RuntimeError(f"the {HEADER} header was changed between attempts; refusing to retry")
+        if self.request.headers.get(KEY_HEADER) != self.key:
+            raise RuntimeError(f"the {KEY_HEADER} header was changed between attempts; refusing to retry")
 
 
 class _Base:
@@ -340,19 +338,19 @@ class _Base:
         """The one key of a logical call, chosen before its first attempt and never again."""
         if idempotency_key is not None:
             if method in SAFE_METHODS:
-                raise ValueError(f"{method} changes nothing, so it carries no {HEADER}")
+                raise ValueError(f"{method} changes nothing, so it carries no {KEY_HEADER}")
             return validate_key(idempotency_key)
         return str(uuid.uuid4()) if method in KEYED_METHODS else None
 
     @staticmethod
     def _attach_key(request: httpx.Request, key: str | None) -> None:
-        if HEADER.lower() in request.headers:
+        if KEY_HEADER.lower() in request.headers:
             raise ValueError(
-                f"the request already has an {HEADER} header (from headers=... or the client's headers); "
+                f"the request already has an {KEY_HEADER} header (from headers=... or the client's headers); "
                 "pass idempotency_key=... instead, so the client knows the key and keeps it across retries"
             )
         if key is not None:
-            request.headers[HEADER] = key
+            request.headers[KEY_HEADER] = key
 
     @staticmethod
     def _check_resendable(request: httpx.Request) -> None:

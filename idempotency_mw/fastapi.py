@@ -25,10 +25,10 @@ except ImportError as error:  # fastapi is an optional dependency of the package
 from starlette.responses import Response
 
 from idempotency_mw.context import IdempotencyContext, idempotency_context, mark_not_executed
-from idempotency_mw.keys import MAX_KEY_LENGTH
 from idempotency_mw.middleware import IdempotencyMiddleware
 from idempotency_mw.policy import Policy, PolicyResolver, idempotent, iter_routes
 from idempotency_mw.problems import TYPE_BASE
+from idempotency_mw.wire import MAX_KEY_LENGTH
 
 
 def _context(request: Request) -> IdempotencyContext:

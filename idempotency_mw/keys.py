@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 import uuid
 
-HEADER = b"idempotency-key"
-MAX_KEY_LENGTH = 255
+from idempotency_mw.wire import KEY_HEADER, MAX_KEY_LENGTH
+
+HEADER = KEY_HEADER.lower().encode("ascii")  # as ASGI servers pass header names
 
 
 class InvalidKey(ValueError):

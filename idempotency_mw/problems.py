@@ -7,13 +7,15 @@ from dataclasses import dataclass
 import orjson
 from starlette.types import Send
 
+from idempotency_mw.wire import ProblemCode
+
 TYPE_BASE = "urn:idempotency-mw:problem:"
 
 
 @dataclass(frozen=True, slots=True)
 class Problem:
     status: int
-    code: str
+    code: ProblemCode
     title: str
     detail: str
     retry_after: int | None = None
@@ -43,14 +45,14 @@ class Problem:
 
 def key_missing() -> Problem:
     return Problem(
-        400, "idempotency_key_missing", "Idempotency-Key required", "This operation requires an Idempotency-Key header."
+        400, ProblemCode.KEY_MISSING, "Idempotency-Key required", "This operation requires an Idempotency-Key header."
     )
 
 
 def tenant_unknown() -> Problem:
     return Problem(
         400,
-        "idempotency_tenant_unknown",
+        ProblemCode.TENANT_UNKNOWN,
         "Idempotency-Key owner unknown",
         "This request carries an Idempotency-Key but no credentials the server can scope that key by, so it was "
         "not processed. Send it with the credentials this API expects (for example exactly one Authorization "
@@ -59,13 +61,13 @@ def tenant_unknown() -> Problem:
 
 
 def key_invalid(reason: str) -> Problem:
-    return Problem(400, "idempotency_key_invalid", "Invalid Idempotency-Key", reason + ".")
+    return Problem(400, ProblemCode.KEY_INVALID, "Invalid Idempotency-Key", reason + ".")
 
 
 def key_reused() -> Problem:
     return Problem(
         422,
-        "idempotency_key_reused",
+        ProblemCode.KEY_REUSED,
         "Idempotency-Key already used",
         "This Idempotency-Key was already used with a different request (method, path, query or "
         "body). Use a new key for a new request.",
@@ -75,7 +77,7 @@ def key_reused() -> Problem:
 def in_progress(retry_after: int) -> Problem:
     return Problem(
         409,
-        "idempotency_request_in_progress",
+        ProblemCode.IN_PROGRESS,
         "Request in progress",
         "A request with this Idempotency-Key is still being processed. Retry later with the same key "
         "to receive its response.",
@@ -86,7 +88,7 @@ def in_progress(retry_after: int) -> Problem:
 def request_too_large(limit: int) -> Problem:
     return Problem(
         413,
-        "request_too_large",
+        ProblemCode.REQUEST_TOO_LARGE,
         "Request body too large",
         f"Requests with an Idempotency-Key may carry at most {limit} bytes of body.",
     )
@@ -95,7 +97,7 @@ def request_too_large(limit: int) -> Problem:
 def store_unavailable(retry_after: int) -> Problem:
     return Problem(
         503,
-        "idempotency_store_unavailable",
+        ProblemCode.STORE_UNAVAILABLE,
         "Idempotency store unavailable",
         "The idempotency store cannot be reached, so the request was not processed. Retry later with the same key.",
         retry_after,
@@ -110,7 +112,7 @@ def response_not_replayable(status: int, size: int, limit: int) -> Problem:
         why = "its response was cut short before it was complete (the client disconnected, or the handler failed)"
     return Problem(
         409,
-        "idempotency_response_not_replayable",
+        ProblemCode.NOT_REPLAYABLE,
         "Original response cannot be replayed",
         f"The original request with this Idempotency-Key completed with status {status}, but {why}, so it "
         "cannot be replayed. The operation was not run again.",
@@ -120,7 +122,7 @@ def response_not_replayable(status: int, size: int, limit: int) -> Problem:
 def key_expired(max_age: int) -> Problem:
     return Problem(
         422,
-        "idempotency_key_expired",
+        ProblemCode.KEY_EXPIRED,
         "Idempotency-Key too old",
         f"This Idempotency-Key carries a timestamp older than the {max_age}-second retention window, "
         "so a previous use can no longer be detected. Use a new key.",

@@ -1,4 +1,4 @@
-"""Key parsing (DESIGN.md §3): sf-string and bare token, refused rather than repaired."""
+"""Key parsing (docs/design.md §3): sf-string and bare token, refused rather than repaired."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The conformance suite: DESIGN.md §2-5, run against every store (``store`` is parametrised)."""
+"""The conformance suite: docs/design.md §2-5, run against every store (``store`` is parametrised)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Transactional mode (DESIGN.md §6): the effect and the record commit together, or neither does."""
+"""Transactional mode (docs/design.md §6): the effect and the record commit together, or neither does."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ async def test_transactional_mode_takes_every_operation_once(idempotency_databas
 
 
 async def test_plain_mode_can_only_repeat_effects_committed_before_the_crash(idempotency_database_url: str) -> None:
-    """The seen-set window (DESIGN.md §6): measured and bounded, not hidden. docs/faults.md has the figures."""
+    """The seen-set window (docs/design.md §6): measured and bounded, not hidden. docs/faults.md has the figures."""
     result, findings = await run_crash(idempotency_database_url, transactional=False, operations=30, lease=LEASE)
     assert findings.mid_flight_at_kill > 0
     assert findings.unanswered == 0

@@ -5,7 +5,7 @@ round trips). The properties:
 
 - the middleware never answers 500, and nothing escapes it as an exception;
 - bad input always gets its 4xx ``application/problem+json`` with a stable ``code``, predicted by an oracle written
-  from DESIGN.md §3 (not from keys.py);
+  from docs/design.md §3 (not from keys.py);
 - a keyed request with a valid payload runs once: the same request again replays it byte for byte (a released
   outcome runs again, a problem answers the same problem again);
 - one tenant never receives another's data, whatever the keys and payloads;
@@ -49,7 +49,7 @@ MEMORY = settings(max_examples=300, deadline=None, suppress_health_check=_SUPPRE
 POSTGRES = settings(max_examples=40, deadline=None, suppress_health_check=_SUPPRESS)
 
 
-# -- the oracle: DESIGN.md §3 restated as patterns ----------------------------------------------------------
+# -- the oracle: docs/design.md §3 restated as patterns ----------------------------------------------------------
 
 _BARE = re.compile(rb"[\x21-\x2b\x2d-\x7e]+")  # visible ASCII without the comma
 _SF_STRING = re.compile(rb'"((?:[\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"')  # no space: keys are visible ASCII
@@ -246,7 +246,7 @@ def problem_code(reply: asgi.Reply) -> str | None:
 
 
 def expected_problem(request: HostileRequest) -> str | None:
-    """The problem DESIGN.md §2-3 promise for this request, before any handler could run."""
+    """The problem docs/design.md §2-3 promise for this request, before any handler could run."""
     if request.method not in COVERED:
         return None
     keys = request.values(b"idempotency-key")
