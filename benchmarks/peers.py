@@ -1,11 +1,12 @@
 """The benchmark venv (``benchmarks/.work/venv``, git-ignored): the servers' runtime and the peer libraries.
 
 Nothing of the peers is committed: they are installed from PyPI at run time, pinned to the versions compared in
-docs/semantics.md ("Compared with the other Python libraries"). The server stack (Starlette, uvicorn, asyncpg, orjson, httpx) is pinned to the versions
-in the project's own venv, so bare, ours and the peers run on identical code; uvloop and httptools are added (the
-usual production uvicorn). A peer that fails to install or import is reported with its error, not hidden.
-Known pitfalls, handled here: ``fastidempotent[postgres]`` needs ``sqlalchemy[asyncio]`` (greenlet) as well;
-Tortoise ORM 1.x needs ``Tortoise.init(_enable_global_fallback=True)`` (in ``benchapp.py``).
+docs/semantics.md ("Compared with the other Python libraries"). The server stack (Starlette, uvicorn, asyncpg,
+orjson, httpx) is pinned to the versions in the project's own venv, so bare, ours and the peers run on identical
+code; uvloop and httptools are added (the usual production uvicorn). A peer that fails to install or import is
+reported with its error, not hidden. Known pitfalls, handled here: ``fastidempotent[postgres]`` needs
+``sqlalchemy[asyncio]`` (greenlet) as well; Tortoise ORM 1.x needs ``Tortoise.init(_enable_global_fallback=True)``
+(in ``benchapp.py``).
 """
 
 from __future__ import annotations
