@@ -35,13 +35,15 @@ class Outcome(enum.Enum):
 class Event:
     outcome: Outcome
     method: str
-    path: str  # the request path (route templates are not known to a middleware)
+    path: str  # the request path, as sent (for logs)
+    route: str  # the route template it matched (``/v1/charges/{id}``), or ``<unmatched>``: a bounded label
     tenant: str
     key_hash: str  # first 12 hex digits of sha256(key): enough to correlate logs, useless to replay
     status: int | None  # the status sent to the client
     duration: float  # seconds spent in the middleware and the handler
     store_seconds: float  # seconds spent waiting on the store
     attempts: int = 0  # requests that came with this key before this one finished (0: the first)
+    reached_store: bool = False  # the request got as far as the store (``on_event.started`` was called for it)
 
 
 EventHook = Callable[[Event], None]

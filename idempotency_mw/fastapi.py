@@ -26,8 +26,9 @@ from starlette.responses import Response
 
 from idempotency_mw.context import IdempotencyContext, idempotency_context, mark_not_executed
 from idempotency_mw.middleware import IdempotencyMiddleware
-from idempotency_mw.policy import Policy, PolicyResolver, idempotent, iter_routes
+from idempotency_mw.policy import Policy, PolicyResolver, idempotent
 from idempotency_mw.problems import TYPE_BASE
+from idempotency_mw.routes import iter_routes
 from idempotency_mw.wire import MAX_KEY_LENGTH
 
 

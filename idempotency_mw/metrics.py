@@ -4,17 +4,16 @@
     app.add_middleware(IdempotencyMiddleware, store=store, on_event=metrics)
     app.mount("/metrics", prometheus_client.make_asgi_app())
 
-Requests are labelled by route *template* (``/v1/charges/{id}``), never by raw path: a label per resource id would
-grow without bound. The template is found by matching the request against the app's own route table (Mounts and
-FastAPI routers included), the same way for every outcome: a replay or a 409 never reaches the router, so
-``scope["route"]`` alone would label the same endpoint differently depending on the outcome.
+Requests are labelled by route *template* (``/v1/charges/{id}``, ``Event.route``), never by raw path: a label per
+resource id, or per path a scanner invents, would grow without bound. The middleware finds the template by
+matching the request against the app's own route table (Mounts and FastAPI routers included), the same way for
+every outcome (a replay or a 409 never reaches the router), whether it was added with ``add_middleware`` or wraps
+the app directly. Requests no route matches, and every request of an app without a route table, share the label
+``<unmatched>``.
 """
 
 from __future__ import annotations
 
-import contextvars
-import functools
-import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
@@ -24,13 +23,12 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError(
         "idempotency_mw.metrics needs prometheus-client: pip install 'idempotency-mw[metrics]'"
     ) from error
-from starlette.routing import compile_path
 from starlette.types import Scope
 
 from idempotency_mw.events import Event, Outcome
-from idempotency_mw.policy import iter_routes
+from idempotency_mw.routes import UNMATCHED
 
-UNMATCHED = "<unmatched>"  # the route label of requests no route of the app matches (404s, probes, scans)
+__all__ = ["UNMATCHED", "PrometheusMetrics", "StatsSource"]
 
 # Time spent waiting on the store: a claim, then a complete or release; one to a few round trips.
 STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -45,35 +43,13 @@ class StatsSource(Protocol):
     async def stats(self) -> Mapping[str, Any]: ...
 
 
-class RouteTemplates:
-    """The route templates of one app, to label a request by the route that serves it."""
-
-    def __init__(self, app: Any) -> None:
-        self.routes: list[tuple[re.Pattern[str], str, frozenset[str] | None]] = [
-            (compile_path(entry.path)[0], entry.path, entry.methods)
-            for entry in iter_routes(getattr(app, "routes", ()))
-        ]
-        # Keyed by raw paths, so bounded: a scan of random paths must not grow memory without end.
-        self.match = functools.lru_cache(maxsize=4096)(self._match)
-
-    def _match(self, method: str, path: str) -> str:
-        """The first route whose path and method match, as the router picks it; else the first whose path does."""
-        partial = None
-        for regex, template, methods in self.routes:
-            if regex.fullmatch(path):
-                if methods is None or method in methods:
-                    return template
-                partial = partial or template
-        return partial or UNMATCHED
-
-
 class PrometheusMetrics:
     """An ``on_event`` hook that counts outcomes and times requests, plus gauges of the store's table.
 
     ``registry``: where the metrics live (default: prometheus_client's global registry, which
     ``make_asgi_app()`` serves). ``prefix`` starts every metric name. ``route_label(event)`` replaces the
-    default route label (the matched template; ``<unmatched>`` for paths no route matches; the raw path for an
-    app without a route table): return a small, fixed set of values.
+    default route label (``event.route``: the matched template, or ``<unmatched>``): return a small, fixed set of
+    values.
     """
 
     def __init__(
@@ -147,28 +123,17 @@ class PrometheusMetrics:
             registry=registry,
             multiprocess_mode="mostrecent",
         )
-        # From started() to the event, the app and root path of the request this task is handling: only requests
-        # counted in flight are counted out, and the event is labelled from the app that served it. Both are read
-        # before routing, because the router rewrites scope["root_path"] (Mount) and scope["app"] (sub-apps).
-        self._request: contextvars.ContextVar[tuple[Any, str] | None] = contextvars.ContextVar(
-            f"idempotency_metrics_request_{id(self)}", default=None
-        )
-        self._templates: dict[int, tuple[Any, RouteTemplates]] = {}  # by id(app); holding the app keeps ids unique
-        self._last: tuple[RouteTemplates, str] | None = None  # the templates and root path seen last
-        self._seen_routes: set[tuple[str, str]] = set()
+        self._seen_routes: set[tuple[str, str]] = set()  # bounded: methods the middleware covers x routes
 
     def started(self, scope: Scope) -> None:
         """Called by the middleware when a request reaches the store."""
-        self._request.set((scope.get("app"), scope.get("root_path", "")))
         self.in_flight.inc()
 
     def __call__(self, event: Event) -> None:
         """Called by the middleware when a keyed request ends."""
-        request = self._request.get()
-        if request is not None:
-            self._request.set(None)
+        if event.reached_store:
             self.in_flight.dec()
-        route = self.route_label(event) if self.route_label is not None else self._route(event, request)
+        route = self.route_label(event) if self.route_label is not None else event.route
         outcome = event.outcome.value
         if (event.method, route) not in self._seen_routes:
             # Every outcome of a route starts at 0, so `increase(...) > 0` alerts fire on the first fenced-out.
@@ -177,28 +142,9 @@ class PrometheusMetrics:
                 self.requests.labels(event.method, route, each.value)
         self.requests.labels(event.method, route, outcome).inc()
         self.request_duration.labels(event.method, route, outcome).observe(event.duration)
-        if request is not None:  # the request reached the store (earlier refusals spent no store time)
+        if event.reached_store:  # earlier refusals spent no store time and saw no attempts
             self.store_duration.labels(outcome).observe(event.store_seconds)
             self.key_attempts.labels(event.method, route, outcome).observe(event.attempts)
-
-    def _route(self, event: Event, request: tuple[Any, str] | None) -> str:
-        if request is None:
-            # Refused before the store (invalid or missing key, too large): started() never ran, so match against
-            # the app seen last; before any request reached the store, nothing is known.
-            if self._last is None:
-                return UNMATCHED
-            templates, root = self._last
-        else:
-            app, root = request
-            if app is None or not hasattr(app, "routes"):
-                return event.path  # a bare ASGI app: there is no template to find
-            known = self._templates.get(id(app))
-            if known is None:
-                known = self._templates[id(app)] = (app, RouteTemplates(app))
-            templates = known[1]
-            self._last = templates, root
-        path = event.path[len(root) :] if root and event.path.startswith(root) else event.path
-        return templates.match(event.method, path)
 
     async def update_from_store(self, store: StatsSource) -> None:
         """Refresh the record gauges from ``store.stats()`` (one scan of the table: call it every minute or so,

@@ -35,6 +35,7 @@ from idempotency_mw.fingerprint import fingerprint
 from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers, uuid7_time
 from idempotency_mw.leases import HeldLease, LeaseKeeper
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
+from idempotency_mw.routes import RouteTemplates
 from idempotency_mw.store import Claim, ClaimOutcome, Store, Transaction, TransactionalStore
 from idempotency_mw.tenants import AuthorizationTenant, TenantResolver
 from idempotency_mw.transaction import Claimed, State, TransactionalRun
@@ -109,6 +110,7 @@ class IdempotencyMiddleware:
         self.tenant_unknown_logged = False  # the operator hears of unscoped keyed requests once, not per request
         self.policies = PolicyResolver.build(default, routes or {})
         self.leases = LeaseKeeper(store)  # renews the lease of every handler still running
+        self.routes = RouteTemplates(app)  # until the routes are scanned (at startup, or the first request)
         self.on_event = on_event
         self.on_started = getattr(on_event, "started", None)
         self.retry_after = retry_after
@@ -138,8 +140,18 @@ class IdempotencyMiddleware:
         await IdempotentRequest(self, policy, scope, receive, send).run()
 
     def _scan(self, scope: Scope) -> None:
-        """Read the ``@idempotent`` declarations of the app's routes, which are all declared by now."""
-        self.policies.scan(scope.get("app", self.app), check=lambda found: self._check_transactional(*found))
+        """Read the app's routes, which are all declared by now: their ``@idempotent`` declarations, and their
+        templates (to label events by route)."""
+        app = scope.get("app", self.app)
+        self.policies.scan(app, check=lambda found: self._check_transactional(*found))
+        self.routes = RouteTemplates(app)
+
+    def route_of(self, method: str, path: str, root_path: str) -> str:
+        """The template of the route a request is for (``/v1/charges/{id}``), or ``<unmatched>``. Give the path and
+        root path as the request arrived: the router rewrites ``scope["root_path"]`` on its way through a Mount."""
+        if root_path and path.startswith(root_path):
+            path = path[len(root_path) :]
+        return self.routes.match(method, path)
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Check the per-route policies at startup, so a bad one stops the server instead of the first payment."""
@@ -172,6 +184,7 @@ class IdempotentRequest:
         self.store = middleware.store
         self.policy = policy
         self.scope = scope
+        self.path, self.root_path = scope["path"], scope.get("root_path", "")  # before the router rewrites them
         self.receive = receive
         self.send = send
         self.key: str | None = None
@@ -187,6 +200,7 @@ class IdempotentRequest:
         self.lease: HeldLease | None = None
         self.settling: asyncio.Task[None] | None = None
         self.emitted = False
+        self.reached_store = False
 
     async def run(self) -> None:
         try:
@@ -528,6 +542,7 @@ class IdempotentRequest:
             self.store_seconds += time.perf_counter() - started
 
     def _notify_started(self) -> None:
+        self.reached_store = True
         started = self.middleware.on_started
         if started is not None:
             try:
@@ -546,13 +561,15 @@ class IdempotentRequest:
         event = Event(
             self.outcome,
             self.scope["method"],
-            self.scope["path"],
+            self.path,
+            self.middleware.route_of(self.scope["method"], self.path, self.root_path),
             self.tenant,
             hash_key(self.key),
             self.status,
             time.perf_counter() - self.started,
             self.store_seconds,
             self.attempts,
+            self.reached_store,
         )
         try:
             hook(event)

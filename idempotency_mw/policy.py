@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from starlette.routing import Mount, compile_path
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Scope
+
+from idempotency_mw.routes import RouteEntry, iter_routes
 
 DAY = 24 * 60 * 60
 MiB = 1024 * 1024
@@ -109,40 +111,6 @@ def idempotent(**changes: Any) -> Callable[[F], F]:
         return endpoint
 
     return mark
-
-
-@dataclass(frozen=True, slots=True)
-class RouteEntry:
-    """One endpoint of the app as the client addresses it: full path template (mount and router prefixes
-    included), methods, and the endpoint object that may carry an :func:`idempotent` declaration."""
-
-    path: str
-    methods: frozenset[str] | None  # None: any method (a plain ASGI endpoint)
-    endpoint: Any
-
-    def matches(self, method: str, path: str, regex: re.Pattern[str]) -> bool:
-        return (self.methods is None or method in self.methods) and regex.fullmatch(path) is not None
-
-
-def iter_routes(routes: Iterable[Any], prefix: str = "") -> Iterator[RouteEntry]:
-    """Every endpoint below ``routes``, through Mounts and FastAPI's included routers."""
-    for route, path in _route_paths(routes):
-        if isinstance(route, Mount):
-            yield from iter_routes(route.routes, prefix + route.path)
-        elif getattr(route, "endpoint", None) is not None and path is not None:
-            methods = getattr(route, "methods", None)
-            yield RouteEntry(prefix + path, frozenset(methods) if methods else None, route.endpoint)
-
-
-def _route_paths(routes: Iterable[Any]) -> Iterator[tuple[Any, str | None]]:
-    routes = list(routes)
-    try:  # FastAPI >= 0.160 keeps included routers as branches; this yields their routes with full paths
-        from fastapi.routing import iter_route_contexts
-    except ImportError:  # Starlette alone, or an older FastAPI whose included routes are flat
-        yield from ((route, getattr(route, "path_format", None)) for route in routes)
-        return
-    for context in iter_route_contexts(routes):
-        yield context.original_route, context.path_format
 
 
 @dataclass(slots=True)
