@@ -27,6 +27,7 @@ class Outcome(enum.Enum):
     RELEASED = "released"  # the handler ran but the outcome was transient: the key is free again
     FENCED_OUT = "fenced_out"  # our lease was taken over; our completion was refused
     STORE_ERROR = "store_error"  # the store failed (503, or a record that could not be written)
+    POOL_EXHAUSTED = "pool_exhausted"  # like store_error, but every connection of the store's pool was busy
     NOT_REPLAYABLE = "not_replayable"  # the original response was not stored in full (over the cap, or cut short)
     UNPROTECTED = "unprotected"  # fail-open: the handler ran without a record
 
@@ -53,7 +54,8 @@ def hash_key(key: str | None) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12] if key else ""
 
 
-WARNING_OUTCOMES = frozenset({Outcome.FENCED_OUT, Outcome.STORE_ERROR})
+# Store failures are logged once per outage, not per request (failures.py); a fenced-out worker is worth a line each.
+WARNING_OUTCOMES = frozenset({Outcome.FENCED_OUT})
 
 
 def log_level(outcome: Outcome) -> int:

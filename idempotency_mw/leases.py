@@ -21,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from idempotency_mw.events import hash_key
+from idempotency_mw.failures import FailureLog
 from idempotency_mw.store import Store
 
 logger = logging.getLogger("idempotency_mw")
@@ -39,8 +40,9 @@ class HeldLease:
 
 
 class LeaseKeeper:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, failures: FailureLog | None = None) -> None:
         self._store = store
+        self._failures = failures if failures is not None else FailureLog(logger)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[float, OrderedDict[HeldLease, None]] = {}  # lease duration -> leases, earliest due first
         self._timer: asyncio.TimerHandle | None = None
@@ -102,5 +104,5 @@ class LeaseKeeper:
             if not await self._store.renew(held.tenant, held.key, held.fence, lease=held.lease):
                 logger.warning("idempotency lease of key %s was taken over", hash_key(held.key))
                 self._forget(held)
-        except Exception:  # the store is unreachable for now: the next beat tries again
-            logger.warning("idempotency lease renewal failed; retrying", exc_info=True)
+        except Exception as error:  # the store is unreachable for now: the next beat tries again
+            self._failures.failed("renew a lease (retried at the next beat)", error)

@@ -31,12 +31,13 @@ from idempotency_mw import problems
 from idempotency_mw.capture import ResponseRecorder, replay
 from idempotency_mw.context import NOT_EXECUTED_KEY, STATE_KEY, IdempotencyContext
 from idempotency_mw.events import Event, EventHook, Outcome, hash_key, log_event, log_level, logger
+from idempotency_mw.failures import FailureLog
 from idempotency_mw.fingerprint import fingerprint
 from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers, uuid7_time
 from idempotency_mw.leases import HeldLease, LeaseKeeper
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
 from idempotency_mw.routes import RouteTemplates
-from idempotency_mw.store import Claim, ClaimOutcome, Store, Transaction, TransactionalStore
+from idempotency_mw.store import Claim, ClaimOutcome, PoolExhausted, Store, Transaction, TransactionalStore
 from idempotency_mw.tenants import AuthorizationTenant, TenantResolver
 from idempotency_mw.transaction import Claimed, State, TransactionalRun
 
@@ -109,7 +110,8 @@ class IdempotencyMiddleware:
         self.tenant_is_async = inspect.iscoroutinefunction(tenant)
         self.tenant_unknown_logged = False  # the operator hears of unscoped keyed requests once, not per request
         self.policies = PolicyResolver.build(default, routes or {})
-        self.leases = LeaseKeeper(store)  # renews the lease of every handler still running
+        self.failures = FailureLog(logger)  # store failures: the first in full, then a summary now and then
+        self.leases = LeaseKeeper(store, self.failures)  # renews the lease of every handler still running
         self.routes = RouteTemplates(app)  # until the routes are scanned (at startup, or the first request)
         self.on_event = on_event
         self.on_started = getattr(on_event, "started", None)
@@ -249,14 +251,15 @@ class IdempotentRequest:
         started = time.perf_counter()
         try:
             claim = await self.store.claim(self.tenant, self.key, digest, lease=self.policy.lease, ttl=self.policy.ttl)
-        except Exception:
+        except Exception as error:
             self.store_seconds += time.perf_counter() - started
-            logger.exception("idempotency store failed to claim a key")
+            self.middleware.failures.failed("claim a key", error)
             if self.policy.fail_open:
                 self.outcome = Outcome.UNPROTECTED
                 return await self.middleware.app(self.scope, self._receive_buffered, self._send_tracked)
-            return await self._refuse(problems.store_unavailable(self.middleware.retry_after), Outcome.STORE_ERROR)
+            return await self._refuse(problems.store_unavailable(self.middleware.retry_after), _store_failure(error))
         self.store_seconds += time.perf_counter() - started
+        self.middleware.failures.succeeded()
         await self._act_on(claim)
 
     async def _act_on(self, claim: Claim) -> None:
@@ -348,10 +351,10 @@ class IdempotentRequest:
         started = time.perf_counter()
         try:
             completed = await self.store.complete(self.tenant, self.key, fence, recorder.stored_response())
-        except Exception:
+        except Exception as error:
             # The client has its response; the claim stays until its lease lapses, then a retry runs again.
-            logger.exception("idempotency store failed to record a completed response")
-            self.outcome = Outcome.STORE_ERROR
+            self.middleware.failures.failed("record a completed response", error)
+            self.outcome = _store_failure(error)
             return
         finally:
             self.store_seconds += time.perf_counter() - started
@@ -363,9 +366,9 @@ class IdempotentRequest:
         self.outcome = Outcome.RELEASED
         try:
             await asyncio.shield(self._timed(self.store.release(self.tenant, self.key, fence)))
-        except Exception:
-            logger.exception("idempotency store failed to release a key; it frees itself when its lease lapses")
-            self.outcome = Outcome.STORE_ERROR
+        except Exception as error:
+            self.middleware.failures.failed("release a key (it frees itself when its lease lapses)", error)
+            self.outcome = _store_failure(error)
 
     async def _execute_in_transaction(self) -> None:
         """Run the handler in a transaction that also writes the record (``transaction.py``), then answer by how
@@ -405,8 +408,10 @@ class IdempotentRequest:
             # A newer claim owns the key: our writes were rolled back, and the client hears what a retry would.
             return await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.FENCED_OUT)
         if run.state is State.UNAVAILABLE:
-            logger.error("idempotency store unreachable during the handler's transaction", exc_info=run.failure)
-            return await self._refuse(problems.store_unavailable(self.middleware.retry_after), Outcome.STORE_ERROR)
+            assert run.failure is not None
+            self.middleware.failures.failed("run the handler's transaction", run.failure)
+            problem = problems.store_unavailable(self.middleware.retry_after)
+            return await self._refuse(problem, _store_failure(run.failure))
         if run.state is State.REFUSED:
             # The database refused the transaction itself: a deferred constraint at COMMIT, or an error the handler
             # caught but that aborted the transaction. Nothing was committed; the key is free again.
@@ -575,3 +580,8 @@ class IdempotentRequest:
             hook(event)
         except Exception:
             logger.exception("idempotency on_event hook failed")
+
+
+def _store_failure(error: BaseException) -> Outcome:
+    """An exhausted pool is its own outcome: the fix is a larger ``max_size``, not the database team."""
+    return Outcome.POOL_EXHAUSTED if isinstance(error, PoolExhausted) else Outcome.STORE_ERROR
