@@ -100,7 +100,8 @@ async def test_the_log_says_when_the_store_answers_again(caplog: pytest.LogCaptu
     messages = [record.getMessage() for record in idempotency_records(caplog)]
     assert len(messages) == 2
     assert "failed to claim a key: StoreUnavailable: connection refused" in messages[0]
-    assert messages[1].startswith("idempotency store answers again after") and "3 failure(s)" in messages[1]
+    assert messages[1].startswith("idempotency store answers again after")
+    assert "3 failure(s)" in messages[1]
 
 
 async def test_an_exhausted_pool_is_its_own_outcome_and_names_its_size(
@@ -131,7 +132,8 @@ async def test_an_exhausted_pool_is_its_own_outcome_and_names_its_size(
         assert waited.json()["code"] == "idempotency_store_unavailable"
         assert [event.outcome for event in events] == [Outcome.POOL_EXHAUSTED]
         logged = " ".join(record.getMessage() for record in idempotency_records(caplog))
-        assert "max_size=2" in logged and "raise max_size" in logged
+        assert "max_size=2" in logged
+        assert "raise max_size" in logged
         go.set()
         assert (await holder).status_code == 201
     finally:
