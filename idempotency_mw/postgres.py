@@ -7,8 +7,9 @@ hung request.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, cast
 
 import asyncpg
@@ -85,6 +86,10 @@ class PostgresStore:
         else:
             self._borrowed = dsn_or_pool
         self._sql = queries(self.schema)
+        # Claims handed out and not yet completed or released: close() gives them time to settle.
+        self._unsettled: set[tuple[str, str, int]] = set()
+        self._all_settled: asyncio.Event | None = None  # set when the last one settles while close() waits
+        self._closing = False
 
     async def open(self) -> None:
         """Connect now (``min_size`` connections) and check that the tables exist, so that a database that cannot
@@ -99,11 +104,30 @@ class PostgresStore:
         if row is None or not row[0]:
             raise StoreNotMigrated(self.schema)
 
-    async def close(self) -> None:
-        """Close the connections the store opened, those still in use as they come back (a pool passed in is the
-        app's to close). A closed store answers every call with :class:`StoreUnavailable`."""
+    async def close(self, *, grace: float | None = None) -> None:
+        """Refuse new claims, give the claims still being settled up to ``grace`` seconds (default: ``timeout``) to
+        complete or release, then close the connections the store opened, those still in use as they come back (a
+        pool passed in is the app's to close). A closed store answers every call with :class:`StoreUnavailable`.
+
+        The grace is for a server's graceful shutdown: it cancels the requests still running and then runs the
+        app's shutdown at once; each cancelled request releases its key on its way out, and needs a connection for
+        that. Without the grace the key would stay in progress for a whole lease, and the client's retry after the
+        restart would get 409 until then.
+        """
+        self._closing = True
+        if self._unsettled:
+            self._all_settled = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.timeout if grace is None else grace):
+                    await self._all_settled.wait()
         if self._own is not None:
             await self._own.close()
+
+    def _settled(self, tenant: str, key: str, fence: int) -> None:
+        """A claim was completed or released (or the attempt failed): nothing more to wait for on its behalf."""
+        self._unsettled.discard((tenant, key, fence))
+        if not self._unsettled and self._all_settled is not None:
+            self._all_settled.set()
 
     async def __aenter__(self) -> PostgresStore:
         await self.open()
@@ -131,7 +155,9 @@ class PostgresStore:
         """A transaction on a connection of its own, for a transactional handler (``transaction.py``): begun here,
         committed or rolled back by the caller; the connection comes back with a clean session."""
         connection = await self._acquire()
-        transaction = PostgresTransaction(connection, self._sql["complete"], self.timeout, self.schema)
+        transaction = PostgresTransaction(
+            connection, self._sql["complete"], self.timeout, self.schema, on_commit=self._settled
+        )
         try:
             await transaction.begin()
             yield transaction
@@ -228,19 +254,30 @@ class PostgresStore:
     # -- the Store protocol --------------------------------------------------------------------------------
 
     async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
+        if self._closing:
+            raise StoreUnavailable("the idempotency store is closing: it takes no new claims")
         row = await self._fetchrow("claim", tenant, key, fingerprint, float(lease), float(ttl))
         assert row is not None  # INSERT … ON CONFLICT DO UPDATE … RETURNING always returns the row
-        return claim_from_row(row)
+        claim = claim_from_row(row)
+        if claim.outcome is ClaimOutcome.OWNED:
+            self._unsettled.add((tenant, key, claim.fence))
+        return claim
 
     async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
         return await self._execute("renew", tenant, key, fence, float(lease), urgent=True) == "UPDATE 1"
 
     async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
-        status = await self._execute("complete", *completion(tenant, key, fence, response), urgent=True)
+        try:
+            status = await self._execute("complete", *completion(tenant, key, fence, response), urgent=True)
+        finally:
+            self._settled(tenant, key, fence)
         return status == "UPDATE 1"
 
     async def release(self, tenant: str, key: str, fence: int) -> bool:
-        return await self._execute("release", tenant, key, fence, urgent=True) == "DELETE 1"
+        try:
+            return await self._execute("release", tenant, key, fence, urgent=True) == "DELETE 1"
+        finally:
+            self._settled(tenant, key, fence)
 
     async def forget(self, tenant: str, key: str, *, connection: asyncpg.Connection | None = None) -> bool:
         """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names."""
@@ -351,13 +388,22 @@ class PostgresTransaction:
     the connection ``lost`` (it goes back closed, without a reset that would wait out another deadline).
     """
 
-    def __init__(self, connection: asyncpg.Connection, complete_sql: str, timeout: float, schema: str) -> None:
+    def __init__(
+        self,
+        connection: asyncpg.Connection,
+        complete_sql: str,
+        timeout: float,
+        schema: str,
+        on_commit: Callable[[str, str, int], None] | None = None,
+    ) -> None:
         self.connection = connection
         self.lost = False
         self._transaction: asyncpg.transaction.Transaction | None = None
         self._complete_sql = complete_sql
         self._timeout = timeout
         self._schema = schema
+        self._on_commit = on_commit  # told which claim the commit settled
+        self._completed: tuple[str, str, int] | None = None
 
     async def begin(self) -> None:
         with self._reachable():
@@ -368,12 +414,15 @@ class PostgresTransaction:
         args = completion(tenant, key, fence, response)
         with self._reachable(self._schema):
             status = await self.connection.execute(self._complete_sql, *args, timeout=self._timeout)
+        self._completed = (tenant, key, fence)
         return bool(status == "UPDATE 1")
 
     async def commit(self) -> None:
         assert self._transaction is not None
         with self._reachable():
             await self._transaction.commit()
+        if self._completed is not None and self._on_commit is not None:
+            self._on_commit(*self._completed)
 
     async def rollback(self) -> None:
         assert self._transaction is not None

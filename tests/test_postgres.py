@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -355,3 +356,24 @@ async def test_a_backend_terminated_between_two_statements_is_store_unavailable(
         await admin.close()
         await store.close()
     assert unavailable > 0  # the termination was seen (otherwise this test tested nothing)
+
+
+async def test_close_lets_unsettled_claims_finish_and_refuses_new_ones(idempotency_database_url: str) -> None:
+    """What a graceful shutdown needs (tests/test_shutdown.py has the real one): a claim still being settled gets
+    its connection while close() waits; a claim that never settles delays close() by ``grace`` at most."""
+    store = PostgresStore(idempotency_database_url, max_size=2)
+    key = str(uuid.uuid4())
+    claim = await store.claim("t-close", key, b"f" * 32, lease=30, ttl=60)
+    closing = asyncio.create_task(store.close(grace=10))
+    await asyncio.sleep(0.05)
+    assert not closing.done()  # waiting for the claim
+    with pytest.raises(StoreUnavailable, match="closing"):
+        await store.claim("t-close", str(uuid.uuid4()), b"f" * 32, lease=30, ttl=60)
+    assert await store.release("t-close", key, claim.fence)
+    await asyncio.wait_for(closing, 5)
+
+    stuck = PostgresStore(idempotency_database_url, max_size=2)
+    await stuck.claim("t-close", str(uuid.uuid4()), b"f" * 32, lease=30, ttl=60)  # never settled
+    started = time.monotonic()
+    await stuck.close(grace=0.2)
+    assert time.monotonic() - started < 5  # bounded by the grace, not by the lease
