@@ -190,3 +190,41 @@ async def test_stored_response_keeps_the_original_date_and_cookies(pg_store: Pos
     again = await pg_store.claim("docs", key, b"f" * 32, lease=60, ttl=600)
     assert again.response is not None
     assert again.response.headers == headers
+
+
+async def test_under_a_real_server_the_apps_headers_replay_and_the_servers_own_are_fresh(
+    pg_store: PostgresStore, key: str
+) -> None:
+    """semantics.md, "what is stored": the header list the *app* sent is replayed byte for byte, a Date the app set
+    included; the headers the server adds itself (uvicorn: date, server) are not the app's, are not stored, and come
+    fresh with the replay."""
+    import httpx
+
+    from faults.server import serve
+
+    async def receipt(request: Request) -> Response:
+        response = JSONResponse({"id": "rc_1"}, status_code=201)
+        response.headers["x-request-id"] = "req_original"
+        response.headers["last-modified"] = "Mon, 01 Jan 2024 00:00:00 GMT"
+        return response
+
+    app = Starlette(routes=[Route("/receipts", receipt, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=pg_store, tenant=lambda scope: "docs-server")
+    async with serve(app) as url, httpx.AsyncClient(base_url=url) as client:
+        first = await client.post("/receipts", headers={"Idempotency-Key": key})
+        await asyncio.sleep(1.1)  # the server's Date has one-second resolution
+        again = await client.post("/receipts", headers={"Idempotency-Key": key})
+    assert again.headers["idempotent-replayed"] == "true"
+    app_headers = ("content-length", "content-type", "x-request-id", "last-modified")
+    assert [again.headers[name] for name in app_headers] == [first.headers[name] for name in app_headers]
+    assert again.headers["server"] == first.headers["server"] == "uvicorn"  # added by the server, both times
+    assert again.headers["date"] != first.headers["date"]  # the server's own clock, at the replay
+    stored = await pg_store.inspect("docs-server", key)
+    assert stored is not None
+    assert stored.response is not None
+    assert {name for name, _ in stored.response.headers} == {
+        b"content-length",
+        b"content-type",
+        b"x-request-id",
+        b"last-modified",
+    }
