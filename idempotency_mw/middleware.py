@@ -100,7 +100,7 @@ class IdempotencyMiddleware:
             max_request_bytes=max_request_bytes,
             max_response_bytes=max_response_bytes,
             released_statuses=frozenset(released_statuses),
-            methods=frozenset(methods),
+            methods=methods,  # type: ignore[arg-type]  # a collection; Policy checks and freezes it
             retry_window=retry_window,
             check_uuid7_age=check_uuid7_age,
         )

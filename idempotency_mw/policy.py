@@ -40,7 +40,7 @@ class Policy:
     max_request_bytes: int = MiB
     max_response_bytes: int = 8 * MiB
     released_statuses: frozenset[int] = RELEASED_STATUSES
-    methods: frozenset[str] = frozenset({"POST", "PATCH"})
+    methods: frozenset[str] = frozenset({"POST", "PATCH"})  # frozenset(): not covered, even with a key
     # The longest time your clients may keep retrying (or replaying) one operation. A ttl shorter than this
     # would let a late retry find no record and run the operation again, so it is refused at startup.
     retry_window: float | None = None
@@ -74,10 +74,12 @@ class Policy:
         object.__setattr__(self, "released_statuses", frozenset(self.released_statuses))
         if any(not 100 <= s <= 599 for s in self.released_statuses):
             raise ValueError("idempotency released_statuses must be HTTP status codes (100-599)")
+        if isinstance(self.methods, str | bytes):
+            raise ValueError(f"idempotency methods must be a collection of method names, not the string {self.methods!r}")
         methods = frozenset(m.upper() for m in self.methods)
-        if not methods or any(not m.isalpha() for m in methods):
-            raise ValueError(f"idempotency methods must be HTTP method names, got {sorted(self.methods)}")
-        object.__setattr__(self, "methods", methods)
+        if any(not isinstance(m, str) or not m.isalpha() for m in methods):
+            raise ValueError(f"idempotency methods must be HTTP method names, got {sorted(map(str, self.methods))}")
+        object.__setattr__(self, "methods", methods)  # empty: the route is not covered at all
 
     def records(self, status: int) -> bool:
         """Whether a response with ``status`` is final, so stored and replayed (else: released)."""

@@ -25,6 +25,7 @@ from tests.conftest import client_for
         ({"lease": 100, "ttl": 50}, "shorter than ttl"),
         ({"max_request_bytes": -1}, "max_request_bytes"),
         ({"methods": ("P0ST",)}, "method names"),
+        ({"methods": "POST"}, "not the string 'POST'"),
         ({"released_statuses": frozenset({999})}, "status codes"),
         ({"ttl": 3600, "retry_window": 7200}, "retry_window"),
         ({"fail_open": True, "transactional": True}, "fail_open cannot be combined with transactional"),
@@ -217,3 +218,46 @@ async def test_good_route_policies_start_and_keep_the_apps_own_lifespan() -> Non
     assert answer["type"] == "lifespan.startup.complete"
     assert started == ["app"]
     assert (await client_for(app).post("/ok")).status_code == 400  # the scan at startup is the one in use
+
+
+def build_with_webhooks(**options: object) -> tuple[Starlette, list[str]]:
+    runs: list[str] = []
+
+    async def webhook(request: Request) -> Response:
+        runs.append("webhook")
+        return PlainTextResponse("ok", status_code=201)
+
+    @idempotent(methods=frozenset())
+    async def callback(request: Request) -> Response:
+        runs.append("callback")
+        return PlainTextResponse("ok", status_code=201)
+
+    async def charge(request: Request) -> Response:
+        runs.append("charge")
+        return PlainTextResponse("ok", status_code=201)
+
+    app = Starlette(
+        routes=[
+            Route("/v1/webhooks/stripe", webhook, methods=["POST"]),
+            Route("/v1/callbacks", callback, methods=["POST"]),
+            Route("/v1/charges", charge, methods=["POST"]),
+        ]
+    )
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), **options)  # type: ignore[arg-type]
+    return app, runs
+
+
+async def test_a_path_can_be_left_uncovered() -> None:
+    """The documented way (docs/configuration.md): ``methods=frozenset()`` by pattern or by declaration leaves a
+    route alone, a key and an app-wide ``required=True`` notwithstanding."""
+    app, runs = build_with_webhooks(required=True, routes={"/v1/webhooks/*": {"methods": frozenset()}})
+    client = client_for(app)
+    for path in ("/v1/webhooks/stripe", "/v1/callbacks"):
+        for _ in range(2):
+            response = await client.post(path, headers={"Idempotency-Key": "evt_1"})
+            assert response.status_code == 201
+            assert "idempotent-replayed" not in response.headers
+        assert (await client.post(path)).status_code == 201  # no key, and not required here
+    assert (await client.post("/v1/charges")).status_code == 400  # still required elsewhere
+    assert runs == ["webhook"] * 3 + ["callback"] * 3
+
