@@ -29,7 +29,7 @@ from idempotency_mw.middleware import IdempotencyMiddleware
 from idempotency_mw.policy import Policy, PolicyResolver, idempotent
 from idempotency_mw.problems import TYPE_BASE
 from idempotency_mw.routes import iter_routes
-from idempotency_mw.wire import MAX_KEY_LENGTH
+from idempotency_mw.wire import MAX_KEY_LENGTH, ProblemCode
 
 
 def _context(request: Request) -> IdempotencyContext:
@@ -77,25 +77,49 @@ async def _validation_error(request: Request, error: Exception) -> Response:
 
 PROBLEM_SCHEMA = {
     "type": "object",
-    "description": "RFC 9457 problem details",
+    "description": "RFC 9457 problem details, as the idempotency middleware answers",
     "required": ["type", "title", "status", "detail", "code"],
     "properties": {
-        "type": {"type": "string", "example": TYPE_BASE + "idempotency_key_reused"},
+        "type": {"type": "string", "example": TYPE_BASE + ProblemCode.KEY_REUSED},
         "title": {"type": "string"},
         "status": {"type": "integer"},
         "detail": {"type": "string"},
-        "code": {"type": "string"},
+        "code": {"type": "string", "enum": [code.value for code in ProblemCode]},
     },
 }
-_PROBLEMS = {
-    "400": "Idempotency-Key missing or invalid, or sent without credentials to scope it by (code "
-    "idempotency_key_missing / idempotency_key_invalid / idempotency_tenant_unknown)",
-    "409": "A request with this Idempotency-Key is still in progress (code idempotency_request_in_progress); "
-    "retry after Retry-After seconds with the same key",
-    "413": "Request body over the idempotency size limit (code request_too_large)",
-    "422": "This Idempotency-Key was used with a different request (code idempotency_key_reused)",
-    "503": "The idempotency store is unavailable (code idempotency_store_unavailable); nothing ran",
+RETRY_AFTER = {
+    "description": "Seconds to wait before retrying with the same key (with idempotency_request_in_progress and "
+    "idempotency_store_unavailable)",
+    "schema": {"type": "integer", "minimum": 0},
 }
+
+
+def _problems(policy: Policy) -> dict[str, tuple[str, bool]]:
+    """The middleware's answers on a covered operation: status -> (description naming each code, Retry-After)."""
+    bad_key = [
+        *([f"Idempotency-Key missing ({ProblemCode.KEY_MISSING})"] if policy.required else []),
+        f"Idempotency-Key malformed ({ProblemCode.KEY_INVALID})",
+        f"sent without the credentials that scope the key ({ProblemCode.TENANT_UNKNOWN})",
+    ]
+    reused = [f"this Idempotency-Key was used with a different request ({ProblemCode.KEY_REUSED})"]
+    if policy.check_uuid7_age:
+        reused.append(f"a UUIDv7 key older than the {int(policy.ttl)}-second retention ({ProblemCode.KEY_EXPIRED})")
+    return {
+        "400": ("; ".join(bad_key), False),
+        "409": (
+            f"a request with this Idempotency-Key is still in progress: retry after Retry-After seconds with the same "
+            f"key ({ProblemCode.IN_PROGRESS}); or it completed but its response cannot be replayed (over the storage "
+            f"limit, or cut short): do not retry ({ProblemCode.NOT_REPLAYABLE})",
+            True,
+        ),
+        "413": (f"request body over the idempotency size limit ({ProblemCode.REQUEST_TOO_LARGE})", False),
+        "422": ("; ".join(reused), False),
+        "503": (
+            f"the idempotency store is unavailable, nothing ran: retry after Retry-After seconds with the same key "
+            f"({ProblemCode.STORE_UNAVAILABLE})",
+            True,
+        ),
+    }
 
 
 def document(schema: dict[str, Any], app: FastAPI) -> dict[str, Any]:
@@ -133,12 +157,16 @@ def _document_operation(operation: dict[str, Any], policy: Policy) -> None:
                 "description": "Present and true when this response is a replay of the original",
                 "schema": {"type": "string", "enum": ["true"]},
             }
-    for status, description in _PROBLEMS.items():
-        if status == "400" and "400" in responses:
-            continue
-        ref = {"$ref": "#/components/schemas/IdempotencyProblem"}
-        entry = responses.setdefault(status, {"description": description, "content": {}})
+    ref = {"$ref": "#/components/schemas/IdempotencyProblem"}
+    for status, (description, retry_after) in _problems(policy).items():
+        entry = responses.get(status)
+        if entry is None:
+            entry = responses[status] = {"description": description[0].upper() + description[1:]}
+        else:  # the app's own answer with this status (FastAPI's 422 Validation Error): one or the other
+            entry["description"] = f"{entry.get('description', '')}; or, from the idempotency middleware: {description}"
         entry.setdefault("content", {})["application/problem+json"] = {"schema": ref}
+        if retry_after:
+            entry.setdefault("headers", {})["Retry-After"] = RETRY_AFTER
 
 
 def _resolver(app: FastAPI) -> PolicyResolver | None:

@@ -75,7 +75,9 @@ class Policy:
         if any(not 100 <= s <= 599 for s in self.released_statuses):
             raise ValueError("idempotency released_statuses must be HTTP status codes (100-599)")
         if isinstance(self.methods, str | bytes):
-            raise ValueError(f"idempotency methods must be a collection of method names, not the string {self.methods!r}")
+            raise ValueError(
+                f"idempotency methods must be a collection of method names, not the string {self.methods!r}"
+            )
         methods = frozenset(m.upper() for m in self.methods)
         if any(not isinstance(m, str) or not m.isalpha() for m in methods):
             raise ValueError(f"idempotency methods must be HTTP method names, got {sorted(map(str, self.methods))}")

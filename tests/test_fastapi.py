@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, idempotent
 from idempotency_mw.fastapi import Idempotency, IdempotencyConnection, setup
+from idempotency_mw.wire import ProblemCode
 from tests.conftest import client_for
 
 
@@ -88,10 +89,25 @@ async def test_openapi_documents_covered_operations(pg_store: PostgresStore) -> 
     assert charge_key["required"] is False
     assert refund_key["required"] is True
     assert charge_key["schema"]["maxLength"] == 255
-    for status in ("400", "409", "422", "503"):
+    for status in ("400", "409", "413", "422", "503"):
         assert "application/problem+json" in charge["responses"][status]["content"]
     assert "Idempotent-Replayed" in charge["responses"]["201"]["headers"]
     assert "IdempotencyProblem" in schema["components"]["schemas"]
+    # Every code the middleware may answer is named under its status, and enumerated in the schema.
+    described = {status: charge["responses"][status]["description"] for status in charge["responses"]}
+    assert "idempotency_key_invalid" in described["400"]
+    assert "idempotency_tenant_unknown" in described["400"]
+    assert "idempotency_key_missing" not in described["400"]  # not required on this route
+    assert "idempotency_key_missing" in refund["responses"]["400"]["description"]
+    assert "idempotency_request_in_progress" in described["409"]
+    assert "idempotency_response_not_replayable" in described["409"]
+    assert described["422"].startswith("Validation Error; or")  # FastAPI's own 422 is kept, and ours added
+    assert "idempotency_key_reused" in described["422"]
+    assert "application/json" in charge["responses"]["422"]["content"]  # FastAPI's validation body too
+    for status in ("409", "503"):
+        assert charge["responses"][status]["headers"]["Retry-After"]["schema"]["type"] == "integer"
+    codes = schema["components"]["schemas"]["IdempotencyProblem"]["properties"]["code"]["enum"]
+    assert set(codes) == {code.value for code in ProblemCode}
     assert "parameters" not in schema["paths"]["/health"]["get"]  # GET is not covered
 
 

@@ -260,4 +260,3 @@ async def test_a_path_can_be_left_uncovered() -> None:
         assert (await client.post(path)).status_code == 201  # no key, and not required here
     assert (await client.post("/v1/charges")).status_code == 400  # still required elsewhere
     assert runs == ["webhook"] * 3 + ["callback"] * 3
-
