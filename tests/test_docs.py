@@ -1,0 +1,152 @@
+"""The docs cannot drift from the code: every snippet parses, imports what exists and calls with real keywords;
+every ``idempotency-mw`` command line parses; every local link leads somewhere; nothing cites a file outside the
+repository. (Snippets that are run as written have tests of their own: tests/test_readme_snippets.py.)"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+import re
+import shlex
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from idempotency_mw import AuthorizationTenant, IdempotencyMiddleware, Policy, PostgresStore, header_tenant
+from idempotency_mw.cli import build_parser
+from idempotency_mw.client import AsyncIdempotentClient, IdempotentClient, Retry
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "examples" / "README.md"])
+FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.MULTILINE | re.DOTALL)
+
+
+def blocks(language: str) -> list[tuple[str, str]]:
+    """``(where, code)`` of every fenced block in the given language ("" for unlabelled)."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for match in FENCE.finditer(text):
+            if match.group(2) == language:
+                line = text[: match.start()].count("\n") + 1
+                found.append((f"{page.relative_to(ROOT)}:{line}", textwrap.dedent(match.group(3))))
+    return found
+
+
+PYTHON = blocks("python")
+
+
+@pytest.mark.parametrize(("where", "code"), PYTHON, ids=[where for where, _ in PYTHON])
+def test_python_snippets_parse(where: str, code: str) -> None:
+    ast.parse(code, filename=where)
+
+
+@pytest.mark.parametrize(("where", "code"), PYTHON, ids=[where for where, _ in PYTHON])
+def test_python_snippets_import_what_exists(where: str, code: str) -> None:
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("idempotency_mw"):
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(module, alias.name), f"{where}: {node.module} has no {alias.name}"
+
+
+# What a snippet may pass to each of these, by name: their real parameters.
+CALLABLES: dict[str, set[str]] = {
+    "IdempotencyMiddleware": set(inspect.signature(IdempotencyMiddleware).parameters),
+    "PostgresStore": set(inspect.signature(PostgresStore).parameters),
+    "idempotent": {field.name for field in dataclasses.fields(Policy)},
+    "Policy": {field.name for field in dataclasses.fields(Policy)},
+    "AuthorizationTenant": set(inspect.signature(AuthorizationTenant).parameters),
+    "header_tenant": set(inspect.signature(header_tenant).parameters),
+    "Retry": {field.name for field in dataclasses.fields(Retry)},
+    "IdempotentClient": set(inspect.signature(IdempotentClient).parameters) | {"auth", "follow_redirects"},
+    "AsyncIdempotentClient": set(inspect.signature(AsyncIdempotentClient).parameters) | {"auth", "follow_redirects"},
+}
+
+
+def called(node: ast.Call) -> str | None:
+    """The name a call is about: ``f(...)``, ``x.f(...)``, or the class given to ``add_middleware(Class, ...)``."""
+    func: Any = node.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+    if name == "add_middleware" and node.args and isinstance(node.args[0], ast.Name):
+        return str(node.args[0].id)
+    return name
+
+
+@pytest.mark.parametrize(("where", "code"), PYTHON, ids=[where for where, _ in PYTHON])
+def test_python_snippets_call_with_real_keywords(where: str, code: str) -> None:
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Call) and (name := called(node)) in CALLABLES:
+            known = CALLABLES[name] | ({"app"} if name == "IdempotencyMiddleware" else set())
+            unknown = {k.arg for k in node.keywords if k.arg is not None} - known
+            assert not unknown, f"{where}: {name}() has no parameter {sorted(unknown)}"
+
+
+def command_lines() -> list[tuple[str, list[str]]]:
+    """Every ``idempotency-mw`` invocation the docs show (in shell blocks and inline code), as arguments."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        candidates = [m.group(1) for m in re.finditer(r"`(idempotency-mw [^`]+)`", text)]
+        for match in FENCE.finditer(text):
+            if match.group(2) in ("", "sh", "console"):
+                candidates += [line.strip() for line in match.group(3).splitlines()]
+        for line in candidates:
+            line = line.removeprefix("$ ")
+            if not line.startswith("idempotency-mw ") or re.search(r"\[|COMMAND|: error:", line):
+                continue  # a usage synopsis or an error message, not a command line
+            line = line.replace("…", "postgresql://app@db/app")
+            found.append((f"{page.relative_to(ROOT)}: {line}", shlex.split(line, comments=True)[1:]))
+    return found
+
+
+COMMANDS = command_lines()
+
+
+@pytest.mark.parametrize(("where", "argv"), COMMANDS, ids=[where for where, _ in COMMANDS])
+def test_command_lines_in_the_docs_parse(where: str, argv: list[str]) -> None:
+    build_parser().parse_args(argv)  # argparse exits (SystemExit) on anything it does not accept
+
+
+def test_the_docs_show_command_lines_at_all() -> None:
+    assert len(COMMANDS) >= 20
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = FENCE.sub("", page.read_text())
+    return {slug(match.group(1)) for match in re.finditer(r"^#+ (.+)$", text, re.MULTILINE)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(page.relative_to(ROOT)) for page in PAGES])
+def test_local_links_lead_somewhere(page: Path) -> None:
+    for target in LINK.findall(FENCE.sub("", page.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        assert linked.exists(), f"{page.name}: link to a missing file {target}"
+        if anchor and linked.suffix == ".md":
+            assert anchor in anchors(linked), f"{page.name}: link to a missing heading {target}"
+
+
+def test_nothing_cites_files_outside_the_repository() -> None:
+    """The design lives in docs/design.md; research notes and articles outside the repository are not cited."""
+    tracked = [*PAGES, *ROOT.glob("idempotency_mw/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("faults/*.py")]
+    tracked += [*ROOT.glob("examples/**/*.py"), *ROOT.glob("benchmarks/*.py")]
+    pattern = re.compile(r"DESIGN\.md|shared/(research|seeds)|\bpeers\.md|\banchors\.md")
+    offenders = [
+        str(path.relative_to(ROOT)) for path in tracked if path != Path(__file__) and pattern.search(path.read_text())
+    ]
+    assert offenders == []
