@@ -1,5 +1,5 @@
-"""Serve an ASGI app with uvicorn on loopback, wait until it answers, and stop it again: for tests, the fault
-scenarios and the payments demo.
+"""Serve an ASGI app with uvicorn (or Hypercorn, or Granian) on loopback, wait until it answers, and stop it again:
+for tests, the fault scenarios and the payments demo.
 
 Two ways, one for each need:
 
@@ -12,6 +12,13 @@ Two ways, one for each need:
 Either way this process binds the listening socket first, so the port is known before the server runs and there
 is no window in which another program could take it. A child process inherits the socket, and while it is down
 (killed, restarting) connections wait in the socket's backlog instead of being refused.
+
+``ServerProcess(..., server="hypercorn")`` or ``server="granian"`` runs the same app under that server instead,
+through the server's own command line, as a user would (``tests/test_servers.py``). Hypercorn serves the inherited
+socket (``--bind fd://N``). Granian binds its port itself (each of its workers opens its own listener), so for
+Granian the port is one that was free when the ``ServerProcess`` was made, and connections made while it is down
+are refused rather than kept waiting. Both run their app in a worker process of their own: the child is the
+leader of a new process group, and ``kill()`` kills the whole group.
 
 ``python -m faults.server module:app --fd N`` is the child's side. The child finds its app by module name with the
 repository on its ``PYTHONPATH`` (this harness, ``examples`` and ``tests`` are not installed packages).
@@ -39,6 +46,9 @@ from starlette.types import ASGIApp
 
 LOOPBACK = "127.0.0.1"
 REPOSITORY = str(Path(__file__).resolve().parent.parent)
+SERVERS = ("uvicorn", "hypercorn", "granian")
+"""The servers :class:`ServerProcess` runs an app under; uvicorn serves in the child itself, the others in a worker
+process the child starts."""
 
 
 class ServerStartFailed(RuntimeError):
@@ -53,6 +63,14 @@ def listen(host: str = LOOPBACK, port: int = 0) -> socket.socket:
     sock.listen(1024)
     sock.set_inheritable(True)
     return sock
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port nothing listens on right now (for a server that binds its own socket)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 def _config(app: ASGIApp | str, log_level: str, factory: bool = False) -> uvicorn.Config:
@@ -91,7 +109,7 @@ async def serve(
 
 
 class ServerProcess:
-    """An ASGI app (``"package.module:attribute"``) served by uvicorn in a child process.
+    """An ASGI app (``"package.module:attribute"``) served by uvicorn (or ``server=``) in a child process.
 
     ``async with ServerProcess("examples.payments.app:app", env={"DATABASE_URL": dsn}) as server:``
     starts it and waits until it answers HTTP; ``server.base_url`` is where. ``kill()`` is a crash (SIGKILL, no
@@ -109,15 +127,20 @@ class ServerProcess:
         port: int = 0,
         log_level: str = "warning",
         ready_timeout: float = 60.0,
+        server: str = "uvicorn",
     ) -> None:
+        if server not in SERVERS:
+            raise ValueError(f"unknown server {server!r}: one of {', '.join(SERVERS)}")
         self.app = app
         self.env = _with_repository_on_path({**os.environ, **(env or {})})
         self.factory = factory
         self.log_level = log_level
         self.ready_timeout = ready_timeout
-        self.socket = listen(host, port)
+        self.server = server
         self.host = host
-        self.port: int = self.socket.getsockname()[1]
+        # Granian opens its own listeners; the others serve a socket bound here, which outlives their restarts.
+        self.socket: socket.socket | None = None if server == "granian" else listen(host, port)
+        self.port: int = self.socket.getsockname()[1] if self.socket is not None else port or free_port(host)
         self.process: asyncio.subprocess.Process | None = None
         self._log: IO[bytes] = tempfile.NamedTemporaryFile(prefix="imw-server-", suffix=".log")  # noqa: SIM115
 
@@ -138,22 +161,29 @@ class ServerProcess:
             "-m",
             "faults.server",
             self.app,
-            "--fd",
-            str(self.socket.fileno()),
+            "--server",
+            self.server,
             "--log-level",
             self.log_level,
             "--parent",
             str(os.getpid()),
         ]
+        inherited: tuple[int, ...] = ()
+        if self.socket is not None:
+            inherited = (self.socket.fileno(),)
+            command += ["--fd", str(self.socket.fileno())]
+        else:
+            command += ["--host", self.host, "--port", str(self.port)]
         if self.factory:
             command.append("--factory")
         self.process = await asyncio.create_subprocess_exec(
             *command,
             env=self.env,
-            pass_fds=(self.socket.fileno(),),
+            pass_fds=inherited,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=self._log,
             stderr=asyncio.subprocess.STDOUT,
+            start_new_session=self._has_workers,  # its worker processes die with it (kill() kills the group)
         )
         try:
             await self._wait_until_ready()
@@ -170,14 +200,26 @@ class ServerProcess:
                 return
         raise ServerStartFailed(f"the server did not answer within {self.ready_timeout}s:\n{self.log_tail()}")
 
+    @property
+    def _has_workers(self) -> bool:
+        return self.server != "uvicorn"
+
     def kill(self) -> None:
-        """SIGKILL: the process dies mid-whatever, as in a crash. Connections wait in the backlog meanwhile."""
+        """SIGKILL: the process dies mid-whatever, as in a crash. Connections wait in the backlog meanwhile (except
+        under Granian, see the module's docstring)."""
         if self.running:
             assert self.process is not None
-            self.process.kill()
+            self._kill(self.process)
+
+    def _kill(self, process: asyncio.subprocess.Process) -> None:
+        if self._has_workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # the group this child leads: it and its workers
+        else:
+            process.kill()
 
     async def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM (uvicorn's graceful shutdown), then SIGKILL after ``grace`` seconds."""
+        """SIGTERM (the server's graceful shutdown), then SIGKILL after ``grace`` seconds."""
         if self.process is None:
             return
         if self.process.returncode is None:
@@ -185,8 +227,11 @@ class ServerProcess:
             try:
                 await asyncio.wait_for(self.process.wait(), grace)
             except TimeoutError:
-                self.process.kill()
+                self._kill(self.process)
         await self.process.wait()
+        if self._has_workers:  # a worker that outlived its server (it exited on its own, or was killed alone)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
 
     def log_tail(self, lines: int = 40) -> str:
         self._log.flush()
@@ -198,7 +243,8 @@ class ServerProcess:
         try:
             await self.stop()
         finally:
-            self.socket.close()
+            if self.socket is not None:
+                self.socket.close()
             self._log.close()
 
     async def __aenter__(self) -> ServerProcess:
@@ -251,20 +297,52 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Serve an ASGI app on an inherited listening socket.")
-    parser.add_argument("app", help="module:attribute of the ASGI app")
-    parser.add_argument("--fd", type=int, required=True, help="file descriptor of the listening socket")
-    parser.add_argument("--factory", action="store_true", help="the attribute is a factory returning the app")
-    parser.add_argument("--log-level", default="warning")
-    parser.add_argument("--parent", type=int, help="exit when this process is no longer our parent")
-    args = parser.parse_args(argv)
-    if args.parent:
-        _exit_with_parent(args.parent)
+def _run_uvicorn(args: argparse.Namespace) -> int:
     sock = socket.socket(fileno=args.fd)
     server = uvicorn.Server(_config(args.app, args.log_level, args.factory))
     server.run(sockets=[sock])
     return 0 if server.started else 1
+
+
+def _run_hypercorn(args: argparse.Namespace) -> int:
+    """Hypercorn's command line with its defaults (one worker process, lifespan on), on the inherited socket."""
+    from hypercorn.__main__ import main as hypercorn
+
+    target = f"{args.app}()" if args.factory else args.app  # Hypercorn calls a factory written as a call
+    return hypercorn([target, "--bind", f"fd://{args.fd}", "--log-level", args.log_level])
+
+
+def _run_granian(args: argparse.Namespace) -> int:
+    """Granian's command line: ASGI with lifespan, one worker, asyncio's event loop (as uvicorn here)."""
+    from granian.cli import cli as granian
+
+    command = [args.app, "--interface", "asgi", "--host", args.host, "--port", str(args.port)]
+    command += ["--loop", "asyncio", "--log-level", args.log_level]
+    if args.factory:
+        command.append("--factory")
+    granian.main(command, prog_name="granian")  # exits with Granian's status
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Serve an ASGI app on loopback, under the server asked for.")
+    parser.add_argument("app", help="module:attribute of the ASGI app")
+    parser.add_argument("--server", choices=SERVERS, default="uvicorn")
+    parser.add_argument("--fd", type=int, help="file descriptor of the listening socket (uvicorn, hypercorn)")
+    parser.add_argument("--host", default=LOOPBACK, help="where to listen (granian, which binds its own)")
+    parser.add_argument("--port", type=int, help="the port to listen on (granian)")
+    parser.add_argument("--factory", action="store_true", help="the attribute is a factory returning the app")
+    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--parent", type=int, help="exit when this process is no longer our parent")
+    args = parser.parse_args(argv)
+    if args.server == "granian" and args.port is None:
+        parser.error("granian binds its own socket: give --port")
+    if args.server != "granian" and args.fd is None:
+        parser.error(f"{args.server} serves an inherited socket: give --fd")
+    if args.parent:
+        _exit_with_parent(args.parent)
+    runners = {"uvicorn": _run_uvicorn, "hypercorn": _run_hypercorn, "granian": _run_granian}
+    return runners[args.server](args)
 
 
 if __name__ == "__main__":
