@@ -98,10 +98,19 @@ class ResponseRecorder:
 
 
 async def replay(response: StoredResponse, send: Send) -> None:
-    """Send a stored response exactly as first sent, plus ``Idempotent-Replayed: true``."""
+    """Send a stored response exactly as first sent, plus ``Idempotent-Replayed: true``.
+
+    A body the app streamed without a ``Content-Length`` went out chunked; sent back in one final message, some
+    servers (Granian) would frame it with a ``Content-Length`` instead. An empty final message after it keeps the
+    framing the client first saw.
+    """
     assert response.body is not None
     await send({"type": "http.response.start", "status": response.status, "headers": [*response.headers, REPLAYED]})
-    await send({"type": "http.response.body", "body": response.body})
+    if response.body and not any(name.lower() == b"content-length" for name, _ in response.headers):
+        await send({"type": "http.response.body", "body": response.body, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    else:
+        await send({"type": "http.response.body", "body": response.body})
 
 
 def encode_headers(headers: Headers) -> str:

@@ -16,9 +16,8 @@ What differs between them, as far as the middleware can tell:
 - an exception out of the lifespan (a bad app-wide setting) makes Hypercorn and Granian carry on without lifespan,
   as uvicorn does under its default ``--lifespan auto``; they have no ``--lifespan on``. A failed startup
   (``lifespan.startup.failed``) stops all three, Hypercorn with exit status 0;
-- a response without Content-Length goes out chunked under all three, but its replay, sent as one final body
-  message, is framed by Granian with a Content-Length (the one difference the middleware should remove: the test is
-  marked xfail on Granian until it does).
+- a response without Content-Length goes out chunked under all three; its replay is sent as a body message and an
+  empty final one, so that Granian, which frames a lone final message with a Content-Length, streams it too.
 """
 
 from __future__ import annotations
@@ -245,19 +244,9 @@ async def test_a_streamed_response_is_captured_and_replayed(server: Served, prob
     assert await server.runs(key) == 1
 
 
-async def test_a_streamed_response_is_replayed_with_its_own_header_list(
-    server: Served, request: pytest.FixtureRequest
-) -> None:
-    """A response without Content-Length went out streamed. Replayed as one final body message, Granian frames it
-    with a Content-Length the original did not have (uvicorn and Hypercorn stream it chunked either way)."""
-    if server.name == "granian":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="capture.replay sends the body as one final message, which Granian frames with a "
-                "Content-Length; a stored response without one should be replayed as body + empty final message",
-            )
-        )
+async def test_a_streamed_response_is_replayed_with_its_own_header_list(server: Served) -> None:
+    """A response without Content-Length went out streamed, and its replay is streamed too (Granian frames a lone
+    final body message with a Content-Length the original did not have)."""
     key = new_key()
     async with server.client() as client:
         first = await client.post("/stream", json={"amount": 6}, headers=keyed(key))
