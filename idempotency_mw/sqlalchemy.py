@@ -74,6 +74,7 @@ class SQLAlchemyStore:
             ours = tuple(row)
         with _reachable(self.store.timeout):
             async with asyncio.timeout(self.store.timeout), self.engine.connect() as connection:
+                await _refuse_autocommit(connection)
                 theirs = tuple((await connection.exec_driver_sql(identity)).one())
         if theirs != ours:
             raise ValueError(
@@ -103,6 +104,11 @@ class SQLAlchemyStore:
             async with asyncio.timeout(timeout):
                 connection = await self.engine.connect()
         # The session works in a savepoint of the transaction: its own commit() and rollback() never end it.
+        try:
+            await _refuse_autocommit(connection)
+        except BaseException:
+            await connection.close()
+            raise
         session = self.session_class(bind=connection, join_transaction_mode="create_savepoint", expire_on_commit=False)
         transaction = SQLAlchemyTransaction(
             connection, session, self.store.statement("complete"), timeout=timeout, schema=self.store.schema
@@ -265,6 +271,17 @@ class SQLAlchemyTransaction:
             if not isinstance(error, StoreNotMigrated):
                 self.lost = True
             raise
+
+
+async def _refuse_autocommit(connection: AsyncConnection) -> None:
+    """An engine in AUTOCOMMIT begins no transaction: the handler's writes would commit one by one, without the
+    record. No round trip: SQLAlchemy's asyncpg adapter knows its mode."""
+    raw = await connection.get_raw_connection()
+    if getattr(raw.dbapi_connection, "autocommit", False):
+        raise ValueError(
+            'SQLAlchemyStore needs an engine that runs transactions, not one in isolation_level="AUTOCOMMIT": the '
+            "handler's writes would commit one by one, and without the idempotency record"
+        )
 
 
 @contextlib.contextmanager

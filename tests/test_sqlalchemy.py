@@ -602,6 +602,26 @@ async def test_open_refuses_an_engine_on_another_database(
         await other.dispose()
 
 
+async def test_an_engine_in_autocommit_is_refused(
+    idempotency_database_url: str, engine: AsyncEngine, db: asyncpg.Connection, key: str
+) -> None:
+    """AUTOCOMMIT would commit each ORM write on its own, whatever became of the request: refused at open(), and
+    by every request of a store that was not opened, with nothing written and the key free."""
+    autocommit = create_async_engine(sqlalchemy_url(idempotency_database_url), isolation_level="AUTOCOMMIT")
+    try:
+        async with PostgresStore(idempotency_database_url) as records:
+            store = SQLAlchemyStore(records, autocommit)
+            with pytest.raises(ValueError, match="AUTOCOMMIT"):
+                await store.open()
+            with pytest.raises(ValueError, match="AUTOCOMMIT"):
+                await client_for(build(store)).post("/write?flush=1", headers={"Idempotency-Key": key})
+            assert await effects(db, key) == 0
+            assert await store.inspect(tenant_of(), key) is None
+        assert autocommit.pool.checkedout() == 0  # type: ignore[attr-defined]
+    finally:
+        await autocommit.dispose()
+
+
 async def test_close_leaves_the_engine_to_the_app(idempotency_database_url: str, engine: AsyncEngine) -> None:
     async with SQLAlchemyStore(PostgresStore(idempotency_database_url), engine):
         pass
