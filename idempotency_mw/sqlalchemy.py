@@ -175,7 +175,7 @@ class SQLAlchemyTransaction:
         self._schema = schema
 
     async def begin(self) -> None:
-        # With asyncpg, SQLAlchemy sends BEGIN with the first statement: no round trip of its own here.
+        # No round trip here: SQLAlchemy's asyncpg adapter sends BEGIN just before the first statement.
         with self._reachable():
             self._transaction = await self.connection.begin()
 
