@@ -157,10 +157,10 @@ class SQLAlchemyTransaction:
     it.
 
     The session works in a savepoint (``join_transaction_mode="create_savepoint"``): its ``commit()`` releases the
-    savepoint and its ``rollback()`` returns to it, and neither ends the transaction. The session is committed (its
-    pending changes flushed, its savepoint released) before the record is written and the transaction commits. Our own
-    statements have the store's deadline; a database that cannot be reached is :class:`StoreUnavailable` and marks
-    the connection ``lost`` (it is invalidated, not reused).
+    savepoint and its ``rollback()`` returns to it, and neither ends the transaction. Its pending changes are flushed
+    before the record is written and before the transaction commits. Our own statements have the store's deadline;
+    a database that cannot be reached is :class:`StoreUnavailable` and marks the connection ``lost`` (it is
+    invalidated, not reused).
     """
 
     def __init__(
@@ -190,7 +190,7 @@ class SQLAlchemyTransaction:
 
     async def commit(self) -> None:
         assert self._transaction is not None
-        await self._end_session()  # a request without a key completes no record: its session ends here
+        await self._end_session()  # a request without a key completes no record: the flush is here
         with self._reachable():
             async with asyncio.timeout(self._timeout):
                 await self._transaction.commit()
@@ -206,13 +206,16 @@ class SQLAlchemyTransaction:
                 await self._transaction.rollback()
 
     async def _end_session(self) -> None:
-        """Flush the session's pending changes into the transaction and release its savepoint: its commit.
+        """Flush the session's pending changes into the transaction: the handler is done with it.
 
-        Like any session's commit, this refuses (``PendingRollbackError``) a session whose flush failed and that
-        was not rolled back: the handler caught the error and went on, but what it had written is gone.
+        A session whose flush failed and that was not rolled back (the handler caught the error and went on, but
+        what the session had written is gone) is refused as its own commit would refuse it: ``PendingRollbackError``.
         """
         with self._reachable():
-            await self.session.commit()
+            transaction = self.session.get_transaction()
+            if transaction is not None and not transaction.is_active:
+                await self.session.commit()  # raises, as it would for the handler
+            await self.session.flush()
 
     async def give_back(self, *, app_failed: bool) -> None:
         """Roll back what is still open, close the session, reset the connection and give it back to the pool
