@@ -212,7 +212,7 @@ class SQLAlchemyTransaction:
         what the session had written is gone) is refused as its own commit would refuse it: ``PendingRollbackError``.
         """
         with self._reachable():
-            transaction = self.session.get_transaction()
+            transaction = self.session.sync_session.get_transaction()  # the proxy's own fails on SQLAlchemy 2.0.0
             if transaction is not None and not transaction.is_active:
                 await self.session.commit()  # raises, as it would for the handler
             await self.session.flush()
