@@ -100,15 +100,21 @@ class SQLAlchemyStore:
         (``transaction.py``): begun here, committed or rolled back by the caller. The connection goes back to the
         engine's pool with a clean session, or invalidated if it was lost."""
         timeout = self.store.timeout
-        with _reachable(timeout):
+        try:
             async with asyncio.timeout(timeout):
-                connection = await self.engine.connect()
-        # The session works in a savepoint of the transaction: its own commit() and rollback() never end it.
+                with _reachable(timeout):
+                    connection = await self.engine.connect()
+        except TimeoutError as error:
+            raise StoreUnavailable(
+                f"no connection of the SQLAlchemy engine within {timeout:g}s: every one of its pool is in use, or "
+                "the database does not answer"
+            ) from error
         try:
             await _refuse_autocommit(connection)
         except BaseException:
             await connection.close()
             raise
+        # The session works in a savepoint of the transaction: its own commit() and rollback() never end it.
         session = self.session_class(bind=connection, join_transaction_mode="create_savepoint", expire_on_commit=False)
         transaction = SQLAlchemyTransaction(
             connection, session, self.store.statement("complete"), timeout=timeout, schema=self.store.schema

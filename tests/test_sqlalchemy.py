@@ -366,7 +366,7 @@ async def test_an_engine_that_cannot_reach_the_database_is_503(idempotency_datab
 
 
 async def test_an_exhausted_engine_pool_is_503_within_the_store_timeout(
-    idempotency_database_url: str, db: asyncpg.Connection
+    idempotency_database_url: str, db: asyncpg.Connection, caplog: pytest.LogCaptureFixture
 ) -> None:
     engine = create_async_engine(sqlalchemy_url(idempotency_database_url), pool_size=1, max_overflow=0)
     gate = Gate()
@@ -379,6 +379,7 @@ async def test_an_exhausted_engine_pool_is_503_within_the_store_timeout(
             key = str(uuid.uuid4())
             waiting = await asyncio.wait_for(client.post("/write", headers={"Idempotency-Key": key}), 10)
             assert waiting.status_code == 503
+            assert "no connection of the SQLAlchemy engine within 0.5s" in caplog.text
             assert await store.inspect(tenant_of(), key) is None
             gate.go.set()
             assert (await holder).status_code == 201
