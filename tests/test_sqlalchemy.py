@@ -80,13 +80,23 @@ async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]
 
 
 @pytest.fixture
-async def engine(idempotency_database_url: str) -> AsyncIterator[AsyncEngine]:
+async def engine(idempotency_database_url: str, tables: None) -> AsyncIterator[AsyncEngine]:
     engine = create_async_engine(sqlalchemy_url(idempotency_database_url), pool_size=5, max_overflow=0)
-    async with engine.begin() as connection:
-        await connection.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}")
-        await connection.run_sync(Base.metadata.create_all)
     yield engine
     await engine.dispose()
+
+
+@pytest.fixture
+async def tables(idempotency_database_url: str) -> None:
+    """The test models' tables, in a schema of their own."""
+    engine = create_async_engine(sqlalchemy_url(idempotency_database_url))
+    try:
+        async with engine.begin() as connection:
+            await connection.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}")
+            await connection.run_sync(Base.metadata.create_all)
+            await connection.run_sync(SQLModel.metadata.create_all)
+    finally:
+        await engine.dispose()
 
 
 @pytest.fixture
@@ -366,7 +376,7 @@ async def test_an_engine_that_cannot_reach_the_database_is_503(idempotency_datab
 
 
 async def test_an_exhausted_engine_pool_is_503_within_the_store_timeout(
-    idempotency_database_url: str, db: asyncpg.Connection, caplog: pytest.LogCaptureFixture
+    idempotency_database_url: str, tables: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     engine = create_async_engine(sqlalchemy_url(idempotency_database_url), pool_size=1, max_overflow=0)
     gate = Gate()
@@ -540,8 +550,6 @@ async def test_the_session_dependency_says_why_there_is_none(store: SQLAlchemySt
 
 async def test_sqlmodel_sessions_work_the_same(idempotency_database_url: str, engine: AsyncEngine) -> None:
     """SQLModel's AsyncSession is an AsyncSession: pass it as session_class, and use its exec()."""
-    async with engine.begin() as connection:
-        await connection.run_sync(SQLModel.metadata.create_all)
 
     async def write(request: Request) -> Response:
         session = idempotency_session(request)
@@ -604,7 +612,7 @@ async def test_open_refuses_an_engine_on_another_database(
 
 
 async def test_an_engine_in_autocommit_is_refused(
-    idempotency_database_url: str, engine: AsyncEngine, db: asyncpg.Connection, key: str
+    idempotency_database_url: str, tables: None, db: asyncpg.Connection, key: str
 ) -> None:
     """AUTOCOMMIT would commit each ORM write on its own, whatever became of the request: refused at open(), and
     by every request of a store that was not opened, with nothing written and the key free."""
