@@ -10,6 +10,9 @@ claims (409 until their lease lapses), take them over and finish.
   once, and no claim outlives the lease it was last renewed for.
 - Plain mode: an effect committed before the kill has no completed record, so its retry runs it again: the
   seen-set window. The result counts those duplicates instead of hiding them.
+
+``sqlalchemy=True`` runs the same round against the SQLAlchemy variant of the ledger (transactional: the effect is
+an ORM object written through the request's ``AsyncSession``).
 """
 
 from __future__ import annotations
@@ -43,11 +46,12 @@ async def run_crash(
     delay: float = 1.5,
     lease: float = 2.0,
     kill_after: float = 10.0,
+    sqlalchemy: bool = False,
 ) -> tuple[Result, CrashFindings]:
     """One crash round. The worker is killed once most handlers are mid-flight, or ``kill_after`` seconds in."""
     run = uuid.uuid4().hex[:12]
     keys = [f"crash-{run}-{i}" for i in range(operations)]
-    worker = ledger_worker(dsn, transactional=transactional, lease=lease)
+    worker = ledger_worker(dsn, transactional=transactional, lease=lease, sqlalchemy=sqlalchemy)
     rss = PeakRss(lambda: [worker.process.pid] if worker.process is not None else [])
     connection = await asyncpg.connect(dsn)
     unanswered = 0
@@ -93,7 +97,7 @@ async def run_crash(
         violations=await violations(dsn, keys),
         unanswered=unanswered,
     )
-    mode = "transactional" if transactional else "plain"
+    mode = ("transactional" if transactional else "plain") + (", SQLAlchemy" if sqlalchemy else "")
     result = Result(
         f"crash (kill -9), {mode}",
         operations=operations,

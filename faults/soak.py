@@ -51,6 +51,7 @@ def scenarios(dsn: str, outage_pg: DisposablePostgres) -> dict[str, list[tuple[S
         "storm": [(lambda: first(run_storm(dsn, payments=500, copies=5, in_flight=25)), True)],
         "crash": [
             (lambda: first(run_crash(dsn, transactional=True, operations=60, lease=2.0)), True),
+            (lambda: first(run_crash(dsn, transactional=True, sqlalchemy=True, operations=60, lease=2.0)), True),
             (lambda: first(run_crash(dsn, transactional=False, operations=60, lease=2.0)), False),
         ],
         "outage": [

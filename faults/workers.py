@@ -30,10 +30,14 @@ def ledger_worker(
     store_timeout: float = 5.0,
     max_response_bytes: int = 8 * 1024 * 1024,
     port: int = 0,
+    sqlalchemy: bool = False,
 ) -> ServerProcess:
-    """The ledger app (:mod:`faults.ledger_app`) on ``dsn``."""
+    """The ledger app (:mod:`faults.ledger_app`) on ``dsn``; with ``sqlalchemy``, its SQLAlchemy variant
+    (:mod:`faults.ledger_sqlalchemy`, transactional only)."""
+    if sqlalchemy and not transactional:
+        raise ValueError("the SQLAlchemy ledger is transactional only")
     return ServerProcess(
-        "faults.ledger_app:create_app",
+        "faults.ledger_sqlalchemy:create_app" if sqlalchemy else "faults.ledger_app:create_app",
         factory=True,
         port=port,
         env={

@@ -164,6 +164,15 @@ class PostgresStore:
         finally:
             await self._give_back_lent(connection, lost=transaction.lost)
 
+    def statement(self, name: str) -> str:
+        """The SQL of one of the store's statements (``sql/queries.sql``: ``complete``, ``forget``, …), in its schema,
+        with asyncpg's ``$1`` parameters: for a transaction the store does not own (``idempotency_mw.sqlalchemy``).
+        """
+        try:
+            return self._sql[name]
+        except KeyError:
+            raise KeyError(f"PostgresStore has no statement {name!r}; it has {', '.join(sorted(self._sql))}") from None
+
     async def _give_back_lent(self, connection: asyncpg.Connection, *, lost: bool) -> None:
         """Reset a connection lent to code other than ours and give it back; closed if it is lost or the reset
         fails. Even when the reset itself is cancelled, the connection goes back (closed)."""

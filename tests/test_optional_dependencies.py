@@ -45,6 +45,12 @@ def python(code: str, *, hide: str, env: dict[str, str] | None = None) -> subpro
     [
         ("import idempotency_mw.fastapi", "fastapi", "idempotency_mw.fastapi needs fastapi"),
         ("import idempotency_mw.client", "httpx", "idempotency_mw.client needs httpx"),
+        ("import idempotency_mw.sqlalchemy", "sqlalchemy", "idempotency_mw.sqlalchemy needs sqlalchemy"),
+        (
+            "from idempotency_mw.sqlalchemy import IdempotencySession",
+            "fastapi",
+            "idempotency_mw.sqlalchemy.IdempotencySession needs fastapi",
+        ),
         ("import idempotency_mw.metrics", "prometheus_client", "idempotency_mw.metrics needs prometheus-client"),
         ("import idempotency_mw.testing", "pytest", "idempotency_mw.testing needs pytest"),
         (
@@ -63,6 +69,7 @@ def test_an_optional_module_without_its_extra_names_the_extra(code: str, hidden:
     extra = {
         "fastapi": "fastapi",
         "httpx": "client",
+        "sqlalchemy": "sqlalchemy",
         "prometheus_client": "metrics",
         "opentelemetry": "otel",
         "pytest": "testing",

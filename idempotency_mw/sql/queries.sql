@@ -99,3 +99,8 @@ FROM {schema}.idempotency_records;
 -- startup with the command that fixes it, instead of at every request.
 SELECT to_regclass('{schema}.idempotency_records') IS NOT NULL
    AND to_regclass('{schema}.idempotency_fence') IS NOT NULL;
+
+-- name: database_identity
+-- SQLAlchemyStore.open() compares this on the store's connection and on the app's engine: the handlers'
+-- transactions complete the records, so the engine must reach the store's database (same server, same database).
+SELECT current_database() AS database, pg_postmaster_start_time() AS server_started;

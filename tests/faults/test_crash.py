@@ -25,6 +25,19 @@ async def test_transactional_mode_takes_every_operation_once(idempotency_databas
     assert findings.worst_lease_overhang > 0
 
 
+async def test_sqlalchemy_handlers_take_every_operation_once(idempotency_database_url: str) -> None:
+    """The same crash, with handlers that write an ORM object through the request's AsyncSession."""
+    result, findings = await run_crash(
+        idempotency_database_url, transactional=True, sqlalchemy=True, operations=20, lease=LEASE
+    )
+    assert findings.mid_flight_at_kill > 0, "the kill found no handler mid-flight: the scenario proved nothing"
+    assert findings.unanswered == 0
+    assert result.duplicates == 0
+    assert result.lost == 0
+    assert findings.violations == []
+    assert 0 < findings.worst_lease_overhang <= LEASE + 1.0
+
+
 async def test_plain_mode_can_only_repeat_effects_committed_before_the_crash(idempotency_database_url: str) -> None:
     """The seen-set window (docs/design.md §6): measured and bounded, not hidden. docs/faults.md has the figures."""
     result, findings = await run_crash(idempotency_database_url, transactional=False, operations=30, lease=LEASE)

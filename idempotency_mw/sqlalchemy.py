@@ -1,0 +1,361 @@
+"""SQLAlchemy 2 (async, asyncpg driver) in a transactional handler's transaction.
+
+from idempotency_mw.sqlalchemy import IdempotencySession, SQLAlchemyStore
+
+store = SQLAlchemyStore(PostgresStore(dsn), engine)   # engine = create_async_engine("postgresql+asyncpg://…")
+app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+
+@app.post("/v1/transfers")
+async def transfer(session: IdempotencySession) -> dict: ...
+
+The handler's ``AsyncSession`` is bound to a connection of the app's own engine, in the transaction that the
+middleware completes the idempotency record in and commits once the response is final: the ORM writes and the
+record commit together, or neither does. Claims, lease renewals and releases still go through the PostgresStore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+try:
+    from sqlalchemy import exc as sa_exc
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, AsyncTransaction
+except ImportError as error:  # sqlalchemy is an optional dependency of the package
+    raise ImportError("idempotency_mw.sqlalchemy needs sqlalchemy: pip install 'idempotency-mw[sqlalchemy]'") from error
+from starlette.requests import HTTPConnection
+
+from idempotency_mw.context import idempotency_context
+from idempotency_mw.postgres import NOT_MIGRATED, UNAVAILABLE, PostgresStore, completion
+from idempotency_mw.sql import reset_session
+from idempotency_mw.store import Claim, RecordInfo, StoredResponse, StoreNotMigrated, StoreUnavailable
+
+
+class SQLAlchemyStore:
+    """A :class:`~idempotency_mw.postgres.PostgresStore` whose transactions, lent to transactional handlers, run on
+    the app's SQLAlchemy engine (``postgresql+asyncpg://``), with an ``AsyncSession`` of ``session_class``.
+
+    Every store call goes to ``store``. The engine must reach the store's database (:meth:`open` checks it), and
+    stays the app's: :meth:`close` closes the store only.
+    """
+
+    def __init__(
+        self, store: PostgresStore, engine: AsyncEngine, *, session_class: type[AsyncSession] = AsyncSession
+    ) -> None:
+        if not isinstance(store, PostgresStore):
+            raise TypeError(f"SQLAlchemyStore keeps its records in a PostgresStore, not {type(store).__name__}")
+        if not isinstance(engine, AsyncEngine):
+            raise TypeError(
+                f"SQLAlchemyStore needs an AsyncEngine (sqlalchemy.ext.asyncio.create_async_engine), "
+                f"not {type(engine).__name__}"
+            )
+        dialect = engine.dialect
+        if (dialect.name, dialect.driver) != ("postgresql", "asyncpg"):
+            raise ValueError(
+                f"SQLAlchemyStore needs an engine on PostgreSQL's asyncpg driver (postgresql+asyncpg://…), "
+                f"not {dialect.name}+{dialect.driver}"
+            )
+        if not (isinstance(session_class, type) and issubclass(session_class, AsyncSession)):
+            raise TypeError(f"session_class must be AsyncSession or a subclass of it, not {session_class!r}")
+        self.store = store
+        self.engine = engine
+        self.session_class = session_class
+
+    async def open(self) -> None:
+        """Open the store (:meth:`PostgresStore.open <idempotency_mw.postgres.PostgresStore.open>`), and check that
+        the engine reaches the same database: the records complete in the handlers' transactions, on the engine."""
+        await self.store.open()
+        identity = self.store.statement("database_identity")
+        async with self.store.connection() as connection:
+            row = await connection.fetchrow(identity, timeout=self.store.timeout)
+            assert row is not None
+            ours = tuple(row)
+        with _reachable(self.store.timeout):
+            async with asyncio.timeout(self.store.timeout), self.engine.connect() as connection:
+                await _refuse_autocommit(connection)
+                theirs = tuple((await connection.exec_driver_sql(identity)).one())
+        if theirs != ours:
+            raise ValueError(
+                f"SQLAlchemyStore: the engine reaches database {theirs[0]!r} (server started {theirs[1]}), the "
+                f"PostgresStore database {ours[0]!r} (server started {ours[1]}). The handlers' transactions complete "
+                "the idempotency records, so both must use the same database"
+            )
+
+    async def close(self) -> None:
+        """Close the store. The engine is the app's, to dispose of when it is done with it."""
+        await self.store.close()
+
+    async def __aenter__(self) -> SQLAlchemyStore:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[SQLAlchemyTransaction]:
+        """A transaction on a connection of the engine, with a session bound to it, for a transactional handler
+        (``transaction.py``): begun here, committed or rolled back by the caller. The connection goes back to the
+        engine's pool with a clean session, or invalidated if it was lost."""
+        timeout = self.store.timeout
+        try:
+            async with asyncio.timeout(timeout):
+                with _reachable(timeout):
+                    connection = await self.engine.connect()
+        except TimeoutError as error:
+            raise StoreUnavailable(
+                f"no connection of the SQLAlchemy engine within {timeout:g}s: every one of its pool is in use, or "
+                "the database does not answer"
+            ) from error
+        try:
+            await _refuse_autocommit(connection)
+        except BaseException:
+            await connection.close()
+            raise
+        # The session works in a savepoint of the transaction: its own commit() and rollback() never end it.
+        session = self.session_class(bind=connection, join_transaction_mode="create_savepoint", expire_on_commit=False)
+        transaction = SQLAlchemyTransaction(
+            connection, session, self.store.statement("complete"), timeout=timeout, schema=self.store.schema
+        )
+        app_failed = True
+        try:
+            await transaction.begin()
+            yield transaction
+            app_failed = False
+        finally:
+            await transaction.give_back(app_failed=app_failed)
+
+    # -- the Store protocol, kept by the PostgresStore --------------------------------------------------------
+
+    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
+        return await self.store.claim(tenant, key, fingerprint, lease=lease, ttl=ttl)
+
+    async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
+        return await self.store.renew(tenant, key, fence, lease=lease)
+
+    async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
+        return await self.store.complete(tenant, key, fence, response)
+
+    async def release(self, tenant: str, key: str, fence: int) -> bool:
+        return await self.store.release(tenant, key, fence)
+
+    async def forget(self, tenant: str, key: str, *, connection: AsyncConnection | None = None) -> bool:
+        """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names
+        (``await session.connection()``), so that both happen or neither does."""
+        if connection is None:
+            return await self.store.forget(tenant, key)
+        with _reachable(self.store.timeout, self.store.schema):
+            result = await connection.exec_driver_sql(self.store.statement("forget"), (tenant, key))
+        return result.rowcount == 1
+
+    async def inspect(self, tenant: str, key: str) -> RecordInfo | None:
+        return await self.store.inspect(tenant, key)
+
+    async def purge_expired(self, *, batch_size: int = 1000) -> int:
+        return await self.store.purge_expired(batch_size=batch_size)
+
+
+class SQLAlchemyTransaction:
+    """A transaction on a connection of the app's engine, lent to a transactional handler: ``session`` (an
+    ``AsyncSession``) and ``connection`` (the ``AsyncConnection`` under it) write in it, and the record completes in
+    it.
+
+    The session works in a savepoint (``join_transaction_mode="create_savepoint"``): its ``commit()`` releases the
+    savepoint and its ``rollback()`` returns to it, and neither ends the transaction. Its pending changes are flushed
+    before the record is written and before the transaction commits. Our own statements have the store's deadline;
+    a database that cannot be reached is :class:`StoreUnavailable` and marks the connection ``lost`` (it is
+    invalidated, not reused).
+    """
+
+    def __init__(
+        self, connection: AsyncConnection, session: AsyncSession, complete_sql: str, *, timeout: float, schema: str
+    ) -> None:
+        self.connection = connection
+        self.session = session
+        self.lost = False
+        self._transaction: AsyncTransaction | None = None
+        self._complete_sql = complete_sql
+        self._timeout = timeout
+        self._schema = schema
+
+    async def begin(self) -> None:
+        # No round trip here: SQLAlchemy's asyncpg adapter sends BEGIN just before the first statement.
+        with self._reachable():
+            self._transaction = await self.connection.begin()
+
+    async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
+        await self._end_session()
+        with self._reachable(self._schema):
+            async with asyncio.timeout(self._timeout):
+                result = await self.connection.exec_driver_sql(
+                    self._complete_sql, completion(tenant, key, fence, response)
+                )
+        return result.rowcount == 1
+
+    async def commit(self) -> None:
+        assert self._transaction is not None
+        await self._end_session()  # a request without a key completes no record: the flush is here
+        with self._reachable():
+            async with asyncio.timeout(self._timeout):
+                await self._transaction.commit()
+
+    async def rollback(self) -> None:
+        assert self._transaction is not None
+        with self._reachable():
+            if self.lost or self.connection.invalidated:
+                # Gone with its connection. SQLAlchemy's own rollback of an invalidated connection says nothing,
+                # but the database could not be reached: the caller must hear it (503), as with asyncpg.
+                raise StoreUnavailable("the connection of the handler's transaction was lost")
+            async with asyncio.timeout(self._timeout):
+                await self._transaction.rollback()
+
+    async def _end_session(self) -> None:
+        """Flush the session's pending changes into the transaction: the handler is done with it.
+
+        A session whose flush failed and that was not rolled back (the handler caught the error and went on, but
+        what the session had written is gone) is refused as its own commit would refuse it: ``PendingRollbackError``.
+        """
+        with self._reachable():
+            transaction = self.session.sync_session.get_transaction()  # the proxy's own fails on SQLAlchemy 2.0.0
+            if transaction is not None and not transaction.is_active:
+                await self.session.commit()  # raises, as it would for the handler
+            await self.session.flush()
+
+    async def give_back(self, *, app_failed: bool) -> None:
+        """Roll back what is still open, close the session, reset the connection and give it back to the pool
+        (invalidated, if it was lost or the reset failed). Even when this is cancelled, the connection goes back.
+
+        A transaction begun on the connection after ours ended (the session used in a background task, or while a
+        response over the cap streams) is rolled back, and unless the app failed anyway, a RuntimeError says so:
+        those writes were never part of the request's transaction.
+        """
+        late = (
+            not self.connection.invalidated
+            and self.connection.in_transaction()
+            and (self._transaction is None or not self._transaction.is_active)
+        )
+        healthy = False
+        try:
+            healthy = await self._clean()
+        finally:
+            try:
+                if not healthy:
+                    await self.connection.invalidate()
+            finally:
+                await self.connection.close()
+        if late and not app_failed:
+            raise RuntimeError(
+                "the request's SQLAlchemy session (or connection) was used after its transaction had ended, and what "
+                "it did there was rolled back: write before the response is returned, and give background tasks a "
+                "session of their own"
+            )
+
+    async def _clean(self) -> bool:
+        """Give the connection the session of a fresh one: no transaction, then ``sql/reset_session.sql`` on the
+        driver's connection. SQLAlchemy's pool only rolls back, which would leave a role, settings, temp tables,
+        prepared statements, advisory locks or a LISTEN of this handler to the next user of the connection.
+        False if the connection is unusable."""
+        usable = not (self.lost or self.connection.invalidated)
+        try:
+            if usable and self.connection.in_transaction():
+                async with asyncio.timeout(self._timeout):
+                    await self.connection.rollback()
+            await self.session.close()  # its savepoint ended with the transaction: no statement
+            if usable:
+                raw = await self.connection.get_raw_connection()
+                driver: Any = raw.driver_connection  # asyncpg's Connection
+                await driver.execute(reset_session(), timeout=self._timeout)
+        except Exception:  # lost, broken or busy: a fresh connection is cheaper than a doubtful one
+            return False
+        return usable
+
+    @contextlib.contextmanager
+    def _reachable(self, schema: str | None = None) -> Iterator[None]:
+        try:
+            with _reachable(self._timeout, schema):
+                yield
+        except StoreUnavailable as error:
+            if not isinstance(error, StoreNotMigrated):
+                self.lost = True
+            raise
+
+
+async def _refuse_autocommit(connection: AsyncConnection) -> None:
+    """An engine in AUTOCOMMIT begins no transaction: the handler's writes would commit one by one, without the
+    record. No round trip: SQLAlchemy's asyncpg adapter knows its mode."""
+    raw = await connection.get_raw_connection()
+    if getattr(raw.dbapi_connection, "autocommit", False):
+        raise ValueError(
+            'SQLAlchemyStore needs an engine that runs transactions, not one in isolation_level="AUTOCOMMIT": the '
+            "handler's writes would commit one by one, and without the idempotency record"
+        )
+
+
+@contextlib.contextmanager
+def _reachable(timeout: float, schema: str | None = None) -> Iterator[None]:
+    """Turn "the database cannot be reached" into :class:`StoreUnavailable` and, around the store's own statements
+    in ``schema``, "the tables are missing" into :class:`StoreNotMigrated`; let the rest be.
+
+    SQLAlchemy wraps the driver's errors (``DBAPIError``, with asyncpg's exception as the cause); a lost connection
+    is ``connection_invalidated``; no free connection in the engine's pool is SQLAlchemy's ``TimeoutError``.
+    """
+    try:
+        yield
+    except StoreUnavailable:
+        raise
+    except sa_exc.TimeoutError as error:
+        raise StoreUnavailable(f"no connection of the SQLAlchemy engine's pool came free: {error}") from error
+    except Exception as error:
+        if isinstance(error, sa_exc.DBAPIError) and error.connection_invalidated:
+            raise StoreUnavailable(f"the connection was lost: {error.orig}") from error
+        cause: BaseException | None = error
+        while cause is not None:
+            if isinstance(cause, TimeoutError):
+                raise StoreUnavailable(f"the database did not answer within {timeout:g}s") from error
+            if isinstance(cause, UNAVAILABLE):
+                raise StoreUnavailable(str(cause) or type(cause).__name__) from error
+            if schema is not None and isinstance(cause, NOT_MIGRATED):
+                raise StoreNotMigrated(schema, str(cause)) from error
+            cause = cause.__cause__
+        raise
+
+
+def idempotency_session(request: HTTPConnection) -> AsyncSession:
+    """The session of a transactional route's transaction (a :class:`SQLAlchemyStore`): what Starlette handlers
+    call, and what :data:`IdempotencySession` gives FastAPI handlers."""
+    context = idempotency_context(request)
+    if context is None:
+        raise RuntimeError("this route is not handled by IdempotencyMiddleware (is it added to the app?)")
+    transaction = context.transaction
+    if transaction is None:
+        raise RuntimeError(
+            "this route is not transactional: use @idempotent(transactional=True) or "
+            "IdempotencyMiddleware(transactional=True) to get its database transaction"
+        )
+    if not isinstance(transaction, SQLAlchemyTransaction):
+        raise RuntimeError(
+            f"the middleware's store lends {type(transaction).__name__}, not a SQLAlchemy session: pass "
+            "store=SQLAlchemyStore(PostgresStore(…), engine) to IdempotencyMiddleware"
+        )
+    return transaction.session
+
+
+try:
+    from fastapi import Depends
+except ImportError:  # FastAPI is optional here: Starlette handlers call idempotency_session(request)
+    if not TYPE_CHECKING:
+
+        def __getattr__(name: str) -> NoReturn:
+            if name == "IdempotencySession":
+                raise ImportError(
+                    "idempotency_mw.sqlalchemy.IdempotencySession needs fastapi: pip install 'idempotency-mw[fastapi]'"
+                )
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+else:
+    IdempotencySession = Annotated[AsyncSession, Depends(idempotency_session)]
+    """The session of a transactional route: its writes commit with the idempotency record, or not at all."""
+
+
+__all__ = ["IdempotencySession", "SQLAlchemyStore", "SQLAlchemyTransaction", "idempotency_session"]

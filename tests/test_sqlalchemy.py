@@ -1,0 +1,654 @@
+"""Transactional mode with SQLAlchemy (docs/guide.md): the handler's ORM writes, through the AsyncSession the
+middleware lends, and the record commit together or neither does. The same cases as the asyncpg flavour
+(tests/test_transactional.py), on ORM models in a schema of their own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import MetaData, UniqueConstraint, event, exc, select, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlmodel import Field, SQLModel
+from sqlmodel import select as sqlmodel_select
+from sqlmodel.ext.asyncio.session import AsyncSession as SQLModelSession
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotency_context, idempotent
+from idempotency_mw.fastapi import setup
+from idempotency_mw.sqlalchemy import IdempotencySession, SQLAlchemyStore, idempotency_session
+from idempotency_mw.store import TransactionalStore
+from tests.conftest import client_for, tenant_of
+from tests.test_transactional import SESSION_LEAKS, SESSION_STATE
+
+SCHEMA = "imw_sqla"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(schema=SCHEMA)
+
+
+class Effect(Base):
+    __tablename__ = "effects"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    key: Mapped[str]
+    note: Mapped[str]
+
+
+class Once(Base):
+    """A value that may appear once, checked only at COMMIT (a deferred constraint)."""
+
+    __tablename__ = "once"
+    __table_args__ = (UniqueConstraint("value", name="once_value", deferrable=True, initially="DEFERRED"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    value: Mapped[int]
+
+
+class Note(SQLModel, table=True):
+    """A SQLModel table: SQLModel's AsyncSession works as the handler's session too."""
+
+    __tablename__ = "sqlmodel_notes"
+    __table_args__ = {"schema": SCHEMA}
+
+    id: int | None = Field(default=None, primary_key=True)
+    key: str
+
+
+def sqlalchemy_url(dsn: str) -> str:
+    return make_url(dsn).set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
+
+
+@pytest.fixture
+async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    connection = await asyncpg.connect(idempotency_database_url)
+    yield connection
+    await connection.close()
+
+
+@pytest.fixture
+async def engine(idempotency_database_url: str, tables: None) -> AsyncIterator[AsyncEngine]:
+    engine = create_async_engine(sqlalchemy_url(idempotency_database_url), pool_size=5, max_overflow=0)
+    yield engine
+    await engine.dispose()
+
+
+@pytest.fixture
+async def tables(idempotency_database_url: str) -> None:
+    """The test models' tables, in a schema of their own."""
+    engine = create_async_engine(sqlalchemy_url(idempotency_database_url))
+    try:
+        async with engine.begin() as connection:
+            await connection.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}")
+            await connection.run_sync(Base.metadata.create_all)
+            await connection.run_sync(SQLModel.metadata.create_all)
+    finally:
+        await engine.dispose()
+
+
+@pytest.fixture
+async def store(idempotency_database_url: str, engine: AsyncEngine) -> AsyncIterator[SQLAlchemyStore]:
+    async with SQLAlchemyStore(PostgresStore(idempotency_database_url), engine) as store:
+        yield store
+
+
+class Gate:
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.go = asyncio.Event()
+        self.go.set()
+
+
+def build(store: SQLAlchemyStore, gate: Gate | None = None, **options: Any) -> Starlette:
+    async def write(request: Request) -> Response:
+        session = idempotency_session(request)
+        context = idempotency_context(request)
+        assert context is not None
+        note = request.query_params.get("note") or (await request.body()).decode() or "ok"
+        session.add(Effect(key=context.key or "none", note=note))  # not flushed: the middleware flushes it
+        if request.query_params.get("flush"):
+            await session.flush()
+        if gate is not None:
+            gate.entered.set()
+            await gate.go.wait()
+        if note == "raise":
+            raise RuntimeError("handler failed after writing")
+        if note == "500":
+            return JSONResponse({"error": "late failure"}, status_code=500)
+        if note == "committed-then-500":
+            await session.commit()  # releases the session's savepoint: the request's transaction goes on
+            return JSONResponse({"error": "late failure"}, status_code=500)
+        if note == "big":
+            return Response(b"y" * 5000)
+        return JSONResponse({"written": note}, status_code=201)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, **options)
+    return app
+
+
+async def effects(db: asyncpg.Connection, key: str) -> int:
+    return int(await db.fetchval(f"SELECT count(*) FROM {SCHEMA}.effects WHERE key = $1", key))
+
+
+def asgi_scope(key: str) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": "/write",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"idempotency-key", key.encode()), (b"authorization", b"Bearer sk_test_alice")],
+        "scheme": "http",
+        "server": ("t", 80),
+    }
+
+
+def test_the_middleware_takes_it_as_a_transactional_store(store: SQLAlchemyStore) -> None:
+    assert isinstance(store, TransactionalStore)
+    IdempotencyMiddleware(Starlette(), store, transactional=True)
+
+
+async def test_orm_writes_and_record_commit_together(store: SQLAlchemyStore, db: asyncpg.Connection) -> None:
+    key = str(uuid.uuid4())
+    client = client_for(build(store))
+    first = await client.post("/write", headers={"Idempotency-Key": key})
+    assert first.status_code == 201
+    again = await client.post("/write", headers={"Idempotency-Key": key})
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == first.content
+    assert await effects(db, key) == 1
+
+
+async def test_response_is_sent_only_after_the_commit(store: SQLAlchemyStore, db: asyncpg.Connection) -> None:
+    """When the first byte reaches the client, the ORM write and the completed record are already visible."""
+    key = str(uuid.uuid4())
+    seen: dict[str, Any] = {}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            seen["effects"] = await effects(db, key)
+            seen["state"] = await db.fetchval("SELECT state FROM idempotency_records WHERE key = $1", key)
+
+    await build(store)(asgi_scope(key), receive, send)
+    assert seen == {"effects": 1, "state": "completed"}
+
+
+@pytest.mark.parametrize("note", ["raise", "500", "committed-then-500"])
+async def test_handler_failure_rolls_back_orm_writes_and_record(
+    store: SQLAlchemyStore, db: asyncpg.Connection, note: str
+) -> None:
+    """Also when the handler called session.commit(): that ends the session's savepoint, not the transaction."""
+    key = str(uuid.uuid4())
+    client = client_for(build(store))
+    if note == "raise":
+        with pytest.raises(RuntimeError):
+            await client.post(f"/write?note={note}&flush=1", headers={"Idempotency-Key": key})
+    else:
+        response = await client.post(f"/write?note={note}&flush=1", headers={"Idempotency-Key": key})
+        assert response.status_code == 500
+    assert await effects(db, key) == 0
+    assert await store.inspect(tenant_of(), key) is None
+    retry = await client.post("/write?note=ok", headers={"Idempotency-Key": key})
+    assert retry.status_code == 201
+    assert await effects(db, key) == 1
+
+
+async def test_fenced_out_completion_rolls_back_the_orm_writes(store: SQLAlchemyStore, db: asyncpg.Connection) -> None:
+    """A zombie worker (its lease was taken over mid-handler) can neither commit its ORM writes nor its record."""
+    key = str(uuid.uuid4())
+    gate = Gate()
+    gate.go.clear()
+    client = client_for(build(store, gate))
+    zombie = asyncio.create_task(client.post("/write?flush=1", headers={"Idempotency-Key": key}))
+    await asyncio.wait_for(gate.entered.wait(), 5)
+    # Another worker takes the key over: the lease lapsed (a long pause, say) and a retry claimed it.
+    await db.execute(
+        "UPDATE idempotency_records SET lease_expires_at = now() - interval '1 second' WHERE key = $1", key
+    )
+    record = await db.fetchrow("SELECT tenant, fingerprint FROM idempotency_records WHERE key = $1", key)
+    takeover = await store.claim(record["tenant"], key, bytes(record["fingerprint"]), lease=60, ttl=600)
+    assert takeover.outcome.value == "owned"
+    gate.go.set()
+    response = await zombie
+    assert response.status_code == 409
+    assert response.json()["code"] == "idempotency_request_in_progress"
+    assert await effects(db, key) == 0
+    info = await store.inspect(record["tenant"], key)
+    assert info is not None
+    assert info.state == "in_progress"
+    assert info.fence == takeover.fence
+
+
+async def test_the_sessions_own_commit_and_rollback_do_not_end_the_transaction(
+    store: SQLAlchemyStore, db: asyncpg.Connection, key: str
+) -> None:
+    """The session works in a savepoint: rollback() undoes what it wrote since, commit() releases it; the request's
+    transaction goes on, and commits the rest with the record."""
+
+    async def write(request: Request) -> Response:
+        session = idempotency_session(request)
+        session.add(Effect(key=key, note="undone"))
+        await session.rollback()
+        session.add(Effect(key=key, note="kept"))
+        await session.commit()
+        session.add(Effect(key=key, note="after its commit"))
+        return JSONResponse({"ok": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+    assert (await client_for(app).post("/write", headers={"Idempotency-Key": key})).status_code == 201
+    notes = await db.fetchval(f"SELECT array_agg(note ORDER BY id) FROM {SCHEMA}.effects WHERE key = $1", key)
+    assert notes == ["kept", "after its commit"]
+
+
+def build_refusing(store: SQLAlchemyStore) -> Starlette:
+    """Handlers whose transaction the database refuses, at COMMIT (a deferred unique constraint) or earlier (a
+    database error the handler caught, which aborted the transaction or left the session needing a rollback); and
+    one that recovers properly, in a savepoint."""
+
+    async def write(request: Request) -> Response:
+        session = idempotency_session(request)
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.key is not None
+        how = request.query_params["how"]
+        session.add(Effect(key=context.key, note=how))
+        if how == "deferred":
+            session.add_all([Once(value=1), Once(value=1)])  # refused only at COMMIT
+        elif how == "swallowed":
+            with contextlib.suppress(exc.DBAPIError):
+                await session.execute(text("SELECT 1 / 0"))  # caught, but the transaction is now aborted
+        elif how == "failed_flush":
+            first = Effect(key=context.key, note="first")
+            session.add(first)
+            await session.flush()
+            session.expunge(first)
+            session.add(Effect(id=first.id, key=context.key, note="same id"))
+            with contextlib.suppress(exc.IntegrityError):
+                await session.flush()  # caught, but the session now refuses to go on without a rollback
+        elif how == "savepoint":
+            with contextlib.suppress(exc.DBAPIError):
+                async with session.begin_nested():
+                    await session.execute(text("SELECT 1 / 0"))  # undone to the savepoint; the rest goes on
+        return JSONResponse({"written": how}, status_code=201)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+    return app
+
+
+@pytest.mark.parametrize(
+    ("how", "error"),
+    [("deferred", exc.IntegrityError), ("swallowed", exc.DBAPIError), ("failed_flush", exc.PendingRollbackError)],
+)
+async def test_a_transaction_the_database_refuses_is_a_handler_failure(
+    store: SQLAlchemyStore, db: asyncpg.Connection, how: str, error: type[Exception], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not a 503 (the database is fine, and a retry would fail the same way): the request fails like a handler
+    error, nothing is committed, and the key is free for a corrected retry."""
+    key = str(uuid.uuid4())
+    client = client_for(build_refusing(store))
+    with pytest.raises(error):
+        await client.post(f"/write?how={how}", headers={"Idempotency-Key": key})
+    assert await effects(db, key) == 0
+    assert await store.inspect(tenant_of(), key) is None
+    assert "could not commit" in caplog.text
+    retry = await client.post("/write?how=fixed", headers={"Idempotency-Key": key})
+    assert retry.status_code == 201
+    assert await effects(db, key) == 1
+
+
+async def test_an_error_caught_in_a_savepoint_leaves_the_transaction_usable(
+    store: SQLAlchemyStore, db: asyncpg.Connection
+) -> None:
+    key = str(uuid.uuid4())
+    response = await client_for(build_refusing(store)).post("/write?how=savepoint", headers={"Idempotency-Key": key})
+    assert response.status_code == 201
+    assert await effects(db, key) == 1
+
+
+def build_terminating(store: SQLAlchemyStore, dsn: str) -> Starlette:
+    """A handler whose connection dies under it (its server process terminated) after it wrote."""
+
+    async def write(request: Request) -> Response:
+        session = idempotency_session(request)
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.key is not None
+        session.add(Effect(key=context.key, note="lost"))
+        pid = (await session.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+        killer = await asyncpg.connect(dsn)
+        try:
+            await killer.execute("SELECT pg_terminate_backend($1)", pid)
+        finally:
+            await killer.close()
+        await asyncio.sleep(0.2)  # the connection notices
+        status = int(request.query_params["status"])
+        return JSONResponse({"status": status}, status_code=status)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+    return app
+
+
+@pytest.mark.parametrize("status", [201, 500])
+async def test_a_connection_lost_mid_transaction_is_503_and_frees_the_key(
+    store: SQLAlchemyStore, db: asyncpg.Connection, idempotency_database_url: str, key: str, status: int
+) -> None:
+    """Lost before the record could be written (201) or before the rollback (500): the database could not be
+    reached, so the answer is 503 (retry later), not a handler error, and the retry runs afresh."""
+    app = build_terminating(store, idempotency_database_url)
+    response = await client_for(app).post(f"/write?status={status}", headers={"Idempotency-Key": key})
+    assert response.status_code == 503
+    assert response.json()["code"] == "idempotency_store_unavailable"
+    assert await store.inspect(tenant_of(), key) is None
+    assert await effects(db, key) == 0
+
+
+async def test_an_engine_that_cannot_reach_the_database_is_503(idempotency_database_url: str, key: str) -> None:
+    """The claim succeeded (the store is fine), but no transaction could begin on the engine: 503, key free."""
+    dead = create_async_engine("postgresql+asyncpg://nobody@127.0.0.1:1/none")
+    try:
+        async with PostgresStore(idempotency_database_url) as records:
+            store = SQLAlchemyStore(records, dead)
+            response = await client_for(build(store)).post("/write", headers={"Idempotency-Key": key})
+            assert response.status_code == 503
+            assert await store.inspect(tenant_of(), key) is None
+    finally:
+        await dead.dispose()
+
+
+async def test_an_exhausted_engine_pool_is_503_within_the_store_timeout(
+    idempotency_database_url: str, tables: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = create_async_engine(sqlalchemy_url(idempotency_database_url), pool_size=1, max_overflow=0)
+    gate = Gate()
+    gate.go.clear()
+    try:
+        async with SQLAlchemyStore(PostgresStore(idempotency_database_url, timeout=0.5), engine) as store:
+            client = client_for(build(store, gate))
+            holder = asyncio.create_task(client.post("/write", headers={"Idempotency-Key": str(uuid.uuid4())}))
+            await asyncio.wait_for(gate.entered.wait(), 5)
+            key = str(uuid.uuid4())
+            waiting = await asyncio.wait_for(client.post("/write", headers={"Idempotency-Key": key}), 10)
+            assert waiting.status_code == 503
+            assert "no connection of the SQLAlchemy engine within 0.5s" in caplog.text
+            assert await store.inspect(tenant_of(), key) is None
+            gate.go.set()
+            assert (await holder).status_code == 201
+    finally:
+        await engine.dispose()
+
+
+async def test_a_keyless_request_on_a_transactional_route_gets_its_session(
+    store: SQLAlchemyStore, db: asyncpg.Connection
+) -> None:
+    note = f"keyless-{uuid.uuid4()}"
+    client = client_for(build(store))
+    assert (await client.post("/write", content=note.encode())).status_code == 201  # flushed at the commit
+    assert await db.fetchval(f"SELECT count(*) FROM {SCHEMA}.effects WHERE note = $1", note) == 1
+    before = await db.fetchval(f"SELECT count(*) FROM {SCHEMA}.effects WHERE note = '500'")
+    assert (await client.post("/write?note=500")).status_code == 500
+    assert await db.fetchval(f"SELECT count(*) FROM {SCHEMA}.effects WHERE note = '500'") == before
+
+
+async def test_response_over_the_cap_commits_before_streaming(store: SQLAlchemyStore, db: asyncpg.Connection) -> None:
+    key = str(uuid.uuid4())
+    client = client_for(build(store, max_response_bytes=1000))
+    live = await client.post("/write?note=big", headers={"Idempotency-Key": key})
+    assert live.content == b"y" * 5000
+    retry = await client.post("/write?note=big", headers={"Idempotency-Key": key})
+    assert retry.status_code == 409
+    assert retry.json()["code"] == "idempotency_response_not_replayable"
+    assert await effects(db, key) == 1
+
+
+async def test_the_session_used_after_the_commit_is_rolled_back_and_said_so(
+    store: SQLAlchemyStore, db: asyncpg.Connection, key: str
+) -> None:
+    """A background task runs after the commit: writing through the request's session there would not be part of
+    the request's transaction. It is rolled back, and the app hears it; the committed answer stands."""
+
+    async def late_write(session: AsyncSession, key: str) -> None:
+        session.add(Effect(key=key, note="background"))
+        await session.flush()
+
+    async def write(request: Request) -> Response:
+        session = idempotency_session(request)
+        session.add(Effect(key=key, note="handler"))
+        return JSONResponse({"ok": True}, status_code=201, background=BackgroundTask(late_write, session, key))
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+    with pytest.raises(RuntimeError, match="used after its transaction had ended"):
+        await client_for(app).post("/write", headers={"Idempotency-Key": key})
+    assert await db.fetchval(f"SELECT array_agg(note) FROM {SCHEMA}.effects WHERE key = $1", key) == ["handler"]
+    info = await store.inspect(tenant_of(), key)
+    assert info is not None
+    assert info.state == "completed"
+
+
+# -- the connection goes back to the engine's pool with a clean session ---------------------------------------
+
+
+def build_leaky(store: SQLAlchemyStore, seen: list[dict[str, Any]]) -> Starlette:
+    async def leak(request: Request) -> Response:
+        session = idempotency_session(request)
+        await session.execute(text(SESSION_LEAKS[request.path_params["what"]]))
+        return JSONResponse({"left": request.path_params["what"]}, status_code=201)
+
+    async def look(request: Request) -> Response:
+        session = idempotency_session(request)
+        seen.append(dict((await session.execute(text(SESSION_STATE))).mappings().one()))
+        return JSONResponse({"looked": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/leak/{what}", leak, methods=["POST"]), Route("/look", look, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: "t-sqla-leak")
+    return app
+
+
+@pytest.fixture
+async def leak_role(db: asyncpg.Connection) -> str:
+    if not await db.fetchval("SELECT 1 FROM pg_roles WHERE rolname = 'imw_leak_role'"):
+        with contextlib.suppress(asyncpg.DuplicateObjectError):  # another test made it meanwhile
+            await db.execute("CREATE ROLE imw_leak_role SUPERUSER")
+    return "imw_leak_role"
+
+
+@pytest.mark.parametrize("what", sorted(SESSION_LEAKS))
+async def test_the_connection_goes_back_to_the_pool_with_a_clean_session(
+    idempotency_database_url: str, leak_role: str, db: asyncpg.Connection, what: str
+) -> None:
+    """Whatever a handler did to its session (a role for row-level security, a schema, a temp table, a prepared
+    statement, a lock, a LISTEN), the next user of that pooled connection, a handler or the app itself, starts as
+    the engine's login role with a clean session. SQLAlchemy's pool alone would only roll back."""
+    login = await db.fetchval("SELECT current_user")
+    engine = create_async_engine(sqlalchemy_url(idempotency_database_url), pool_size=1, max_overflow=0)
+    connects: list[int] = []
+    event.listen(engine.sync_engine, "connect", lambda *args: connects.append(1))
+    try:
+        async with SQLAlchemyStore(PostgresStore(idempotency_database_url), engine) as store:
+            seen: list[dict[str, Any]] = []
+            client = client_for(build_leaky(store, seen))
+            assert (await client.post("/look", headers={"Idempotency-Key": str(uuid.uuid4())})).status_code == 201
+            assert (
+                await client.post(f"/leak/{what}", headers={"Idempotency-Key": str(uuid.uuid4())})
+            ).status_code == 201
+            assert (await client.post("/look", headers={"Idempotency-Key": str(uuid.uuid4())})).status_code == 201
+            assert seen[1] == seen[0]
+            assert seen[1]["current_user"] == seen[1]["session_user"] == login
+            async with engine.connect() as connection:  # the app's own use of its engine
+                assert dict((await connection.execute(text(SESSION_STATE))).mappings().one()) == seen[0]
+        assert engine.pool.checkedout() == 0
+        assert len(connects) == 1  # one pooled connection served every request: it was reset, not replaced
+    finally:
+        await engine.dispose()
+
+
+# -- FastAPI ------------------------------------------------------------------------------------------------
+
+
+def build_fastapi(store: SQLAlchemyStore | PostgresStore) -> FastAPI:
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    setup(app)
+
+    @app.post("/v1/effects", status_code=201)
+    @idempotent(transactional=True, required=True)
+    async def create(body: dict[str, str], session: IdempotencySession) -> dict[str, Any]:
+        effect = Effect(key=body["key"], note=body["note"])
+        session.add(effect)
+        await session.flush()  # for the id
+        count = (await session.execute(select(Effect).where(Effect.key == body["key"]))).scalars().all()
+        return {"id": effect.id, "seen": len(count)}
+
+    @app.post("/v1/plain")
+    async def plain(session: IdempotencySession) -> dict[str, Any]:
+        return {}
+
+    return app
+
+
+async def test_fastapi_handlers_get_the_session_as_a_dependency(store: SQLAlchemyStore, db: asyncpg.Connection) -> None:
+    key = str(uuid.uuid4())
+    client = client_for(build_fastapi(store))
+    body = {"key": key, "note": "fastapi"}
+    first = await client.post("/v1/effects", json=body, headers={"Idempotency-Key": key})
+    assert first.status_code == 201
+    assert first.json()["seen"] == 1
+    again = await client.post("/v1/effects", json=body, headers={"Idempotency-Key": key})
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.json() == first.json()
+    assert await effects(db, key) == 1
+
+
+async def test_the_session_dependency_says_why_there_is_none(store: SQLAlchemyStore, pg_store: PostgresStore) -> None:
+    with pytest.raises(RuntimeError, match="not transactional"):
+        await client_for(build_fastapi(store)).post("/v1/plain", headers={"Idempotency-Key": str(uuid.uuid4())})
+    with pytest.raises(RuntimeError, match="not a SQLAlchemy session"):
+        await client_for(build_fastapi(pg_store)).post(
+            "/v1/effects", json={"key": "k", "note": "n"}, headers={"Idempotency-Key": str(uuid.uuid4())}
+        )
+
+
+async def test_sqlmodel_sessions_work_the_same(idempotency_database_url: str, engine: AsyncEngine) -> None:
+    """SQLModel's AsyncSession is an AsyncSession: pass it as session_class, and use its exec()."""
+
+    async def write(request: Request) -> Response:
+        session = idempotency_session(request)
+        assert isinstance(session, SQLModelSession)
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.key is not None
+        session.add(Note(key=context.key))
+        await session.flush()
+        found = (await session.exec(sqlmodel_select(Note).where(Note.key == context.key))).all()
+        return JSONResponse({"notes": len(found)}, status_code=201 if request.query_params.get("ok") else 500)
+
+    key = str(uuid.uuid4())
+    async with SQLAlchemyStore(PostgresStore(idempotency_database_url), engine, session_class=SQLModelSession) as store:
+        app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+        client = client_for(app)
+        failed = await client.post("/write", headers={"Idempotency-Key": key})
+        assert (failed.status_code, failed.json()) == (500, {"notes": 1})
+        done = await client.post("/write?ok=1", headers={"Idempotency-Key": key})
+        assert (done.status_code, done.json()) == (201, {"notes": 1})  # the failed attempt's note was rolled back
+    async with SQLModelSession(engine) as session:
+        assert len((await session.exec(sqlmodel_select(Note).where(Note.key == key))).all()) == 1
+
+
+# -- the store ------------------------------------------------------------------------------------------------
+
+
+async def test_forget_in_the_deleting_transaction(store: SQLAlchemyStore, db: asyncpg.Connection) -> None:
+    """The resource-deleted race: the resource and its creation record go together, through the app's session."""
+    key = str(uuid.uuid4())
+    client = client_for(build(store))
+    assert (await client.post("/write", headers={"Idempotency-Key": key})).status_code == 201
+    async with AsyncSession(store.engine) as session, session.begin():
+        effect = (await session.execute(select(Effect).where(Effect.key == key))).scalar_one()
+        await session.delete(effect)
+        assert await store.forget(tenant_of(), key, connection=await session.connection())
+    assert await store.inspect(tenant_of(), key) is None
+    again = await client.post("/write", headers={"Idempotency-Key": key})
+    assert "idempotent-replayed" not in again.headers
+    assert await effects(db, key) == 1
+
+
+async def test_open_refuses_an_engine_on_another_database(
+    idempotency_database_url: str, db: asyncpg.Connection
+) -> None:
+    if not await db.fetchval("SELECT 1 FROM pg_database WHERE datname = 'imw_sqla_other'"):
+        with contextlib.suppress(asyncpg.DuplicateDatabaseError):
+            await db.execute("CREATE DATABASE imw_sqla_other")
+    other = create_async_engine(
+        make_url(sqlalchemy_url(idempotency_database_url)).set(database="imw_sqla_other").render_as_string(False)
+    )
+    store = SQLAlchemyStore(PostgresStore(idempotency_database_url), other)
+    try:
+        with pytest.raises(ValueError, match="imw_sqla_other"):
+            await store.open()
+    finally:
+        await store.close()
+        await other.dispose()
+
+
+async def test_an_engine_in_autocommit_is_refused(
+    idempotency_database_url: str, tables: None, db: asyncpg.Connection, key: str
+) -> None:
+    """AUTOCOMMIT would commit each ORM write on its own, whatever became of the request: refused at open(), and
+    by every request of a store that was not opened, with nothing written and the key free."""
+    autocommit = create_async_engine(sqlalchemy_url(idempotency_database_url), isolation_level="AUTOCOMMIT")
+    try:
+        async with PostgresStore(idempotency_database_url) as records:
+            store = SQLAlchemyStore(records, autocommit)
+            with pytest.raises(ValueError, match="AUTOCOMMIT"):
+                await store.open()
+            with pytest.raises(ValueError, match="AUTOCOMMIT"):
+                await client_for(build(store)).post("/write?flush=1", headers={"Idempotency-Key": key})
+            assert await effects(db, key) == 0
+            assert await store.inspect(tenant_of(), key) is None
+        assert autocommit.pool.checkedout() == 0  # type: ignore[attr-defined]
+    finally:
+        await autocommit.dispose()
+
+
+async def test_close_leaves_the_engine_to_the_app(idempotency_database_url: str, engine: AsyncEngine) -> None:
+    async with SQLAlchemyStore(PostgresStore(idempotency_database_url), engine):
+        pass
+    async with engine.connect() as connection:
+        assert (await connection.execute(text("SELECT 1"))).scalar_one() == 1
+
+
+def test_bad_arguments_are_refused_with_what_is_needed(idempotency_database_url: str) -> None:
+    async_engine = create_async_engine(sqlalchemy_url(idempotency_database_url))
+    with pytest.raises(TypeError, match="PostgresStore"):
+        SQLAlchemyStore(MemoryStore(), async_engine)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="AsyncEngine"):
+        SQLAlchemyStore(PostgresStore(idempotency_database_url), async_engine.sync_engine)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="session_class"):
+        SQLAlchemyStore(PostgresStore(idempotency_database_url), async_engine, session_class=dict)  # type: ignore[arg-type]
+
+
+def test_the_store_names_its_statements(pg_store: PostgresStore) -> None:
+    assert 'UPDATE "public".idempotency_records' in pg_store.statement("complete")
+    with pytest.raises(KeyError, match="no statement 'completion'; it has claim, complete"):
+        pg_store.statement("completion")
