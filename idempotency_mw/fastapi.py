@@ -40,13 +40,18 @@ def _context(request: Request) -> IdempotencyContext:
 
 
 def _connection(request: Request) -> asyncpg.Connection:
-    connection = _context(request).connection
-    if connection is None:
+    context = _context(request)
+    if context.transaction is None:
         raise RuntimeError(
             "this route is not transactional: use @idempotent(transactional=True) or "
             "IdempotencyMiddleware(transactional=True) to get its database transaction"
         )
-    return connection
+    if context.connection is None:
+        raise RuntimeError(
+            f"this route's transaction is a {type(context.transaction).__name__}, not an asyncpg connection: "
+            "with SQLAlchemyStore, take IdempotencySession (idempotency_mw.sqlalchemy) instead"
+        )
+    return context.connection
 
 
 IdempotencyConnection = Annotated[asyncpg.Connection, Depends(_connection)]

@@ -121,7 +121,8 @@ class IdempotencyMiddleware:
     def _check_transactional(self, *policies: Policy) -> None:
         if any(p.transactional for p in policies) and not isinstance(self.store, TransactionalStore):
             raise TypeError(
-                f"transactional mode needs a store with database transactions (PostgresStore), "
+                f"transactional mode needs a store with database transactions (PostgresStore, or SQLAlchemyStore "
+                f"from idempotency_mw.sqlalchemy), "
                 f"not {type(self.store).__name__}"
             )
 
@@ -419,7 +420,8 @@ class IdempotentRequest:
             logger.error(
                 "idempotency: the handler's transaction could not commit (%s); nothing was committed. If the "
                 "handler recovers from database errors, run the statements that may fail in a savepoint "
-                "(async with connection.transaction(): ...)",
+                "(asyncpg: async with connection.transaction(): ...; SQLAlchemy: async with session.begin_nested(): "
+                "...)",
                 type(run.failure).__name__,
             )
             raise run.failure from raised

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotency_context, idempotent
-from idempotency_mw.fastapi import setup
+from idempotency_mw.fastapi import IdempotencyConnection, setup
 from idempotency_mw.sqlalchemy import IdempotencySession, SQLAlchemyStore, idempotency_session
 from idempotency_mw.store import TransactionalStore
 from tests.conftest import client_for, tenant_of
@@ -652,3 +652,15 @@ def test_the_store_names_its_statements(pg_store: PostgresStore) -> None:
     assert 'UPDATE "public".idempotency_records' in pg_store.statement("complete")
     with pytest.raises(KeyError, match="no statement 'completion'; it has claim, complete"):
         pg_store.statement("completion")
+
+
+async def test_asking_for_the_asyncpg_connection_under_sqlalchemy_names_the_session(store: SQLAlchemyStore) -> None:
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+
+    @app.post("/v1/raw")
+    async def raw(db: IdempotencyConnection) -> dict[str, Any]:
+        return {}
+
+    with pytest.raises(RuntimeError, match="take IdempotencySession"):
+        await client_for(app).post("/v1/raw", headers={"Idempotency-Key": str(uuid.uuid4())})
