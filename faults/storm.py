@@ -36,13 +36,18 @@ def _form(index: int) -> dict[str, str]:
 
 
 async def run_storm(
-    dsn: str, *, payments: int = 200, copies: int = 5, in_flight: int = 20
+    dsn: str, *, payments: int = 200, copies: int = 5, in_flight: int = 20, pgbouncer: str | None = None
 ) -> tuple[Result, StormAnswers]:
+    """``pgbouncer``: the DSN of a transaction-pooling PgBouncer in front of ``dsn``, which the workers then use
+    (without prepared statements); the ledger is counted on ``dsn`` itself."""
     run = uuid.uuid4().hex[:12]
     auth = {"Authorization": f"Bearer sk_test_storm_{run}"}
     keys = [f"storm-{run}-{i}" for i in range(payments)]
     answers = StormAnswers()
-    first, second = payments_worker(dsn), payments_worker(dsn)
+    app_dsn = pgbouncer or dsn
+    prepared = pgbouncer is None
+    first = payments_worker(app_dsn, prepared_statements=prepared)
+    second = payments_worker(app_dsn, prepared_statements=prepared)
     rss = PeakRss(lambda: [p.process.pid for p in (first, second) if p.process is not None])
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(first)  # one after the other: the first applies migrations and schema
@@ -91,9 +96,10 @@ async def run_storm(
     counts = await charges_per_key(dsn, keys)
     duplicates, lost = tally(counts, keys)
     result = Result(
-        "storm across processes",
+        "storm across processes" + (" through PgBouncer" if pgbouncer else ""),
         operations=payments,
-        faults=f"{copies} concurrent copies of each payment over 2 worker processes",
+        faults=f"{copies} concurrent copies of each payment over 2 worker processes"
+        + (" via PgBouncer (transaction pooling)" if pgbouncer else ""),
         duplicates=duplicates,
         lost=lost,
         peak_rss=rss.peak,

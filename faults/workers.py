@@ -14,11 +14,17 @@ import asyncpg
 from faults.server import ServerProcess
 
 
-def payments_worker(dsn: str, *, pool_size: int = 20) -> ServerProcess:
-    """The payments example (transactional, Stripe-style) on ``dsn``."""
+def payments_worker(dsn: str, *, pool_size: int = 20, prepared_statements: bool = True) -> ServerProcess:
+    """The payments example (transactional, Stripe-style) on ``dsn``; ``prepared_statements=False`` when ``dsn`` is
+    a transaction-pooling PgBouncer."""
     return ServerProcess(
         "examples.payments.app:app",
-        env={"DATABASE_URL": dsn, "PAYMENTS_POOL_SIZE": str(pool_size), "PAYMENTS_MIGRATE": "1"},
+        env={
+            "DATABASE_URL": dsn,
+            "PAYMENTS_POOL_SIZE": str(pool_size),
+            "PAYMENTS_MIGRATE": "1",
+            "PAYMENTS_PREPARED_STATEMENTS": "1" if prepared_statements else "0",
+        },
     )
 
 

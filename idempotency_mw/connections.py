@@ -20,6 +20,8 @@ import asyncpg
 
 from idempotency_mw.store import PoolExhausted
 
+STATEMENT_CACHE_SIZE = 100  # asyncpg's default: far more than the store's dozen statements
+
 
 class PoolClosed(asyncpg.exceptions.InterfaceError):
     """The pool was closed while a checkout was waiting, or before it."""
@@ -38,6 +40,9 @@ class ConnectionPool:
     included, shares the rest. Without that, a burst of new requests, or transactional handlers holding every
     connection, would keep a running handler from renewing its lease: it would lapse, and a retry would run the
     handler a second time.
+
+    ``prepared_statements=False`` opens connections without asyncpg's statement cache (``statement_cache_size=0``),
+    for a transaction-pooling proxy in front of the server; see ``_connect``.
     """
 
     def __init__(
@@ -48,6 +53,7 @@ class ConnectionPool:
         max_size: int,
         timeout: float,
         connection_class: type[asyncpg.Connection] = asyncpg.Connection,
+        prepared_statements: bool = True,
     ) -> None:
         if not 0 <= min_size <= max_size or max_size < 1:
             raise ValueError(f"pool sizes must satisfy 0 <= min_size <= max_size >= 1, got {min_size}, {max_size}")
@@ -56,6 +62,7 @@ class ConnectionPool:
         self.max_size = max_size
         self.timeout = timeout
         self.connection_class = connection_class
+        self.prepared_statements = prepared_statements
         self._idle: list[asyncpg.Connection] = []
         self._urgent: collections.deque[asyncio.Future[asyncpg.Connection | None]] = collections.deque()
         self._normal: collections.deque[asyncio.Future[asyncpg.Connection | None]] = collections.deque()
@@ -196,7 +203,14 @@ class ConnectionPool:
         return False
 
     async def _connect(self) -> asyncpg.Connection:
+        # Without prepared statements asyncpg's statement cache is off and every statement is unnamed: one round
+        # trip parses and describes it (ending in Flush, not Sync, so a transaction-pooling proxy keeps the same
+        # server connection), a second parses it again and runs it. Nothing outlives the statement's Sync.
         connection: asyncpg.Connection = await asyncpg.connect(
-            self.dsn, timeout=self.timeout, command_timeout=self.timeout, connection_class=self.connection_class
+            self.dsn,
+            timeout=self.timeout,
+            command_timeout=self.timeout,
+            connection_class=self.connection_class,
+            statement_cache_size=STATEMENT_CACHE_SIZE if self.prepared_statements else 0,
         )
         return connection

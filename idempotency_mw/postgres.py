@@ -62,6 +62,11 @@ class PostgresStore:
     already has and leaves closing it to the app. ``timeout`` bounds every database call in seconds, connecting
     and waiting for a free connection included. ``schema`` is where the tables live; every statement names it,
     so a handler that changes ``search_path`` on a connection the store then uses changes nothing.
+
+    ``prepared_statements=False`` is for a transaction-pooling proxy (PgBouncer's ``pool_mode = transaction`` before
+    1.21, or without ``max_prepared_statements``): the store's connections then keep no named prepared statements,
+    which such a proxy would send to a server connection that never saw them (see docs/operations.md). It costs a
+    round trip per statement. A pool passed in has its own setting: create it with ``statement_cache_size=0``.
     """
 
     def __init__(
@@ -72,6 +77,7 @@ class PostgresStore:
         min_size: int = 2,
         max_size: int = 20,
         schema: str = "public",
+        prepared_statements: bool = True,
     ) -> None:
         if timeout <= 0:
             raise ValueError("PostgresStore timeout must be positive")
@@ -81,7 +87,17 @@ class PostgresStore:
         self._borrowed: asyncpg.Pool | None = None
         if isinstance(dsn_or_pool, str):
             self._own = ConnectionPool(
-                dsn_or_pool, min_size=min_size, max_size=max_size, timeout=timeout, connection_class=StoreConnection
+                dsn_or_pool,
+                min_size=min_size,
+                max_size=max_size,
+                timeout=timeout,
+                connection_class=StoreConnection,
+                prepared_statements=prepared_statements,
+            )
+        elif not prepared_statements:
+            raise ValueError(
+                "prepared_statements=False applies to the connections a DSN-built PostgresStore opens; an asyncpg "
+                "pool passed in keeps its own setting: create it with asyncpg.create_pool(..., statement_cache_size=0)"
             )
         else:
             self._borrowed = dsn_or_pool

@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
+import asyncpg
 import httpx
 import pytest
 
+from faults.pgbouncer import PgBouncer
 from idempotency_mw import AuthorizationTenant, MemoryStore, PostgresStore, Store
 
 # The default tenant resolver's secret, set before any app is built; child processes (fault workers) inherit it.
@@ -17,14 +21,53 @@ TEST_TENANT_SECRET = "test-tenant-secret-0123456789abcdef0123456789abcdef"
 os.environ["IDEMPOTENCY_TENANT_SECRET"] = TEST_TENANT_SECRET
 
 
-@pytest.fixture(params=["memory", "postgres"])
+# The stores behind PgBouncer keep their records in schemas of their own: some conformance tests use fixed keys, and
+# the direct store's records (schema public, same database) would answer them.
+PGBOUNCER_SCHEMAS = {"pgbouncer": "through_pgbouncer", "pgbouncer-pool": "through_pgbouncer_pool"}
+
+
+@pytest.fixture(scope="session")
+def pgbouncer_url(idempotency_database_url: str) -> Iterator[str]:
+    """The suite's PostgreSQL behind a PgBouncer in transaction pooling mode (installed with apt-get if missing, as
+    root; a machine that cannot get one fails the tests that need it). The store's schemas for the conformance
+    tests are migrated through it."""
+    with PgBouncer(idempotency_database_url, pool_mode="transaction") as bouncer:
+        # Its own event loop in a thread: the store fixture asks for this one from inside a running loop.
+        with concurrent.futures.ThreadPoolExecutor(1) as thread:
+            thread.submit(asyncio.run, _migrate_through(bouncer.dsn)).result()
+        yield bouncer.dsn
+
+
+async def _migrate_through(url: str) -> None:
+    for schema in PGBOUNCER_SCHEMAS.values():
+        store = PostgresStore(url, min_size=0, max_size=1, schema=schema, prepared_statements=False)
+        try:
+            await store.migrate()
+        finally:
+            await store.close()
+
+
+@pytest.fixture(params=["memory", "postgres", "pgbouncer", "pgbouncer-pool"])
 async def store(request: pytest.FixtureRequest, idempotency_database_url: str) -> AsyncIterator[Store]:
-    """Every conformance test runs once per store."""
+    """Every conformance test runs once per store: in memory, on PostgreSQL, and on PostgreSQL behind a
+    transaction-pooling PgBouncer, with a store built from a DSN and with one on the app's own asyncpg pool."""
     if request.param == "memory":
         yield MemoryStore()
-    else:
+    elif request.param == "postgres":
         async with PostgresStore(idempotency_database_url) as pg:
             yield pg
+    elif request.param == "pgbouncer":
+        url = request.getfixturevalue("pgbouncer_url")
+        async with PostgresStore(url, prepared_statements=False, schema=PGBOUNCER_SCHEMAS["pgbouncer"]) as pg:
+            yield pg
+    else:
+        url = request.getfixturevalue("pgbouncer_url")
+        pool = await asyncpg.create_pool(url, min_size=1, max_size=10, statement_cache_size=0)
+        try:
+            async with PostgresStore(pool, schema=PGBOUNCER_SCHEMAS["pgbouncer-pool"]) as pg:
+                yield pg
+        finally:
+            await pool.close()
 
 
 @pytest.fixture

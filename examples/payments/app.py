@@ -492,7 +492,7 @@ async def _health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-def create_app(dsn: str, *, pool_size: int = 20, migrate: bool = True) -> FastAPI:
+def create_app(dsn: str, *, pool_size: int = 20, migrate: bool = True, prepared_statements: bool = True) -> FastAPI:
     """The payments API on the PostgreSQL at ``dsn``.
 
     With ``migrate`` (the default) the lifespan startup applies the idempotency migrations and the payments schema
@@ -505,13 +505,23 @@ def create_app(dsn: str, *, pool_size: int = 20, migrate: bool = True) -> FastAP
     wait for a connection (up to the store's timeout, then a 503 the client retries). Reads (the GET endpoints)
     use a small asyncpg pool of the app's own (``READ_POOL_SIZE``). One process holds at most
     ``pool_size + READ_POOL_SIZE`` connections.
+
+    ``prepared_statements=False`` is for a transaction-pooling PgBouncer at ``dsn``: neither the store nor the read
+    pool then keeps named prepared statements (docs/operations.md, "Connection poolers").
     """
-    store = PostgresStore(dsn, min_size=2, max_size=pool_size)
+    store = PostgresStore(dsn, min_size=2, max_size=pool_size, prepared_statements=prepared_statements)
+    statement_cache_size = 100 if prepared_statements else 0  # 100: asyncpg's default
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
-            async with asyncpg.create_pool(dsn, min_size=1, max_size=READ_POOL_SIZE, timeout=store.timeout) as pool:
+            async with asyncpg.create_pool(
+                dsn,
+                min_size=1,
+                max_size=READ_POOL_SIZE,
+                timeout=store.timeout,
+                statement_cache_size=statement_cache_size,
+            ) as pool:
                 if migrate:
                     await apply_migrations(store, pool)
                 app.state.pool = pool
@@ -575,7 +585,8 @@ def _positive(name: str, default: int) -> int:
 def __getattr__(name: str) -> FastAPI:
     """``app``: the API on ``$DATABASE_URL``, built on first use (``uvicorn examples.payments.app:app``).
 
-    ``PAYMENTS_POOL_SIZE`` (20) is the store's ``max_size``; ``PAYMENTS_MIGRATE=0`` keeps DDL out of the startup.
+    ``PAYMENTS_POOL_SIZE`` (20) is the store's ``max_size``; ``PAYMENTS_MIGRATE=0`` keeps DDL out of the startup;
+    ``PAYMENTS_PREPARED_STATEMENTS=0`` is for a transaction-pooling PgBouncer at ``$DATABASE_URL``.
     """
     global _default_app
     if name != "app":
@@ -585,6 +596,9 @@ def __getattr__(name: str) -> FastAPI:
         if not dsn:
             raise RuntimeError("set DATABASE_URL to the PostgreSQL the payments example should use")
         _default_app = create_app(
-            dsn, pool_size=_positive("PAYMENTS_POOL_SIZE", 20), migrate=_flag("PAYMENTS_MIGRATE", True)
+            dsn,
+            pool_size=_positive("PAYMENTS_POOL_SIZE", 20),
+            migrate=_flag("PAYMENTS_MIGRATE", True),
+            prepared_statements=_flag("PAYMENTS_PREPARED_STATEMENTS", True),
         )
     return _default_app
