@@ -82,12 +82,6 @@ async def add_records(url: str, start: int, stop: int, *, prefix: str, expired: 
                         f'ALTER TABLE idempotency_records ADD CONSTRAINT "{index["conname"]}" '
                         f'{kind} USING INDEX "{index["indexname"]}"'
                     )
-        # The rows' fences (i) stand for claims made long ago: move the fence sequence past them, as real claims
-        # would have, or a fresh claim could draw a fence equal to a stored record's.
-        await connection.execute(
-            "SELECT setval('idempotency_fence', GREATEST((SELECT max(fence) FROM idempotency_records), "
-            "(SELECT last_value FROM idempotency_fence)))"
-        )
         await connection.execute("VACUUM ANALYZE idempotency_records")
         await connection.execute("CHECKPOINT")
     finally:

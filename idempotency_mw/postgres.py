@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, cast
 
@@ -281,7 +282,7 @@ class PostgresStore:
     async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
         if self._closing:
             raise StoreUnavailable("the idempotency store is closing: it takes no new claims")
-        row = await self._fetchrow("claim", tenant, key, fingerprint, float(lease), float(ttl))
+        row = await self._fetchrow("claim", tenant, key, fingerprint, float(lease), float(ttl), new_fence())
         assert row is not None  # INSERT … ON CONFLICT DO UPDATE … RETURNING always returns the row
         claim = claim_from_row(row)
         if claim.outcome is ClaimOutcome.OWNED:
@@ -386,6 +387,12 @@ def _reachable(schema: str | None = None) -> Iterator[None]:
         if schema is None:
             raise
         raise StoreNotMigrated(schema, str(error)) from error
+
+
+def new_fence() -> int:
+    """A claim's fence: a random positive 63-bit token. Only equality is ever asked of fences, so what they need is
+    to be unique per claim of a key, also across a restore or a failover, which a sequence cannot promise."""
+    return secrets.randbits(63) or 1
 
 
 def claim_from_row(row: asyncpg.Record) -> Claim:

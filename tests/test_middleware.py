@@ -304,7 +304,7 @@ async def test_lapsed_lease_is_taken_over_and_the_stale_worker_is_fenced_out(sto
     await asyncio.sleep(0.1)
     fresh = await store.claim("t", key, fp, lease=60, ttl=60)
     assert stale.outcome.value == fresh.outcome.value == "owned"
-    assert fresh.fence > stale.fence
+    assert fresh.fence != stale.fence
     from idempotency_mw import StoredResponse
 
     response = StoredResponse(201, [(b"a", b"b")], b"stale", 5)
@@ -630,21 +630,18 @@ async def test_events_report_outcomes_and_attempts(store: Store, key: str) -> No
     assert probe.calls["charge"] == 1
 
 
-async def test_a_completed_record_replays_even_if_its_fence_is_drawn_again(pg_store: PostgresStore, key: str) -> None:
-    """Fences come from a sequence, so a fresh claim never draws a stored record's fence, unless the sequence was
-    reset (a restore without its setval, rows loaded by hand). Then the record must still replay, not run again."""
-    from idempotency_mw import StoredResponse
+async def test_a_completed_record_replays_even_if_its_fence_is_drawn_again(
+    pg_store: PostgresStore, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fences are random 63-bit tokens, so a fresh claim draws a stored record's fence once in 2^63 (or when rows
+    were loaded by hand). Then the record must still replay, not run again."""
+    from idempotency_mw import StoredResponse, postgres
 
     fp = b"r" * 32
     claim = await pg_store.claim("t", key, fp, lease=60, ttl=60)
     assert await pg_store.complete("t", key, claim.fence, StoredResponse(201, [], b"done", 4))
-    async with pg_store.connection() as connection:
-        high = await connection.fetchval("SELECT last_value FROM idempotency_fence")
-        await connection.execute("SELECT setval('idempotency_fence', $1, false)", claim.fence)  # next draw: its fence
-        try:
-            again = await pg_store.claim("t", key, fp, lease=60, ttl=60)
-        finally:
-            await connection.execute("SELECT setval('idempotency_fence', $1)", high)
+    monkeypatch.setattr(postgres, "new_fence", lambda: claim.fence)  # the next draw: its fence
+    again = await pg_store.claim("t", key, fp, lease=60, ttl=60)
     assert again.outcome.value == "completed"
     assert again.response is not None
     assert again.response.body == b"done"

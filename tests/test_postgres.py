@@ -277,16 +277,28 @@ async def test_every_statement_on_a_database_that_was_not_migrated_says_run_migr
     await store.close()
 
 
-async def test_a_missing_sequence_is_caught_too(migrated_url: str) -> None:
+async def test_the_old_fence_sequence_is_not_needed(migrated_url: str) -> None:
+    """Fences are random tokens now: the sequence that earlier versions drew them from can go."""
     admin = await asyncpg.connect(migrated_url)
     await admin.execute("DROP SEQUENCE public.idempotency_fence")
     await admin.close()
-    store = PostgresStore(migrated_url, min_size=1, max_size=1)
-    with pytest.raises(StoreNotMigrated):
-        await store.open()
-    with pytest.raises(StoreNotMigrated, match="idempotency_fence"):
-        await store.claim("t", "k", FINGERPRINT, lease=10, ttl=60)
-    await store.close()
+    async with PostgresStore(migrated_url, min_size=1, max_size=1) as store:
+        claim = await store.claim("t", "k", FINGERPRINT, lease=10, ttl=60)
+        assert claim.outcome is ClaimOutcome.OWNED
+        assert await store.release("t", "k", claim.fence)
+
+
+async def test_fences_are_random_tokens_unique_per_claim(migrated_url: str) -> None:
+    """Unique per claim, with nothing to rewind: a restore or a promoted standby cannot hand out a fence again."""
+    async with PostgresStore(migrated_url, min_size=1, max_size=1) as store:
+        fences = set()
+        for _ in range(50):
+            claim = await store.claim("t-fences", "same-key", FINGERPRINT, lease=10, ttl=60)
+            assert claim.outcome is ClaimOutcome.OWNED
+            fences.add(claim.fence)
+            assert await store.release("t-fences", "same-key", claim.fence)
+    assert len(fences) == 50
+    assert all(0 < fence < 2**63 for fence in fences)
 
 
 # -- an app's asyncpg pool ------------------------------------------------------------------------------------

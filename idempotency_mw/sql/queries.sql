@@ -7,13 +7,13 @@
 -- Insert a fresh in_progress record, or take over an expired record or a lapsed lease of the same request,
 -- or else leave the record alone (counting the attempt) and return it. ON CONFLICT DO UPDATE locks and returns
 -- the current row even when it was committed after this statement's snapshot, so one round trip always answers.
--- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds
-WITH new AS (SELECT nextval('{schema}.idempotency_fence') AS fence)
+-- $6 is the fence of this claim: a random 63-bit token the store draws (see postgres.py, new_fence), not a
+-- sequence value, because a sequence can hand out a value again after a restore or the promotion of a standby
+-- that missed its last values, and a stale worker's fence would then own the newer claim.
+-- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds, $6 fence
 INSERT INTO {schema}.idempotency_records AS r
     (tenant, key, fingerprint, state, fence, lease_expires_at, created_at, expires_at)
-SELECT $1, $2, $3, 'in_progress', new.fence,
-       now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
-FROM new
+VALUES ($1, $2, $3, 'in_progress', $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5))
 ON CONFLICT (tenant, key) DO UPDATE SET
     fingerprint      = CASE WHEN r.expires_at <= now() OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = excluded.fingerprint) THEN excluded.fingerprint ELSE r.fingerprint END,
     state            = CASE WHEN r.expires_at <= now() OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = excluded.fingerprint) THEN 'in_progress' ELSE r.state END,
@@ -29,8 +29,8 @@ ON CONFLICT (tenant, key) DO UPDATE SET
     attempts         = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.attempts + 1 END
 RETURNING
     -- Ours if it carries the fence just drawn. The state check is a second lock on the door: a completed record
-    -- whose fence equals a fresh nextval (a sequence reset by a restore) must replay, never run again.
-    r.fence = (SELECT fence FROM new) AND r.state = 'in_progress' AS owned,
+    -- whose fence equals the one drawn (one chance in 2^63) must replay, never run again.
+    r.fence = $6 AND r.state = 'in_progress' AS owned,
     r.fence,
     r.state,
     r.fingerprint = $3 AS same_request,
@@ -97,8 +97,7 @@ FROM {schema}.idempotency_records;
 -- name: migrated
 -- open() runs this once: a database that was never migrated (or a store pointed at the wrong schema) fails at
 -- startup with the command that fixes it, instead of at every request.
-SELECT to_regclass('{schema}.idempotency_records') IS NOT NULL
-   AND to_regclass('{schema}.idempotency_fence') IS NOT NULL;
+SELECT to_regclass('{schema}.idempotency_records') IS NOT NULL;
 
 -- name: database_identity
 -- SQLAlchemyStore.open() compares this on the store's connection and on the app's engine: the handlers'

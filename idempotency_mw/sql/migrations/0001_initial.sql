@@ -1,5 +1,7 @@
 -- One row per (tenant, key). The tenant leads the primary key, so a table sharded by tenant (Citus) keeps
 -- every statement on one shard. Names are qualified with the store's schema (see sql/__init__.py).
+-- Unused since fences became random tokens drawn by the store (queries.sql, claim); kept so that instances of the
+-- versions that drew fences from it keep working during a rolling upgrade.
 CREATE SEQUENCE {schema}.idempotency_fence AS bigint;
 
 CREATE TABLE {schema}.idempotency_records (
