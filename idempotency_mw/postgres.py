@@ -140,8 +140,10 @@ class PostgresStore:
         if self._own is not None:
             await self._own.close()
 
-    def _settled(self, tenant: str, key: str, fence: int) -> None:
-        """A claim was completed or released (or the attempt failed): nothing more to wait for on its behalf."""
+    def settled(self, tenant: str, key: str, fence: int) -> None:
+        """A claim of this store was completed or released (or fenced out, or the attempt failed): :meth:`close`
+        waits no longer on its behalf. The store's own ``complete``/``release`` and its transactions say so
+        themselves; a transaction of another kind that completes a record (SQLAlchemy's) calls this."""
         self._unsettled.discard((tenant, key, fence))
         if not self._unsettled and self._all_settled is not None:
             self._all_settled.set()
@@ -173,7 +175,7 @@ class PostgresStore:
         committed or rolled back by the caller; the connection comes back with a clean session."""
         connection = await self._acquire()
         transaction = PostgresTransaction(
-            connection, self._sql["complete"], self.timeout, self.schema, on_commit=self._settled
+            connection, self._sql["complete"], self.timeout, self.schema, on_settled=self.settled
         )
         try:
             await transaction.begin()
@@ -296,14 +298,14 @@ class PostgresStore:
         try:
             status = await self._execute("complete", *completion(tenant, key, fence, response), urgent=True)
         finally:
-            self._settled(tenant, key, fence)
+            self.settled(tenant, key, fence)
         return status == "UPDATE 1"
 
     async def release(self, tenant: str, key: str, fence: int) -> bool:
         try:
             return await self._execute("release", tenant, key, fence, urgent=True) == "DELETE 1"
         finally:
-            self._settled(tenant, key, fence)
+            self.settled(tenant, key, fence)
 
     async def forget(self, tenant: str, key: str, *, connection: asyncpg.Connection | None = None) -> bool:
         """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names."""
@@ -426,7 +428,7 @@ class PostgresTransaction:
         complete_sql: str,
         timeout: float,
         schema: str,
-        on_commit: Callable[[str, str, int], None] | None = None,
+        on_settled: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self.connection = connection
         self.lost = False
@@ -434,7 +436,7 @@ class PostgresTransaction:
         self._complete_sql = complete_sql
         self._timeout = timeout
         self._schema = schema
-        self._on_commit = on_commit  # told which claim the commit settled
+        self._on_settled = on_settled  # told when the claim this transaction completes needs nothing more
         self._completed: tuple[str, str, int] | None = None
 
     async def begin(self) -> None:
@@ -446,15 +448,19 @@ class PostgresTransaction:
         args = completion(tenant, key, fence, response)
         with self._reachable(self._schema):
             status = await self.connection.execute(self._complete_sql, *args, timeout=self._timeout)
-        self._completed = (tenant, key, fence)
-        return bool(status == "UPDATE 1")
+        completed = status == "UPDATE 1"
+        if completed:
+            self._completed = (tenant, key, fence)
+        elif self._on_settled is not None:
+            self._on_settled(tenant, key, fence)  # fenced out: the key is another claim's now
+        return completed
 
     async def commit(self) -> None:
         assert self._transaction is not None
         with self._reachable():
             await self._transaction.commit()
-        if self._completed is not None and self._on_commit is not None:
-            self._on_commit(*self._completed)
+        if self._completed is not None and self._on_settled is not None:
+            self._on_settled(*self._completed)
 
     async def rollback(self) -> None:
         assert self._transaction is not None

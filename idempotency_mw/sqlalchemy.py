@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 try:
@@ -83,9 +83,10 @@ class SQLAlchemyStore:
                 "the idempotency records, so both must use the same database"
             )
 
-    async def close(self) -> None:
-        """Close the store. The engine is the app's, to dispose of when it is done with it."""
-        await self.store.close()
+    async def close(self, *, grace: float | None = None) -> None:
+        """Close the store (see :meth:`PostgresStore.close` for ``grace``). The engine is the app's, to dispose of
+        when it is done with it."""
+        await self.store.close(grace=grace)
 
     async def __aenter__(self) -> SQLAlchemyStore:
         await self.open()
@@ -117,7 +118,12 @@ class SQLAlchemyStore:
         # The session works in a savepoint of the transaction: its own commit() and rollback() never end it.
         session = self.session_class(bind=connection, join_transaction_mode="create_savepoint", expire_on_commit=False)
         transaction = SQLAlchemyTransaction(
-            connection, session, self.store.statement("complete"), timeout=timeout, schema=self.store.schema
+            connection,
+            session,
+            self.store.statement("complete"),
+            timeout=timeout,
+            schema=self.store.schema,
+            on_settled=self.store.settled,
         )
         app_failed = True
         try:
@@ -170,7 +176,14 @@ class SQLAlchemyTransaction:
     """
 
     def __init__(
-        self, connection: AsyncConnection, session: AsyncSession, complete_sql: str, *, timeout: float, schema: str
+        self,
+        connection: AsyncConnection,
+        session: AsyncSession,
+        complete_sql: str,
+        *,
+        timeout: float,
+        schema: str,
+        on_settled: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self.connection = connection
         self.session = session
@@ -179,6 +192,8 @@ class SQLAlchemyTransaction:
         self._complete_sql = complete_sql
         self._timeout = timeout
         self._schema = schema
+        self._on_settled = on_settled  # told when the claim this transaction completes needs nothing more
+        self._completed: tuple[str, str, int] | None = None
 
     async def begin(self) -> None:
         # No round trip here: SQLAlchemy's asyncpg adapter sends BEGIN just before the first statement.
@@ -192,7 +207,12 @@ class SQLAlchemyTransaction:
                 result = await self.connection.exec_driver_sql(
                     self._complete_sql, completion(tenant, key, fence, response)
                 )
-        return result.rowcount == 1
+        completed = result.rowcount == 1
+        if completed:
+            self._completed = (tenant, key, fence)
+        elif self._on_settled is not None:
+            self._on_settled(tenant, key, fence)  # fenced out: the key is another claim's now
+        return completed
 
     async def commit(self) -> None:
         assert self._transaction is not None
@@ -200,6 +220,8 @@ class SQLAlchemyTransaction:
         with self._reachable():
             async with asyncio.timeout(self._timeout):
                 await self._transaction.commit()
+        if self._completed is not None and self._on_settled is not None:
+            self._on_settled(*self._completed)
 
     async def rollback(self) -> None:
         assert self._transaction is not None

@@ -6,7 +6,8 @@ PostgreSQL for when ``DATABASE_URL`` is not set).
 Fixtures:
 
 - ``idempotency_database_url``: a migrated PostgreSQL for the test session (``DATABASE_URL``, else embedded).
-- ``idempotency_store``: a :class:`~idempotency_mw.PostgresStore` on it, closed after each test. It is an async
+- ``idempotency_store``: a :class:`~idempotency_mw.PostgresStore` on it, closed after each test (at once: without
+  the grace ``close()`` gives claims still being settled at a server's shutdown). It is an async
   fixture declared with pytest-asyncio's own decorator, so it works in pytest-asyncio's default strict mode (mark
   the test ``@pytest.mark.asyncio``) as well as in auto mode.
 
@@ -67,8 +68,13 @@ async def _migrate(url: str) -> None:
 
 @_async_fixture
 async def idempotency_store(idempotency_database_url: str) -> AsyncIterator[PostgresStore]:
-    async with PostgresStore(idempotency_database_url) as store:
+    store = PostgresStore(idempotency_database_url)
+    await store.open()
+    try:
         yield store
+    finally:
+        # No shutdown grace: a test may leave a claim in progress on purpose, and nothing is coming to settle it.
+        await store.close(grace=0)
 
 
 @dataclass(frozen=True)

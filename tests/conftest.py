@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -54,20 +55,31 @@ async def store(request: pytest.FixtureRequest, idempotency_database_url: str) -
     if request.param == "memory":
         yield MemoryStore()
     elif request.param == "postgres":
-        async with PostgresStore(idempotency_database_url) as pg:
+        async with opened(PostgresStore(idempotency_database_url)) as pg:
             yield pg
     elif request.param == "pgbouncer":
         url = request.getfixturevalue("pgbouncer_url")
-        async with PostgresStore(url, prepared_statements=False, schema=PGBOUNCER_SCHEMAS["pgbouncer"]) as pg:
+        async with opened(PostgresStore(url, prepared_statements=False, schema=PGBOUNCER_SCHEMAS["pgbouncer"])) as pg:
             yield pg
     else:
         url = request.getfixturevalue("pgbouncer_url")
         pool = await asyncpg.create_pool(url, min_size=1, max_size=10, statement_cache_size=0)
         try:
-            async with PostgresStore(pool, schema=PGBOUNCER_SCHEMAS["pgbouncer-pool"]) as pg:
+            async with opened(PostgresStore(pool, schema=PGBOUNCER_SCHEMAS["pgbouncer-pool"])) as pg:
                 yield pg
         finally:
             await pool.close()
+
+
+@contextlib.asynccontextmanager
+async def opened(store: PostgresStore) -> AsyncIterator[PostgresStore]:
+    """A store for one test, closed without the shutdown grace: tests leave claims in progress on purpose, and
+    nothing is coming to settle them (the grace itself is tested in tests/test_postgres.py and test_shutdown.py)."""
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.close(grace=0)
 
 
 @pytest.fixture

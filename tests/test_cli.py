@@ -50,7 +50,7 @@ def on_db(db: Database, work: Callable[[PostgresStore], Awaitable[T]]) -> T:
         try:
             return await work(store)
         finally:
-            await store.close()
+            await store.close(grace=0)  # seeds leave claims in progress on purpose
 
     return asyncio.run(run())
 

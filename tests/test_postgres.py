@@ -177,7 +177,7 @@ async def test_the_store_does_not_depend_on_the_search_path(migrated_url: str, p
         await store.open()
         await exercise(store, "search-path")
     finally:
-        await store.close()
+        await store.close(grace=0)
         if app_pool is not None:
             await app_pool.close()
 
@@ -191,7 +191,7 @@ async def test_a_store_in_a_schema_of_its_own(fresh_url: str, schema: str) -> No
         await store.open()
         await exercise(store, "own-schema")
     finally:
-        await store.close()
+        await store.close(grace=0)
     assert await relations_in(fresh_url, "public") == []  # nothing was created in public
     assert "idempotency_records" in await relations_in(fresh_url, schema)
     assert "idempotency_schema_migrations" in await relations_in(fresh_url, schema)
