@@ -279,7 +279,7 @@ async def create_customer(account: Account, params: Params, db: IdempotencyConne
     openapi_extra=_query_parameters("customer", filters={"email": _text(512)}),
 )
 async def list_customers(account: Account, query: Query, request: Request) -> Response:
-    page = await lists.respond(
+    page = await lists.fetch_page(
         request.app.state.pool, account, query, table="customers", kind="customer", render=objects.customer
     )
     return JSONResponse(page)
@@ -315,7 +315,17 @@ async def retrieve_customer(customer: str, account: Account, query: Query, reque
 )
 async def update_customer(customer: str, account: Account, params: Params, db: IdempotencyConnection) -> Response:
     fields = {f: params.string(f, max_length=n) for f, n in _CUSTOMER_FIELDS.items() if params.has(f)}
-    return await _update(db, account, params, "customers", "customer", customer, fields, objects.customer)
+    return await _update(
+        db,
+        account,
+        params,
+        customer,
+        fields,
+        table="customers",
+        kind="customer",
+        param="customer",
+        render=objects.customer,
+    )
 
 
 @router.post(
@@ -390,7 +400,7 @@ async def create_payment_intent(
     openapi_extra=_query_parameters("payment_intent", filters={"customer": _text(255, "cus_")}),
 )
 async def list_payment_intents(account: Account, query: Query, request: Request) -> Response:
-    page = await lists.respond(
+    page = await lists.fetch_page(
         request.app.state.pool,
         account,
         query,
@@ -457,7 +467,15 @@ async def retrieve_payment_intent(intent: str, account: Account, query: Query, r
 async def update_payment_intent(intent: str, account: Account, params: Params, db: IdempotencyConnection) -> Response:
     fields = {"description": params.string("description", max_length=1000)} if params.has("description") else {}
     return await _update(
-        db, account, params, "payment_intents", "payment_intent", intent, fields, objects.payment_intent
+        db,
+        account,
+        params,
+        intent,
+        fields,
+        table="payment_intents",
+        kind="payment_intent",
+        param="intent",
+        render=objects.payment_intent,
     )
 
 
@@ -532,7 +550,7 @@ async def create_refund(
     openapi_extra=_query_parameters("refund", filters={"payment_intent": _text(255, "pi_")}),
 )
 async def list_refunds(account: Account, query: Query, request: Request) -> Response:
-    page = await lists.respond(
+    page = await lists.fetch_page(
         request.app.state.pool, account, query, table="refunds", kind="refund", render=objects.refund
     )
     return JSONResponse(page)
@@ -565,7 +583,9 @@ async def retrieve_refund(refund: str, account: Account, query: Query, request: 
     openapi_extra=_form({"metadata": _METADATA_UPDATE}, kind="refund"),
 )
 async def update_refund(refund: str, account: Account, params: Params, db: IdempotencyConnection) -> Response:
-    return await _update(db, account, params, "refunds", "refund", refund, {}, objects.refund)
+    return await _update(
+        db, account, params, refund, {}, table="refunds", kind="refund", param="refund", render=objects.refund
+    )
 
 
 @router.get(
@@ -596,19 +616,22 @@ async def _update(
     db: ledger.Connection,
     account: str,
     params: wire.Params,
-    table: str,
-    kind: str,
     object_id: str,
     fields: dict[str, str | None],
+    *,
+    table: str,
+    kind: str,
+    param: str,
     render: Callable[[asyncpg.Record], dict[str, Any]],
 ) -> Response:
-    """Apply an update's ``fields`` and metadata to one object, and answer with the object as it now is."""
+    """Apply an update's ``fields`` and metadata to the object ``object_id`` (the path parameter ``param``), and
+    answer with the object as it now is."""
     metadata = params.metadata_update()
     expand = expansion.paths(params, kind)
     params.done()
     row = await ledger.update(db, table, account, object_id, fields, metadata)
     if row is None:
-        raise wire.missing(kind, object_id, kind if kind != "payment_intent" else "intent")
+        raise wire.missing(kind, object_id, param)
     rendered = render(row)
     if len(rendered["metadata"]) > wire.METADATA_MAX_KEYS:  # raised, so the update rolls back and the key is free
         raise wire.invalid(

@@ -55,9 +55,9 @@ def _cannot(value: str) -> wire.StripeError:
     return wire.invalid(f"This property cannot be expanded ({value}).", code="parameter_invalid", param="expand")
 
 
-async def expand(db: ledger.Connection, account: str, kind: str, rendered: dict[str, Any], expand: list[Path]) -> None:
-    """Replace, in ``rendered`` (an object of ``kind``), every id that ``expand`` names by its object."""
-    for path in expand:
+async def expand(db: ledger.Connection, account: str, kind: str, rendered: dict[str, Any], wanted: list[Path]) -> None:
+    """Replace, in ``rendered`` (an object of ``kind``), every id that the ``wanted`` paths name by its object."""
+    for path in wanted:
         await _follow(db, account, kind, rendered, path)
 
 

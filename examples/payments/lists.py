@@ -20,7 +20,7 @@ DEFAULT_LIMIT = 10
 MAX_LIMIT = 100
 
 
-async def respond(
+async def fetch_page(
     db: ledger.Connection,
     account: str,
     params: wire.Params,
