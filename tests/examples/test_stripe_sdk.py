@@ -314,7 +314,7 @@ async def test_sdk_error_classes_carry_request_ids(server: str, http: Any) -> No
     assert (small.value.param, small.value.code) == ("amount", "amount_too_small")
     assert small.value.request_id.startswith("req_")
     with pytest.raises(stripe.InvalidRequestError) as unknown:
-        await in_thread(lambda: client.v1.customers.list(params={"colour": "red"}))  # type: ignore[typeddict-unknown-key]
+        await in_thread(lambda: client.v1.customers.list(params={"colour": "red"}))  # not a Stripe parameter
     assert (unknown.value.param, unknown.value.code) == ("colour", "parameter_unknown")
 
     for bad_key in ("sk_live_nope", ""):
