@@ -33,7 +33,7 @@ again=$(pay -i)
 echo "$again" | grep -i '^idempotent-replayed' || { echo "expected a replay" >&2; exit 1; }
 echo "same payment intent: $(echo "$again" | sed -n '/^{/,$p' | field '["id"]')"
 
-step "reuse that key for a different request: 422"
+step "reuse that key for a different request: 400 idempotency_error, as at Stripe"
 post -H "Idempotency-Key: $pay_key" -d amount=9999 -d currency=usd "$base/v1/payment_intents"; echo
 
 step "invalid parameters do not use up a key: fix the request and send it with the same key"
@@ -46,6 +46,10 @@ step "refund 5.00, then the rest, then once too often"
 post -H "Idempotency-Key: $(new_key)" -d payment_intent="$intent" -d amount=500 "$base/v1/refunds" | field '["amount"]'
 post -H "Idempotency-Key: $(new_key)" -d payment_intent="$intent" "$base/v1/refunds" | field '["amount"]'
 post -H "Idempotency-Key: $(new_key)" -d payment_intent="$intent" "$base/v1/refunds"; echo
+
+step "the customer's payment intents, newest first, each with its customer expanded (a Stripe list)"
+post -G -d customer="$customer" -d "expand%5B%5D=data.customer" "$base/v1/payment_intents" \
+    | field '["data"][0]["customer"]["email"]'
 
 step "a declined card: 402, recorded like any answer"
 post -H "Idempotency-Key: $(new_key)" -d amount=700 -d currency=usd -d confirm=true \

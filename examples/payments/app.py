@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 import asyncpg
@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from examples.payments import ledger, objects, wire
+from examples.payments import edge, expansion, ledger, lists, objects, wire
 from examples.payments.migrate import apply_migrations
 from examples.payments.wire import StripeError
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, __version__
@@ -74,11 +74,17 @@ async def _params(request: Request) -> wire.Params:
     return wire.Params(wire.decode_form(pairs))
 
 
+async def _query(request: Request) -> wire.Params:
+    """The query string, parsed like a form (``expand[0]=customer``, ``created[gte]=…``), for GET endpoints."""
+    return wire.Params(wire.decode_form(request.query_params.multi_items()))
+
+
 Account = Annotated[str, Depends(_account)]
 Params = Annotated[wire.Params, Depends(_params)]
+Query = Annotated[wire.Params, Depends(_query)]
 
 
-# -- OpenAPI: form bodies and error responses ------------------------------------------------------------------------
+# -- OpenAPI: form bodies, query parameters and error responses --------------------------------------------------
 
 
 def _text(max_length: int, prefix: str = "") -> dict[str, Any]:
@@ -93,27 +99,82 @@ _METADATA = {
     "propertyNames": {"minLength": 1, "maxLength": wire.METADATA_MAX_KEY_LENGTH, "pattern": r"^[^\[\]\u0000]+$"},
     "additionalProperties": _text(wire.METADATA_MAX_VALUE_LENGTH),
 }
+_METADATA_UPDATE = {
+    **_METADATA,
+    "description": "Sets the keys given; metadata[key]= (empty) unsets a key. Up to 50 keys in all.",
+}
 _PAYMENT_METHOD = {"type": "string", "enum": sorted(TEST_PAYMENT_METHODS)}
 
 
-def _form(properties: dict[str, Any], *, required: tuple[str, ...] = ()) -> dict[str, Any]:
+def _expand(kind: str, *, listed: bool = False) -> dict[str, Any]:
+    """The ``expand`` parameter's schema: the paths ``kind`` can expand (``data.…`` in a list)."""
+    found: list[str] = []
+
+    def walk(current: str, prefix: str) -> None:
+        for field, target in expansion.EXPANDABLE[current].items():
+            found.append(prefix + field)
+            walk(target, prefix + field + ".")
+
+    walk(kind, "data." if listed else "")
+    return {
+        "type": "array",
+        "description": "Fields to expand: an id becomes the object it names",
+        "items": {"type": "string", "enum": found} if found else {"type": "string", "not": {}},
+    }
+
+
+def _form(properties: dict[str, Any], *, required: tuple[str, ...] = (), kind: str) -> dict[str, Any]:
+    properties = {**properties, "expand": _expand(kind)}
     schema: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
     if required:
         schema["required"] = list(required)
     content: dict[str, Any] = {"schema": schema}
-    encoding = {}
+    encoding = {"expand": {"style": "form", "explode": True}}  # also accepted: expand[]=x, expand[0]=x
     if "metadata" in properties:
         encoding["metadata"] = {"style": "deepObject", "explode": True}
     if "payment_method_types" in properties:
         encoding["payment_method_types"] = {"style": "form", "explode": True}  # also accepted: a[]=x, a[0]=x
-    if encoding:
-        content["encoding"] = encoding
+    content["encoding"] = encoding
     return {"requestBody": {"required": bool(required), "content": {"application/x-www-form-urlencoded": content}}}
+
+
+def _query_parameters(kind: str, *, filters: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A GET's query parameters: ``expand``, and for a list (``filters`` given) its paging and filters."""
+    listed = filters is not None
+    parameters: list[dict[str, Any]] = [
+        {"name": "expand", "in": "query", "style": "form", "explode": True, "schema": _expand(kind, listed=listed)}
+    ]
+    if filters is not None:
+        cursor = _text(255)
+        parameters += [
+            {
+                "name": "limit",
+                "in": "query",
+                "schema": {"type": "integer", "minimum": 1, "maximum": lists.MAX_LIMIT, "default": lists.DEFAULT_LIMIT},
+            },
+            {"name": "starting_after", "in": "query", "schema": cursor, "description": "An id: the page after it"},
+            {"name": "ending_before", "in": "query", "schema": cursor, "description": "An id: the page before it"},
+            {
+                "name": "created",
+                "in": "query",
+                "style": "deepObject",
+                "explode": True,
+                "description": "Created in this range (Unix time); created=<t> is exactly then",
+                "schema": {
+                    "type": "object",
+                    "properties": {c: {"type": "integer", "minimum": 0} for c in ledger.COMPARISONS},
+                    "additionalProperties": False,
+                },
+            },
+            *({"name": name, "in": "query", "schema": schema} for name, schema in filters.items()),
+        ]
+    return {"parameters": parameters}
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     descriptions = {
-        400: "Invalid parameters (invalid_request_error)",
+        400: "Invalid parameters (invalid_request_error), or an Idempotency-Key used before with another request "
+        "(idempotency_error)",
         401: "Missing or invalid API key",
         402: "The card was declined (card_error); the payment intent is in the error",
         404: "No such object (resource_missing)",
@@ -127,27 +188,45 @@ def _link(operation: str, parameter: str) -> dict[str, Any]:
 
 # What each create answers with leads to: for readers of the schema, and for schemathesis' stateful tests.
 _LINKS = {
-    ("/v1/customers", "post"): {"RetrieveCustomer": _link("RetrieveCustomer", "customer")},
+    ("/v1/customers", "post"): {
+        "RetrieveCustomer": _link("RetrieveCustomer", "customer"),
+        "UpdateCustomer": _link("UpdateCustomer", "customer"),
+    },
     ("/v1/payment_intents", "post"): {
         "RetrievePaymentIntent": _link("RetrievePaymentIntent", "intent"),
+        "UpdatePaymentIntent": _link("UpdatePaymentIntent", "intent"),
         "ConfirmPaymentIntent": _link("ConfirmPaymentIntent", "intent"),
     },
-    ("/v1/refunds", "post"): {"RetrieveRefund": _link("RetrieveRefund", "refund")},
+    ("/v1/refunds", "post"): {
+        "RetrieveRefund": _link("RetrieveRefund", "refund"),
+        "UpdateRefund": _link("UpdateRefund", "refund"),
+    },
+}
+
+_REQUEST_ID_HEADER = {
+    "description": "The request's id (req_...); a replay carries the original request's",
+    "schema": {"type": "string", "pattern": "^req_"},
 }
 
 
 def _document(schema: dict[str, Any]) -> dict[str, Any]:
-    """Describe what the app really sends: Stripe envelopes (not problem+json, not FastAPI's 422) and the keys."""
+    """Describe what the app really sends: Stripe envelopes (not problem+json, not FastAPI's 422) and the headers.
+
+    ``edge.StripeEdge`` answers the middleware's 422 (key reused) as Stripe does, with a 400 ``idempotency_error``,
+    so no operation answers 422.
+    """
     envelope = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}}
     for operations in schema.get("paths", {}).values():
         for operation in operations.values():
             responses = operation.get("responses", {})
             for status, response in list(responses.items()):
+                if status == "422":
+                    del responses[status]
+                    continue
                 content = response.get("content", {})
                 if "application/problem+json" in content:
                     response["content"] = dict(envelope)
-                elif status == "422":
-                    del responses[status]  # FastAPI's validation error: this app answers 400 in an envelope
+                response.setdefault("headers", {})["Request-Id"] = _REQUEST_ID_HEADER
     for (path, method), links in _LINKS.items():
         operation = schema.get("paths", {}).get(path, {}).get(method)
         if operation is not None:
@@ -168,6 +247,8 @@ def _document(schema: dict[str, Any]) -> dict[str, Any]:
 
 router = APIRouter(prefix="/v1")
 
+_CUSTOMER_FIELDS = {"email": 512, "name": 256, "description": 1000}  # and their maximum lengths
+
 
 @router.post(
     "/customers",
@@ -175,24 +256,33 @@ router = APIRouter(prefix="/v1")
     operation_id="CreateCustomer",
     response_model=objects.Customer,
     responses=_errors(400, 401),
-    openapi_extra=_form(
-        {
-            "email": _text(512),
-            "name": _text(256),
-            "description": _text(1000),
-            "metadata": _METADATA,
-        }
-    ),
+    openapi_extra=_form({**{f: _text(n) for f, n in _CUSTOMER_FIELDS.items()}, "metadata": _METADATA}, kind="customer"),
 )
 async def create_customer(account: Account, params: Params, db: IdempotencyConnection) -> Response:
     email = params.string("email", max_length=512)
     name = params.string("name", max_length=256)
     description = params.string("description", max_length=1000)
     metadata = params.metadata()
+    expand = expansion.paths(params, "customer")
     params.done()
     await ledger.ensure_account(db, account)
     row = await ledger.insert_customer(db, account, email=email, name=name, description=description, metadata=metadata)
-    return JSONResponse(objects.customer(row))
+    return await _render(db, account, "customer", objects.customer(row), expand)
+
+
+@router.get(
+    "/customers",
+    summary="List customers, newest first",
+    operation_id="ListCustomers",
+    response_model=objects.CustomerList,
+    responses=_errors(400, 401, 404),
+    openapi_extra=_query_parameters("customer", filters={"email": _text(512)}),
+)
+async def list_customers(account: Account, query: Query, request: Request) -> Response:
+    page = await lists.fetch_page(
+        request.app.state.pool, account, query, table="customers", kind="customer", render=objects.customer
+    )
+    return JSONResponse(page)
 
 
 @router.get(
@@ -200,13 +290,42 @@ async def create_customer(account: Account, params: Params, db: IdempotencyConne
     summary="Retrieve a customer",
     operation_id="RetrieveCustomer",
     response_model=objects.Customer,
-    responses=_errors(401, 404),
+    responses=_errors(400, 401, 404),
+    openapi_extra=_query_parameters("customer"),
 )
-async def retrieve_customer(customer: str, account: Account, request: Request) -> Response:
-    row = await ledger.find_customer(request.app.state.pool, account, customer)
+async def retrieve_customer(customer: str, account: Account, query: Query, request: Request) -> Response:
+    expand = expansion.paths(query, "customer")
+    query.done()
+    pool = request.app.state.pool
+    row = await ledger.find_customer(pool, account, customer)
     if row is None:
         raise wire.missing("customer", customer, "customer")
-    return JSONResponse(objects.customer(row))
+    return await _render(pool, account, "customer", objects.customer(row), expand)
+
+
+@router.post(
+    "/customers/{customer}",
+    summary="Update a customer: the parameters given (an empty value unsets one)",
+    operation_id="UpdateCustomer",
+    response_model=objects.Customer,
+    responses=_errors(400, 401, 404),
+    openapi_extra=_form(
+        {**{f: _text(n) for f, n in _CUSTOMER_FIELDS.items()}, "metadata": _METADATA_UPDATE}, kind="customer"
+    ),
+)
+async def update_customer(customer: str, account: Account, params: Params, db: IdempotencyConnection) -> Response:
+    fields = {f: params.string(f, max_length=n) for f, n in _CUSTOMER_FIELDS.items() if params.has(f)}
+    return await _update(
+        db,
+        account,
+        params,
+        customer,
+        fields,
+        table="customers",
+        kind="customer",
+        param="customer",
+        render=objects.customer,
+    )
 
 
 @router.post(
@@ -227,6 +346,7 @@ async def retrieve_customer(customer: str, account: Account, request: Request) -
             "metadata": _METADATA,
         },
         required=("amount", "currency"),
+        kind="payment_intent",
     ),
 )
 async def create_payment_intent(
@@ -240,6 +360,7 @@ async def create_payment_intent(
     description = params.string("description", max_length=1000)
     methods = params.string_list("payment_method_types")
     metadata = params.metadata()
+    expand = expansion.paths(params, "payment_intent")
     params.done()
     assert amount is not None
     _check_amount(amount, currency)
@@ -265,9 +386,29 @@ async def create_payment_intent(
         metadata=metadata,
     )
     if not confirm:
-        return JSONResponse(objects.payment_intent(intent))
+        return await _render(db, account, "payment_intent", objects.payment_intent(intent), expand)
     assert payment_method is not None
-    return await _confirm(db, intent, payment_method, idempotency.key)
+    return await _confirm(db, intent, payment_method, idempotency.key, expand)
+
+
+@router.get(
+    "/payment_intents",
+    summary="List payment intents, newest first",
+    operation_id="ListPaymentIntents",
+    response_model=objects.PaymentIntentList,
+    responses=_errors(400, 401, 404),
+    openapi_extra=_query_parameters("payment_intent", filters={"customer": _text(255, "cus_")}),
+)
+async def list_payment_intents(account: Account, query: Query, request: Request) -> Response:
+    page = await lists.fetch_page(
+        request.app.state.pool,
+        account,
+        query,
+        table="payment_intents",
+        kind="payment_intent",
+        render=objects.payment_intent,
+    )
+    return JSONResponse(page)
 
 
 @router.post(
@@ -276,12 +417,13 @@ async def create_payment_intent(
     operation_id="ConfirmPaymentIntent",
     response_model=objects.PaymentIntent,
     responses=_errors(400, 401, 402, 404),
-    openapi_extra=_form({"payment_method": _PAYMENT_METHOD}),
+    openapi_extra=_form({"payment_method": _PAYMENT_METHOD}, kind="payment_intent"),
 )
 async def confirm_payment_intent(
     intent: str, account: Account, params: Params, db: IdempotencyConnection, idempotency: Idempotency
 ) -> Response:
     payment_method = params.string("payment_method", max_length=255)
+    expand = expansion.paths(params, "payment_intent")
     params.done()
     _check_payment_method(payment_method)
     row = await ledger.find_payment_intent(db, account, intent, lock=True)
@@ -292,7 +434,8 @@ async def confirm_payment_intent(
             "You cannot confirm this PaymentIntent because it has a status of succeeded.",
             code="payment_intent_unexpected_state",
         )
-    return await _confirm(db, row, payment_method or row["payment_method"] or DEFAULT_PAYMENT_METHOD, idempotency.key)
+    method = payment_method or row["payment_method"] or DEFAULT_PAYMENT_METHOD
+    return await _confirm(db, row, method, idempotency.key, expand)
 
 
 @router.get(
@@ -300,13 +443,40 @@ async def confirm_payment_intent(
     summary="Retrieve a payment intent",
     operation_id="RetrievePaymentIntent",
     response_model=objects.PaymentIntent,
-    responses=_errors(401, 404),
+    responses=_errors(400, 401, 404),
+    openapi_extra=_query_parameters("payment_intent"),
 )
-async def retrieve_payment_intent(intent: str, account: Account, request: Request) -> Response:
-    row = await ledger.find_payment_intent(request.app.state.pool, account, intent)
+async def retrieve_payment_intent(intent: str, account: Account, query: Query, request: Request) -> Response:
+    expand = expansion.paths(query, "payment_intent")
+    query.done()
+    pool = request.app.state.pool
+    row = await ledger.find_payment_intent(pool, account, intent)
     if row is None:
         raise wire.missing("payment_intent", intent, "intent")
-    return JSONResponse(objects.payment_intent(row))
+    return await _render(pool, account, "payment_intent", objects.payment_intent(row), expand)
+
+
+@router.post(
+    "/payment_intents/{intent}",
+    summary="Update a payment intent's description and metadata",
+    operation_id="UpdatePaymentIntent",
+    response_model=objects.PaymentIntent,
+    responses=_errors(400, 401, 404),
+    openapi_extra=_form({"description": _text(1000), "metadata": _METADATA_UPDATE}, kind="payment_intent"),
+)
+async def update_payment_intent(intent: str, account: Account, params: Params, db: IdempotencyConnection) -> Response:
+    fields = {"description": params.string("description", max_length=1000)} if params.has("description") else {}
+    return await _update(
+        db,
+        account,
+        params,
+        intent,
+        fields,
+        table="payment_intents",
+        kind="payment_intent",
+        param="intent",
+        render=objects.payment_intent,
+    )
 
 
 @router.post(
@@ -323,6 +493,7 @@ async def retrieve_payment_intent(intent: str, account: Account, request: Reques
             "metadata": _METADATA,
         },
         required=("payment_intent",),
+        kind="refund",
     ),
 )
 async def create_refund(
@@ -332,6 +503,7 @@ async def create_refund(
     amount = params.integer("amount")
     reason = params.choice("reason", REFUND_REASONS)
     metadata = params.metadata()
+    expand = expansion.paths(params, "refund")
     params.done()
     assert intent_id is not None
     if amount is not None and not 1 <= amount <= MAX_AMOUNT:
@@ -366,7 +538,22 @@ async def create_refund(
     row = await ledger.insert_refund(
         db, intent, amount=amount, reason=reason, metadata=metadata, idempotency_key=idempotency.key
     )
-    return JSONResponse(objects.refund(row))
+    return await _render(db, account, "refund", objects.refund(row), expand)
+
+
+@router.get(
+    "/refunds",
+    summary="List refunds, newest first",
+    operation_id="ListRefunds",
+    response_model=objects.RefundList,
+    responses=_errors(400, 401, 404),
+    openapi_extra=_query_parameters("refund", filters={"payment_intent": _text(255, "pi_")}),
+)
+async def list_refunds(account: Account, query: Query, request: Request) -> Response:
+    page = await lists.fetch_page(
+        request.app.state.pool, account, query, table="refunds", kind="refund", render=objects.refund
+    )
+    return JSONResponse(page)
 
 
 @router.get(
@@ -374,13 +561,31 @@ async def create_refund(
     summary="Retrieve a refund",
     operation_id="RetrieveRefund",
     response_model=objects.Refund,
-    responses=_errors(401, 404),
+    responses=_errors(400, 401, 404),
+    openapi_extra=_query_parameters("refund"),
 )
-async def retrieve_refund(refund: str, account: Account, request: Request) -> Response:
-    row = await ledger.find_refund(request.app.state.pool, account, refund)
+async def retrieve_refund(refund: str, account: Account, query: Query, request: Request) -> Response:
+    expand = expansion.paths(query, "refund")
+    query.done()
+    pool = request.app.state.pool
+    row = await ledger.find_refund(pool, account, refund)
     if row is None:
         raise wire.missing("refund", refund, "refund")
-    return JSONResponse(objects.refund(row))
+    return await _render(pool, account, "refund", objects.refund(row), expand)
+
+
+@router.post(
+    "/refunds/{refund}",
+    summary="Update a refund's metadata",
+    operation_id="UpdateRefund",
+    response_model=objects.Refund,
+    responses=_errors(400, 401, 404),
+    openapi_extra=_form({"metadata": _METADATA_UPDATE}, kind="refund"),
+)
+async def update_refund(refund: str, account: Account, params: Params, db: IdempotencyConnection) -> Response:
+    return await _update(
+        db, account, params, refund, {}, table="refunds", kind="refund", param="refund", render=objects.refund
+    )
 
 
 @router.get(
@@ -388,13 +593,51 @@ async def retrieve_refund(refund: str, account: Account, request: Request) -> Re
     summary="The account's balance per currency: the sum of its ledger entries",
     operation_id="RetrieveBalance",
     response_model=objects.Balance,
-    responses=_errors(401),
+    responses=_errors(400, 401),
+    openapi_extra=_query_parameters("balance"),
 )
-async def retrieve_balance(account: Account, request: Request) -> Response:
+async def retrieve_balance(account: Account, query: Query, request: Request) -> Response:
+    expansion.paths(query, "balance")  # nothing here can be expanded: any path is refused
+    query.done()
     return JSONResponse(objects.balance(await ledger.balance(request.app.state.pool, account)))
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------
+
+
+async def _render(
+    db: ledger.Connection, account: str, kind: str, rendered: dict[str, Any], expand: list[expansion.Path]
+) -> Response:
+    await expansion.expand(db, account, kind, rendered, expand)
+    return JSONResponse(rendered)
+
+
+async def _update(
+    db: ledger.Connection,
+    account: str,
+    params: wire.Params,
+    object_id: str,
+    fields: dict[str, str | None],
+    *,
+    table: str,
+    kind: str,
+    param: str,
+    render: Callable[[asyncpg.Record], dict[str, Any]],
+) -> Response:
+    """Apply an update's ``fields`` and metadata to the object ``object_id`` (the path parameter ``param``), and
+    answer with the object as it now is."""
+    metadata = params.metadata_update()
+    expand = expansion.paths(params, kind)
+    params.done()
+    row = await ledger.update(db, table, account, object_id, fields, metadata)
+    if row is None:
+        raise wire.missing(kind, object_id, param)
+    rendered = render(row)
+    if len(rendered["metadata"]) > wire.METADATA_MAX_KEYS:  # raised, so the update rolls back and the key is free
+        raise wire.invalid(
+            f"Invalid metadata: at most {wire.METADATA_MAX_KEYS} keys.", code="parameter_invalid", param="metadata"
+        )
+    return await _render(db, account, kind, rendered, expand)
 
 
 def _check_amount(amount: int, currency: str) -> None:
@@ -424,10 +667,13 @@ def _refused(message: str, *, code: str, param: str | None = None) -> Response:
     return StripeError(400, "invalid_request_error", message, code=code, param=param, executed=True).response()
 
 
-async def _confirm(db: ledger.Connection, intent: Any, payment_method: str, key: str | None) -> Response:
+async def _confirm(
+    db: ledger.Connection, intent: Any, payment_method: str, key: str | None, expand: list[expansion.Path]
+) -> Response:
     decline = TEST_PAYMENT_METHODS[payment_method]
     if decline is None:
-        return JSONResponse(objects.payment_intent(await ledger.capture(db, intent, payment_method, key)))
+        captured = await ledger.capture(db, intent, payment_method, key)
+        return await _render(db, intent["account"], "payment_intent", objects.payment_intent(captured), expand)
     code, decline_code, message = decline
     error = {"type": "card_error", "code": code, "decline_code": decline_code, "message": message}
     declined = await ledger.decline(db, intent, error)
@@ -450,7 +696,7 @@ async def _stripe_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, StripeError)
     if not error.executed:
         mark_not_executed(request)  # nothing ran: the key is released, and a corrected retry may reuse it
-    headers = {"WWW-Authenticate": 'Bearer realm="payments-demo"'} if error.status == 401 else None
+    headers = {"WWW-Authenticate": wire.WWW_AUTHENTICATE} if error.status == 401 else None
     return error.response(headers)
 
 
@@ -473,9 +719,11 @@ async def _http_error(request: Request, error: Exception) -> Response:
 
 
 async def _server_error(request: Request, error: Exception) -> Response:
-    # Reached only after the middleware rolled the transaction back and released the key: retrying is safe.
+    # Reached only after the middleware rolled the transaction back and released the key: retrying is safe. This
+    # answer is sent from outside every middleware (Starlette's ServerErrorMiddleware), so it stamps itself.
     body = StripeError(500, "api_error", "An unexpected error occurred; nothing was saved. Retry the request.").body()
-    return JSONResponse(body, status_code=500)
+    headers = {name.decode(): value.decode("latin-1") for name, value in edge.stamped([], request.scope)}
+    return JSONResponse(body, status_code=500, headers={**headers, "Stripe-Should-Retry": "true"})
 
 
 # -- the app ---------------------------------------------------------------------------------------------------
@@ -538,8 +786,11 @@ def create_app(dsn: str, *, pool_size: int = 20, migrate: bool = True, prepared_
     )
     app.include_router(router)
     app.add_api_route("/healthz", _health, methods=["GET"], include_in_schema=False)
+    # The last added is the outermost: StampHeaders inside the middleware (what it adds is recorded and replayed),
+    # StripeEdge outside (it sees, and speaks Stripe for, the middleware's own answers).
+    app.add_middleware(edge.StampHeaders)
     app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=wire.tenant)
-    app.add_middleware(wire.StripeEnvelope)  # added last, so outside: it sees the middleware's own answers
+    app.add_middleware(edge.StripeEdge)
     setup(app)
     app.add_exception_handler(StripeError, _stripe_error)
     app.add_exception_handler(RequestValidationError, _validation_error)  # replaces setup()'s, and releases too

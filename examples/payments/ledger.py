@@ -9,13 +9,14 @@ impossible even for code that forgets to.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import orjson
 
-from examples.payments.wire import new_id
+from examples.payments.wire import MetadataUpdate, new_id
 
 SCHEMA_LOCK = 0x1DE4_0DE1  # pg_advisory_xact_lock key: app instances starting together apply the schema in turn
 
@@ -219,6 +220,117 @@ async def find_refund(db: Connection, account: str, refund_id: str) -> asyncpg.R
     if not _storable(refund_id):
         return None
     return await db.fetchrow("SELECT * FROM payments.refunds WHERE id = $1 AND account = $2", refund_id, account)
+
+
+# -- updates ---------------------------------------------------------------------------------------------------
+
+# The columns an update may set, per table (the API's update endpoints; metadata apart).
+UPDATABLE = {
+    "customers": frozenset({"email", "name", "description"}),
+    "payment_intents": frozenset({"description"}),
+    "refunds": frozenset(),
+}
+
+
+async def update(
+    db: Connection,
+    table: str,
+    account: str,
+    object_id: str,
+    fields: Mapping[str, str | None],
+    metadata: MetadataUpdate | None,
+) -> asyncpg.Record | None:
+    """Set ``fields`` (None clears one) and apply ``metadata`` to one object; None when the account has no such
+    object. Metadata keys are merged, then the unset ones removed, as Stripe does."""
+    if table not in UPDATABLE or not set(fields) <= UPDATABLE[table]:
+        raise ValueError(f"cannot update {sorted(fields)} of {table}")
+    if not _storable(object_id):
+        return None
+    args: list[Any] = [object_id, account]
+    assignments = []
+    for column, value in fields.items():
+        args.append(value)
+        assignments.append(f"{column} = ${len(args)}")
+    if metadata is not None:
+        args += [metadata.clear, _json(metadata.set), metadata.unset]
+        n = len(args)
+        assignments.append(
+            f"metadata = (CASE WHEN ${n - 2} THEN '{{}}'::jsonb ELSE metadata END || ${n - 1}::jsonb) - ${n}::text[]"
+        )
+    if not assignments:  # nothing to change: Stripe answers with the object as it is
+        return await db.fetchrow(f"SELECT * FROM payments.{table} WHERE id = $1 AND account = $2", *args)
+    return await db.fetchrow(
+        f"UPDATE payments.{table} SET {', '.join(assignments)} WHERE id = $1 AND account = $2 RETURNING *", *args
+    )
+
+
+# -- lists -----------------------------------------------------------------------------------------------------
+
+# The columns a list may be filtered on, per table (besides created).
+FILTERS = {
+    "customers": frozenset({"email"}),
+    "payment_intents": frozenset({"customer"}),
+    "refunds": frozenset({"payment_intent"}),
+}
+COMPARISONS = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}
+
+
+async def position(db: Connection, table: str, account: str, object_id: str) -> int | None:
+    """Where an object stands in its list (its ``seq``), for a cursor; None when the account has no such object."""
+    if table not in FILTERS:
+        raise ValueError(f"{table} is not listed")
+    if not _storable(object_id):
+        return None
+    seq: int | None = await db.fetchval(
+        f"SELECT seq FROM payments.{table} WHERE id = $1 AND account = $2", object_id, account
+    )
+    return seq
+
+
+async def page(
+    db: Connection,
+    table: str,
+    account: str,
+    *,
+    equal: Mapping[str, str],
+    created: Mapping[str, int],
+    after: int | None,
+    before: int | None,
+    limit: int,
+) -> tuple[list[asyncpg.Record], bool]:
+    """One page of a list, newest first, and whether more lie beyond it in the direction of travel.
+
+    ``after`` (a ``seq``) pages towards older objects, ``before`` towards newer ones: the ``limit`` objects just
+    newer than it, still sorted newest first.
+    """
+    if table not in FILTERS or not set(equal) <= FILTERS[table] or not set(created) <= set(COMPARISONS):
+        raise ValueError(f"cannot filter {table} on {sorted(equal)} and created {sorted(created)}")
+    args: list[Any] = [account]
+    conditions = ["account = $1"]
+    for column, value in equal.items():
+        args.append(value)
+        conditions.append(f"{column} = ${len(args)}")
+    for comparison, bound in created.items():
+        args.append(bound)
+        conditions.append(f"created {COMPARISONS[comparison]} ${len(args)}")
+    newer_first = before is None
+    if after is not None:
+        args.append(after)
+        conditions.append(f"seq < ${len(args)}")
+    if before is not None:
+        args.append(before)
+        conditions.append(f"seq > ${len(args)}")
+    args.append(limit + 1)  # one more than asked tells whether there are more
+    rows = await db.fetch(
+        f"SELECT * FROM payments.{table} WHERE {' AND '.join(conditions)}"
+        f" ORDER BY seq {'DESC' if newer_first else 'ASC'} LIMIT ${len(args)}",
+        *args,
+    )
+    more = len(rows) > limit
+    rows = rows[:limit]
+    if not newer_first:
+        rows.reverse()
+    return rows, more
 
 
 # -- balances --------------------------------------------------------------------------------------------------

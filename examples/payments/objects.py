@@ -48,7 +48,7 @@ class PaymentIntent(BaseModel):
     confirmation_method: Literal["automatic"] = "automatic"
     created: int
     currency: str
-    customer: str | None
+    customer: str | Customer | None = Field(description="The customer's id, or the customer with expand[]=customer")
     description: str | None
     last_payment_error: PaymentError | None
     livemode: bool = False
@@ -66,9 +66,32 @@ class Refund(BaseModel):
     created: int
     currency: str
     metadata: dict[str, str]
-    payment_intent: str
+    payment_intent: str | PaymentIntent = Field(
+        description="The payment intent's id, or the payment intent with expand[]=payment_intent"
+    )
     reason: str | None
     status: Literal["succeeded"] = "succeeded"
+
+
+class CustomerList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Customer]
+    has_more: bool
+    url: str
+
+
+class PaymentIntentList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[PaymentIntent]
+    has_more: bool
+    url: str
+
+
+class RefundList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Refund]
+    has_more: bool
+    url: str
 
 
 class BalanceAmount(BaseModel):

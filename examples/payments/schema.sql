@@ -1,6 +1,9 @@
 -- The payments demo's tables, in their own schema. Applied by the app at startup, after the idempotency
 -- migrations; every statement is safe to run again.
 --
+-- seq, on the objects the API lists, is their order of creation: lists are newest first, and their cursors
+-- (starting_after, ending_before) compare seq, which created (whole seconds) could not order.
+--
 -- The ledger is the truth: an account's balance is the sum of its ledger entries, per currency. A captured
 -- payment intent has exactly one 'charge' entry (+amount); every refund has exactly one 'refund' entry
 -- (-amount). amount_received and amount_refunded on the payment intent are kept in step with the ledger in the
@@ -21,6 +24,7 @@ CREATE TABLE IF NOT EXISTS payments.customers (
     description text,
     metadata    jsonb NOT NULL DEFAULT '{}',
     created     bigint NOT NULL,
+    seq         bigint GENERATED ALWAYS AS IDENTITY,
     UNIQUE (account, id)
 );
 
@@ -40,6 +44,7 @@ CREATE TABLE IF NOT EXISTS payments.payment_intents (
     description        text,
     metadata           jsonb NOT NULL DEFAULT '{}',
     created            bigint NOT NULL,
+    seq                bigint GENERATED ALWAYS AS IDENTITY,
     UNIQUE (account, id),
     -- a payment intent, and each of its refunds and ledger entries, belong to one account
     FOREIGN KEY (account, customer) REFERENCES payments.customers (account, id),
@@ -56,9 +61,29 @@ CREATE TABLE IF NOT EXISTS payments.refunds (
     reason         text,
     metadata       jsonb NOT NULL DEFAULT '{}',
     created        bigint NOT NULL,
+    seq            bigint GENERATED ALWAYS AS IDENTITY,
     FOREIGN KEY (account, payment_intent) REFERENCES payments.payment_intents (account, id)
 );
 CREATE INDEX IF NOT EXISTS refunds_payment_intent ON payments.refunds (payment_intent);
+
+-- Databases created before lists existed get seq here (existing rows are numbered in no particular order).
+DO $$
+DECLARE
+    listed text;
+BEGIN
+    FOREACH listed IN ARRAY ARRAY['customers', 'payment_intents', 'refunds'] LOOP
+        IF NOT EXISTS (
+            SELECT FROM pg_attribute
+            WHERE attrelid = format('payments.%I', listed)::regclass AND attname = 'seq' AND NOT attisdropped
+        ) THEN
+            EXECUTE format('ALTER TABLE payments.%I ADD COLUMN seq bigint GENERATED ALWAYS AS IDENTITY', listed);
+        END IF;
+    END LOOP;
+END
+$$;
+CREATE INDEX IF NOT EXISTS customers_list ON payments.customers (account, seq);
+CREATE INDEX IF NOT EXISTS payment_intents_list ON payments.payment_intents (account, seq);
+CREATE INDEX IF NOT EXISTS refunds_list ON payments.refunds (account, seq);
 
 CREATE TABLE IF NOT EXISTS payments.ledger (
     id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,

@@ -3,7 +3,8 @@
 Close enough to the real thing that a Stripe client library pointed at the demo talks to it unchanged: the secret
 key arrives as ``Authorization: Bearer sk_test_…`` (or as the Basic-auth user name, like ``curl -u sk_test_…:``),
 POST bodies are ``application/x-www-form-urlencoded`` with nesting spelled ``metadata[order_id]=6735``, and every
-error, the middleware's own included, is a JSON object under ``error`` with ``type``, ``code`` and ``message``.
+error is a JSON object under ``error`` with ``type``, ``code`` and ``message`` (the middleware's own answers are
+put in this envelope by ``edge.StripeEdge``).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import re
 import secrets
 import string
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Scope
 
 API_KEY = re.compile(r"sk_test_[0-9A-Za-z_]{1,200}")
+WWW_AUTHENTICATE = 'Bearer realm="payments-demo"'  # sent with every 401
 _ALPHABET = string.ascii_letters + string.digits
 _NESTED = re.compile(r"([^\[\]]+)((?:\[[^\[\]]*\])*)")
 
@@ -184,6 +186,20 @@ def _insert(target: dict[str, Any], path: list[str], value: str, name: str) -> N
     _insert(child, rest, value, name)
 
 
+def integer(value: str, param: str) -> int:
+    """A parameter's integer value, or a 400 naming ``param``."""
+    if not re.fullmatch(r"-?[0-9]{1,18}", value):
+        raise invalid(f"Invalid integer: {value}", code="parameter_invalid_integer", param=param)
+    return int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class MetadataUpdate:
+    clear: bool  # unset every key first
+    set: dict[str, str]
+    unset: list[str]
+
+
 class Params:
     """Typed access to decoded form parameters; ``done()`` refuses the ones nobody asked for."""
 
@@ -221,11 +237,7 @@ class Params:
 
     def integer(self, name: str, *, required: bool = False) -> int | None:
         value = self.string(name, required=required, max_length=20)
-        if value is None:
-            return None
-        if not re.fullmatch(r"-?[0-9]{1,18}", value):
-            raise invalid(f"Invalid integer: {value}", code="parameter_invalid_integer", param=name)
-        return int(value)
+        return None if value is None else integer(value, name)
 
     def boolean(self, name: str) -> bool | None:
         value = self.string(name, max_length=5)
@@ -287,65 +299,28 @@ class Params:
                 raise invalid("Metadata may not contain NUL characters.", code="parameter_invalid", param="metadata")
         return dict(value)
 
+    def metadata_update(self) -> MetadataUpdate | None:
+        """Metadata in an update, Stripe's way: ``metadata[key]=value`` sets a key, ``metadata[key]=`` (empty) unsets
+        it, and ``metadata=`` (empty) unsets them all. None when the request leaves metadata alone."""
+        if "metadata" not in self._values:
+            return None
+        if self._values["metadata"] == "":
+            del self._values["metadata"]
+            return MetadataUpdate(clear=True, set={}, unset=[])
+        values = self.metadata()
+        return MetadataUpdate(
+            clear=False, set={k: v for k, v in values.items() if v}, unset=sorted(k for k, v in values.items() if not v)
+        )
+
+    def raw(self, name: str) -> Any:
+        """The value as decoded (a string, a list or a dict), for parameters of more than one shape; or None."""
+        return self._take(name, False)
+
+    def has(self, name: str) -> bool:
+        """Whether the request carries ``name`` (an update tells "unset it", ``name=``, from "leave it alone")."""
+        return name in self._values
+
     def done(self) -> None:
         if self._values:
             name = sorted(self._values)[0]
             raise invalid(f"Received unknown parameter: {name}", code="parameter_unknown", param=name)
-
-
-# -- the middleware's own errors, in Stripe's envelope ---------------------------------------------------------------
-
-
-class StripeEnvelope:
-    """Rewrite ``application/problem+json`` answers (the idempotency middleware's own) into Stripe's envelope.
-
-    Goes outside ``IdempotencyMiddleware``. The status, the ``code`` and the ``Retry-After`` header are kept, so a
-    Stripe client sees a 409 ``idempotency_error`` it knows how to retry, and the retrying client still finds the
-    code it looks for. Other responses pass through untouched.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start: Message | None = None
-        chunks: list[bytes] = []
-
-        async def rewrite(message: Message) -> None:
-            nonlocal start
-            if message["type"] == "http.response.start":
-                content_type = dict(message.get("headers", ())).get(b"content-type", b"")
-                if content_type.startswith(b"application/problem+json"):
-                    start = message
-                    return
-            elif message["type"] == "http.response.body" and start is not None:
-                chunks.append(message.get("body", b""))
-                if not message.get("more_body", False):
-                    await _send_envelope(send, start, b"".join(chunks))
-                return
-            await send(message)
-
-        await self.app(scope, receive, rewrite)
-
-
-async def _send_envelope(send: Send, start: Message, problem: bytes) -> None:
-    status = int(start["status"])
-    try:
-        details = orjson.loads(problem)
-    except orjson.JSONDecodeError:
-        details = {}
-    code = str(details.get("code", "idempotency_error"))
-    if status == 503:
-        kind = "api_error"
-    elif status in (409, 422):
-        kind = "idempotency_error"
-    else:
-        kind = "invalid_request_error"
-    body = orjson.dumps({"error": {"type": kind, "code": code, "message": str(details.get("detail", ""))}})
-    headers = [(k, v) for k, v in start.get("headers", ()) if k not in (b"content-type", b"content-length")]
-    headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

@@ -287,17 +287,23 @@ async def test_declined_card_is_recorded_and_replayed(client: httpx.AsyncClient,
     assert (await client.get("/v1/balance")).json()["available"][0]["amount"] == 0
 
 
-async def test_key_reused_for_another_request_is_422_in_stripe_envelope(client: httpx.AsyncClient) -> None:
+async def test_key_reused_for_another_request_is_stripes_400_idempotency_error(client: httpx.AsyncClient) -> None:
+    """The middleware answers 422 (the IETF draft); Stripe answers 400 idempotency_error, and so does the example."""
     headers = keyed()
     await client.post("/v1/customers", data={"name": "first"}, headers=headers)
-    body = error(await client.post("/v1/customers", data={"name": "second"}, headers=headers), 422)
+    reused = await client.post("/v1/customers", data={"name": "second"}, headers=headers)
+    body = error(reused, 400)
     assert (body["type"], body["code"]) == ("idempotency_error", "idempotency_key_reused")
+    assert reused.headers["stripe-should-retry"] == "false"
+    assert reused.headers["request-id"].startswith("req_")
+    assert reused.headers["idempotency-key"] == headers["Idempotency-Key"]
 
 
-async def test_in_progress_is_409_in_stripe_envelope_with_retry_after(
+async def test_in_progress_is_stripes_409_idempotency_key_in_use_with_retry_after(
     client: httpx.AsyncClient, api_key: str, idempotency_store: PostgresStore
 ) -> None:
-    """A retry that meets its original still running: the envelope keeps the code and Retry-After."""
+    """A retry that meets its original still running: Stripe's 409 idempotency_key_in_use, which Stripe's clients
+    retry (Stripe-Should-Retry), with Retry-After for the retrying client of this repository."""
     key = str(uuid.uuid4())
     content = b"amount=1000&currency=usd"
     content_type = b"application/x-www-form-urlencoded"
@@ -309,8 +315,9 @@ async def test_in_progress_is_409_in_stripe_envelope_with_retry_after(
         headers={"Idempotency-Key": key, "Content-Type": content_type.decode()},
     )
     body = error(response, 409)
-    assert (body["type"], body["code"]) == ("idempotency_error", "idempotency_request_in_progress")
+    assert (body["type"], body["code"]) == ("idempotency_error", "idempotency_key_in_use")
     assert response.headers["retry-after"]
+    assert response.headers["stripe-should-retry"] == "true"
     assert should_retry(response)
 
 
@@ -447,14 +454,32 @@ async def test_openapi_documents_form_bodies_keys_and_envelopes(client: httpx.As
     assert form["encoding"]["metadata"] == {"style": "deepObject", "explode": True}
     assert any(p["name"] == "Idempotency-Key" and p["in"] == "header" for p in operation["parameters"])
     assert operation["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/PaymentIntent")
-    for status in ("400", "402", "404", "409", "422", "503"):
+    for status in ("400", "402", "404", "409", "503"):
         content = operation["responses"][status]["content"]
         assert set(content) == {"application/json"}
         assert content["application/json"]["schema"]["$ref"].endswith("/ErrorEnvelope")
+        assert "Request-Id" in operation["responses"][status]["headers"]
     assert "problem+json" not in str(schema)
     assert set(schema["components"]["securitySchemes"]) == {"secretKey", "basic"}
-    retrieve = schema["paths"]["/v1/payment_intents/{intent}"]["get"]
-    assert "422" not in retrieve["responses"]
+    for path in schema["paths"].values():
+        for documented in path.values():
+            assert "422" not in documented["responses"]  # a reused key is Stripe's 400 idempotency_error
+    listing = schema["paths"]["/v1/payment_intents"]["get"]
+    assert {p["name"] for p in listing["parameters"]} == {
+        "expand",
+        "limit",
+        "starting_after",
+        "ending_before",
+        "created",
+        "customer",
+    }
+    expand = next(p for p in listing["parameters"] if p["name"] == "expand")
+    assert expand["schema"]["items"]["enum"] == ["data.customer"]
+    refund_form = schema["paths"]["/v1/refunds"]["post"]["requestBody"]["content"]["application/x-www-form-urlencoded"]
+    assert refund_form["schema"]["properties"]["expand"]["items"]["enum"] == [
+        "payment_intent",
+        "payment_intent.customer",
+    ]
 
 
 # -- startup, migrations and health -------------------------------------------------------------------------------
