@@ -18,6 +18,9 @@ from idempotency_mw.wire import REPLAYED_HEADER
 
 REPLAYED = (REPLAYED_HEADER.lower().encode("ascii"), b"true")
 
+# Extension messages that send the response body around ``send``: a response that uses one cannot be recorded.
+BODY_ELSEWHERE = frozenset({"http.response.pathsend", "http.response.zerocopysend"})
+
 
 class ResponseRecorder:
     """Copy a response as it passes through ``send``.
@@ -58,17 +61,23 @@ class ResponseRecorder:
         if kind == "http.response.start":
             self.status = message["status"]
             self.headers = list(message.get("headers", ()))
+            if message.get("trailers", False):
+                self.capturable = False  # trailer fields follow the body, and a record keeps none: not replayable
         elif kind == "http.response.body":
             chunk = message.get("body", b"")
+            if not isinstance(chunk, bytes):  # a view of a buffer the app may refill for its next chunk: copy it
+                chunk = bytes(chunk)
+                message = {**message, "body": chunk}
             self.body_size += len(chunk)
             if self.overflowed:
                 self._chunks.clear()  # past the cap the body is not stored, so keep none of it
             elif chunk:
                 self._chunks.append(chunk)
             final = not message.get("more_body", False)
-        else:  # a message that carries the body some other way (a file path): nothing here to store
+        elif kind in BODY_ELSEWHERE:  # the body goes around send (a file by its path): nothing here to store
             self.capturable = False
             final = kind == "http.response.pathsend"
+        # Anything else (trailers, a test client's http.response.debug) carries no body: it passes as it is.
         if final:
             self.finished = True
             await self._on_final()

@@ -200,7 +200,7 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):  # OverflowError: a zone offset of absurd size
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)

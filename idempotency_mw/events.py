@@ -30,6 +30,9 @@ class Outcome(enum.Enum):
     POOL_EXHAUSTED = "pool_exhausted"  # like store_error, but every connection of the store's pool was busy
     NOT_REPLAYABLE = "not_replayable"  # the original response was not stored in full (over the cap, or cut short)
     UNPROTECTED = "unprotected"  # fail-open: the handler ran without a record
+    CANCELLED = (
+        "cancelled"  # cancelled while its claim was on its way, before anything ran (a claim it made is released)
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,9 @@ SHA-256 over the lengths of five parts (method, path, query, body kind, canonica
 different requests can produce the same byte stream. Bodies are canonicalised where their format allows: JSON is
 parsed and re-serialised with sorted keys (key order and whitespace do not matter; numbers compare by value, except
 in a body holding a number that a double might not hold exactly, where every number compares as written, so two
-amounts never merge), form bodies become their decoded pairs sorted by name (the order of repeated names is kept,
-it can matter); anything else is hashed as sent.
+amounts never merge), form bodies and query strings become their decoded pairs sorted by name (the order of
+repeated names is kept, it can matter), except a form-typed body that looks like JSON, which an app may well read
+as JSON; anything else is hashed as sent.
 
 The work is bounded. A body whose canonical form would cost much more per byte than ordinary JSON (a form with more
 fields than Starlette itself reads, a flood of ``%XX`` escapes, thousands of values around a long number) is
@@ -54,9 +55,9 @@ def canonical_body(content_type: bytes, body: bytes) -> tuple[bytes, bytes]:
         if canonical is not None:
             return b"json", canonical
     elif media_type == b"application/x-www-form-urlencoded":
-        pairs = _canonical_pairs(body)
-        if pairs is not None:
-            return b"form", pairs
+        fields = _canonical_form(body)
+        if fields is not None:
+            return b"form", fields
     return b"raw", body
 
 
@@ -108,6 +109,15 @@ def _no_constant(name: str) -> NoReturn:
 _MAX_FIELDS = 1000
 _ESCAPES_FREE = 1024
 _BYTES_PER_ESCAPE = 16
+
+
+def _canonical_form(body: bytes) -> bytes | None:
+    """A form body's decoded pairs, sorted by name, as ``request.form()`` reads them; None for a body that looks like
+    JSON, which is hashed as sent: Starlette's ``request.json()`` reads any body, ``curl -d '{...}'`` sends JSON typed
+    as a form, and decoding it (``+`` to a space, ``%25`` to ``%``) would merge JSON bodies the app reads apart."""
+    if body.lstrip()[:1] in (b"{", b"[", b'"'):
+        return None
+    return _canonical_pairs(body)
 
 
 def _canonical_pairs(encoded: bytes) -> bytes | None:

@@ -250,8 +250,16 @@ class IdempotentRequest:
         self.outcome = Outcome.STORE_ERROR  # until something better is known: every started request ends
         self._notify_started()
         started = time.perf_counter()
+        claiming = asyncio.ensure_future(
+            self.store.claim(self.tenant, self.key, digest, lease=self.policy.lease, ttl=self.policy.ttl)
+        )
         try:
-            claim = await self.store.claim(self.tenant, self.key, digest, lease=self.policy.lease, ttl=self.policy.ttl)
+            claim = await asyncio.shield(claiming)
+        except asyncio.CancelledError:
+            # Cancelled (a server shutting down, an outer timeout) while the claim was on its way: it may have
+            # landed. A claim that turns out to be ours is released, so the key is not left to its lease.
+            self.settling = asyncio.ensure_future(self._abandon(claiming))
+            raise
         except Exception as error:
             self.store_seconds += time.perf_counter() - started
             self.middleware.failures.failed("claim a key", error)
@@ -262,6 +270,17 @@ class IdempotentRequest:
         self.store_seconds += time.perf_counter() - started
         self.middleware.failures.succeeded()
         await self._act_on(claim)
+
+    async def _abandon(self, claiming: asyncio.Future[Claim]) -> None:
+        """The claim of a request that was cancelled: release it once it is known to be ours."""
+        self.outcome = Outcome.CANCELLED
+        try:
+            claim = await claiming
+        except Exception:
+            self.outcome = Outcome.STORE_ERROR  # the claim failed: nothing of it is left
+            return
+        if claim.outcome is ClaimOutcome.OWNED:
+            await self._release(claim.fence)
 
     async def _act_on(self, claim: Claim) -> None:
         self.attempts = claim.attempts

@@ -24,8 +24,10 @@ DAY = 24 * 60 * 60
 MiB = 1024 * 1024
 
 # Outcomes below 500 that mean "nothing ran": the retry must be free to try again with the same key (Stripe's
-# rule). 408/425/429 ask the client to retry, so they are transient by definition.
-RELEASED_STATUSES = frozenset({401, 403, 404, 405, 408, 425, 429})
+# rule). 408/425/429 ask the client to retry, so they are transient by definition. 307 and 308 say "send this same
+# request there" (the router's redirect_slashes answers them before any handler): the request they point to, with
+# the same key, is the one that runs.
+RELEASED_STATUSES = frozenset({307, 308, 401, 403, 404, 405, 408, 425, 429})
 
 
 @dataclass(frozen=True, slots=True)

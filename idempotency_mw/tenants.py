@@ -76,8 +76,9 @@ def header_tenant(header: str, *, anonymous: str | None = None) -> TenantResolve
     def resolve(scope: Scope) -> str | None:
         values = _values(scope, wanted)
         if len(values) > 1:
-            return None
-        return values[0].decode("latin-1") if values else shared
+            return None  # which one is the caller? Not for us to guess
+        value = values[0].strip(b" \t") if values else b""
+        return value.decode("latin-1") if value else shared  # an empty header names nobody
 
     return resolve
 
@@ -115,12 +116,15 @@ def legacy_sha256_fallback(store: Store, tenant: TenantResolver | None = None) -
 
 
 def _canonical(value: bytes) -> bytes | None:
-    """``scheme credentials`` with the scheme lower-cased and one space between; None for an empty value."""
+    """``scheme credentials`` with the scheme lower-cased and one space between; None for an empty value.
+
+    A value without a space is bare credentials (``Authorization: sk_live_AbC``, as some APIs take it), not a
+    scheme: it is compared as sent, since credentials are case-sensitive."""
     match = _CREDENTIALS.fullmatch(value.strip(b" \t"))
     if match is None:
         return None
     scheme, credentials = match.groups()
-    return scheme.lower() + b" " + credentials if credentials else scheme.lower()
+    return scheme.lower() + b" " + credentials if credentials else scheme
 
 
 def _values(scope: Scope, name: bytes) -> list[bytes]:

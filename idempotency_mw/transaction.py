@@ -69,7 +69,7 @@ class TransactionalRun:
         is_final: Callable[[int | None], bool],
         on_settled: Callable[[TransactionalRun], Awaitable[None]],
     ) -> None:
-        self.state = State.OPEN
+        self._state = State.OPEN
         self.failure: BaseException | None = None  # what the database said, for UNAVAILABLE and REFUSED
         self.recorder = ResponseRecorder(send, max_body=max_body, hold=True, on_final=self._settle)
         self._transactions = transactions
@@ -79,6 +79,18 @@ class TransactionalRun:
         self._transaction: Transaction | None = None
         self._settling: asyncio.Task[None] | None = None
         self._reported = False
+        self._receive: Receive | None = None
+        self._left_open = asyncio.Event()  # set once the state is no longer OPEN
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @state.setter
+    def state(self, state: State) -> None:
+        self._state = state
+        if state is not State.OPEN:
+            self._left_open.set()
 
     @property
     def status(self) -> int | None:
@@ -97,14 +109,36 @@ class TransactionalRun:
                 self.state, self.failure = State.UNAVAILABLE, error
                 raise
             lend(self._transaction)
+            self._receive = receive
             try:
-                await app(scope, receive, self._send)
+                await app(scope, self._receive_held, self._send)
             except BaseException:
                 await self._end()
                 raise
             await self._end()
+            if not self._reported and self.state in (State.COMMITTED, State.ROLLED_BACK):
+                # Settled, but the app cancelled its own send while it waited for that (a streaming response that
+                # stopped on a disconnect): report it now, so a rolled-back key is still released.
+                self._reported = True
+                await self._on_settled(self)
             if self.state is State.ROLLED_BACK and not self.recorder.finished:
                 raise RuntimeError("the handler returned without finishing its response")
+
+    @property
+    def reported(self) -> bool:
+        """``on_settled`` ran: the middleware has freed a rolled-back key and reported the outcome."""
+        return self._reported
+
+    async def _receive_held(self) -> Message:
+        """The app's ``receive``: a client that hangs up while the response is held is kept from the app until the
+        transaction has settled. The client has seen nothing yet, and the commit, not the client, decides the
+        outcome: told of the disconnect, Starlette's StreamingResponse would stop and run its background task for
+        an effect that then rolls back."""
+        assert self._receive is not None
+        message = await self._receive()
+        while message["type"] == "http.disconnect" and self.state is State.OPEN and self.recorder.status is not None:
+            await self._left_open.wait()
+        return message
 
     async def _send(self, message: Message) -> None:
         if self.state in DID_NOT_COMMIT:

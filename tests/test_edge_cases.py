@@ -1,0 +1,533 @@
+"""Edge cases an outside review of the library found, one test each: every one failed on the code as reviewed,
+and its docstring says what was wrong and what is expected now."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from idempotency_mw import (
+    AuthorizationTenant,
+    IdempotencyMiddleware,
+    PostgresStore,
+    header_tenant,
+    idempotency_context,
+)
+from idempotency_mw.client import AsyncIdempotentClient, Retry
+from idempotency_mw.events import Event, Outcome
+from idempotency_mw.postgres import PostgresTransaction
+from idempotency_mw.store import Claim
+from tests.conftest import client_for, opened
+
+TENANT = "tenant-review"
+
+
+def fixed_tenant(scope: Any) -> str:
+    return TENANT
+
+
+@pytest.fixture
+async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    connection = await asyncpg.connect(idempotency_database_url)
+    await connection.execute("CREATE TABLE IF NOT EXISTS review_effects (key text)")
+    yield connection
+    await connection.close()
+
+
+async def effects(db: asyncpg.Connection, key: str) -> int:
+    return int(await db.fetchval("SELECT count(*) FROM review_effects WHERE key = $1", key))
+
+
+def http_scope(path: str, key: str, *, spec_version: str = "2.3") -> dict[str, Any]:
+    """A keyed POST as uvicorn 0.54 builds it (``spec_version`` 2.3: Starlette's StreamingResponse then listens for
+    ``http.disconnect`` while it streams)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": spec_version},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"idempotency-key", key.encode()), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 80),
+        "extensions": {},
+    }
+
+
+def hanging_up_client(hang_up: asyncio.Event) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """A client's ``receive``: the request body, then ``http.disconnect`` once ``hang_up`` is set."""
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        await hang_up.wait()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+async def ignore(message: dict[str, Any]) -> None:
+    """A server's ``send`` to a client that has gone."""
+
+
+# -- 1. Transactional mode: a background task runs for an effect that rolled back ------------------------------
+
+
+async def test_transactional_background_task_never_runs_for_a_rolled_back_effect(
+    pg_store: PostgresStore, db: asyncpg.Connection
+) -> None:
+    """docs/design.md §6: "When the transaction did not commit ... nothing the app runs after its response does so
+    for an effect that did not happen", and the guide: "Background tasks run after the commit".
+
+    Under uvicorn (ASGI spec 2.3) Starlette's StreamingResponse listens for ``http.disconnect`` while it streams.
+    In transactional mode the response is held until the commit, so a client that hangs up mid-stream (a read
+    timeout: it has seen nothing yet) gets the disconnect passed through ``_receive_buffered``: the response
+    cancels its own stream and then runs its background task (a receipt e-mail, a webhook), and only after that
+    does the middleware roll the transaction back and release the key. The receipt went out for a charge that
+    never happened, and the retry runs the charge and sends a second one.
+
+    Expected: a background task runs only for an effect that committed (receipts == committed effects).
+    """
+    key = str(uuid.uuid4())
+    hang_up = asyncio.Event()
+    receipts: list[str] = []
+
+    async def charge(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await context.connection.execute("INSERT INTO review_effects VALUES ($1)", key)
+
+        async def body() -> AsyncIterator[bytes]:
+            yield b'{"charged": '
+            hang_up.set()  # the client gives up while the (held) response is still being produced
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.Event().wait(), 1)
+            yield b"true}"
+
+        return StreamingResponse(
+            body(), status_code=201, media_type="application/json", background=BackgroundTask(receipts.append, key)
+        )
+
+    app = Starlette(routes=[Route("/charges", charge, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=pg_store, tenant=fixed_tenant, transactional=True)
+    await asyncio.gather(
+        asyncio.wait_for(app(http_scope("/charges", key), hanging_up_client(hang_up), ignore), 10),
+        return_exceptions=True,  # the middleware raises "returned without finishing its response": fine
+    )
+    assert len(receipts) == await effects(db, key), "a background task ran for an effect that was rolled back"
+
+
+# -- 2. Transactional mode: a transient answer whose settlement the app cancels keeps the key ------------------
+
+
+class PausingRollbackStore(PostgresStore):
+    """A PostgresStore whose transactions pause at the start of their rollback until ``resume`` is set."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(dsn)
+        self.rolling_back = asyncio.Event()
+        self.resume = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[PostgresTransaction]:
+        async with super().transaction() as transaction:
+            rollback = transaction.rollback
+
+            async def paused_rollback() -> None:
+                self.rolling_back.set()
+                await self.resume.wait()
+                await rollback()
+
+            transaction.rollback = paused_rollback  # type: ignore[method-assign]
+            yield transaction
+
+
+async def test_transient_answer_cancelled_while_settling_releases_the_key(idempotency_database_url: str) -> None:
+    """A transactional handler streams a transient answer (503); as its final body message is settled (the
+    rollback runs), the client hangs up, and Starlette's StreamingResponse (ASGI spec 2.3, uvicorn) cancels its own
+    stream task, which is waiting in ``TransactionalRun._settle``. The app then returns normally.
+
+    ``_settle`` never reaches ``on_settled``, so ``_on_transaction_settled`` (which releases a rolled-back key and
+    reports the event) never runs; and ``_execute_in_transaction`` reads ``ROLLED_BACK`` with no exception as
+    "a transient answer: released and reported when it settled" and returns. The key stays in progress until its
+    lease lapses (a retry gets 409 for up to 30 s), and the event reports ``store_error`` for a request whose store
+    never failed.
+
+    Expected: the key is released (no record), and the one event says ``released``.
+    """
+    key = str(uuid.uuid4())
+    events: list[Event] = []
+    async with opened(PausingRollbackStore(idempotency_database_url)) as store:
+        assert isinstance(store, PausingRollbackStore)
+
+        async def unavailable(request: Request) -> Response:
+            async def body() -> AsyncIterator[bytes]:
+                yield b'{"error": "try again"}'
+
+            return StreamingResponse(body(), status_code=503, media_type="application/json")
+
+        inner = Starlette(routes=[Route("/charges", unavailable, methods=["POST"])])
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await inner(scope, receive, send)
+            store.resume.set()  # the rollback finishes once the app has returned
+
+        middleware = IdempotencyMiddleware(
+            app, store=store, tenant=fixed_tenant, transactional=True, on_event=events.append
+        )
+        await asyncio.wait_for(
+            middleware(http_scope("/charges", key), hanging_up_client(store.rolling_back), ignore), 10
+        )
+        record = await store.inspect(TENANT, key)
+        assert ([event.outcome for event in events], record and record.state) == ([Outcome.RELEASED], None)
+
+
+# -- 3. A request cancelled while its claim is in flight leaves the key in progress ----------------------------
+
+
+class ClaimLandsThenStallsStore(PostgresStore):
+    """A PostgresStore whose claims land in the database and whose caller is then held before it reads the answer:
+    the window between the server running the claim and the client reading its reply."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(dsn)
+        self.landed = asyncio.Event()
+        self.reply = asyncio.Event()
+
+    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
+        claim = await super().claim(tenant, key, fingerprint, lease=lease, ttl=ttl)
+        self.landed.set()
+        await self.reply.wait()  # the reply is still on its way when the request is cancelled
+        return claim
+
+
+async def test_request_cancelled_during_its_claim_releases_the_key(idempotency_database_url: str) -> None:
+    """docs/design.md §2.6: "a request cancelled before its response started is released". A request cancelled while
+    its claim is in flight (the server cancels it at shutdown, or because the client hung up; an outer timeout)
+    loses the claim's answer: ``IdempotentRequest._run`` awaits ``store.claim`` unshielded, and its ``except
+    Exception`` does not see the CancelledError. When the claim had landed, the key stays ``in_progress`` under a
+    fence nobody holds, and the client's retry gets 409 until the lease lapses (30 s by default). The request's
+    event also says ``store_error`` (the placeholder set before the claim), though the store never failed, so
+    cancellations show up as store errors in the metrics.
+
+    Expected: the claim is awaited through the cancellation (shielded, as settling is), and a claim that turns out
+    to be ours is released; the event does not report a store error.
+    """
+    key = str(uuid.uuid4())
+    events: list[Event] = []
+    handler_runs: list[str] = []
+
+    async def charge(request: Request) -> Response:
+        handler_runs.append(key)
+        return JSONResponse({"charged": True}, status_code=201)
+
+    async with opened(ClaimLandsThenStallsStore(idempotency_database_url)) as store:
+        assert isinstance(store, ClaimLandsThenStallsStore)
+        app = Starlette(routes=[Route("/charges", charge, methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=store, tenant=fixed_tenant, on_event=events.append)
+        never = asyncio.Event()
+        request = asyncio.create_task(app(http_scope("/charges", key), hanging_up_client(never), ignore))
+        await asyncio.wait_for(store.landed.wait(), 10)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        store.reply.set()  # the answer arrives after all
+        for _ in range(50):  # a release that goes on after the cancellation has time to land
+            record = await store.inspect(TENANT, key)
+            if record is None:
+                break
+            await asyncio.sleep(0.02)
+        assert handler_runs == []
+        assert record is None, f"the key was left {record.state} under a fence nobody holds"
+        assert Outcome.STORE_ERROR not in [event.outcome for event in events]
+
+
+# -- 4. A router's redirect is recorded, so the request it points to is refused as a reused key ---------------
+
+
+async def test_trailing_slash_redirect_does_not_burn_the_key(pg_store: PostgresStore) -> None:
+    """Starlette's router answers ``POST /charges/`` with ``307 Temporary Redirect`` to ``/charges`` before any
+    handler runs (``redirect_slashes``, on by default, FastAPI too). 307 and 308 mean "send this same request
+    there": browsers' fetch, httpx with ``follow_redirects=True`` and most SDKs re-send it, with the same headers,
+    the Idempotency-Key included. The middleware records the 307 as a final answer, with the fingerprint of
+    ``/charges/``; the followed request (path ``/charges``) then meets that record with another fingerprint and gets
+    422 ``idempotency_key_reused``, for the whole ttl: the charge can never run under that key.
+
+    Nothing ran, as with 404 and 405, which are released (docs/design.md §2.6). Expected: the followed request
+    runs the handler.
+    """
+    runs: list[int] = []
+
+    async def charge(request: Request) -> Response:
+        runs.append(1)
+        return JSONResponse({"charged": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/charges", charge, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=pg_store)
+    key = str(uuid.uuid4())
+    async with client_for(app) as client:
+        followed = await client.post(
+            "/charges/", json={"amount": 100}, headers={"Idempotency-Key": key}, follow_redirects=True
+        )
+    assert [r.status_code for r in followed.history] == [307]
+    assert followed.status_code == 201, followed.text
+    assert runs == [1]
+
+
+# -- 5 and 6. Tenants: two credentials, one namespace ----------------------------------------------------------
+
+
+SECRET = "review-secret-0123456789abcdef0123456789abcdef"
+
+
+def authorization(value: bytes) -> dict[str, Any]:
+    return {"headers": [(b"authorization", value)]}
+
+
+def test_bare_credentials_keep_their_case() -> None:
+    """``AuthorizationTenant`` lower-cases the auth *scheme* (case-insensitive, RFC 9110 §11.1) but compares "the
+    credentials themselves as sent" (its docstring). ``_canonical`` finds the scheme as the first run of non-blank
+    bytes, so a value with no space, the bare API key many APIs take (``Authorization: sk_live_AbC...``), is all
+    "scheme" and is lower-cased whole: two different keys that differ only in letter case become one tenant, which
+    then sees (replays) the other's records, before the app has authenticated anyone.
+
+    Expected: two different bare credentials give two tenants.
+    """
+    resolve = AuthorizationTenant(SECRET)
+    assert resolve(authorization(b"sk_live_AbCdEf")) != resolve(authorization(b"sk_live_abcdef"))
+
+
+async def test_header_tenant_refuses_an_empty_header(pg_store: PostgresStore) -> None:
+    """``header_tenant("x-account-id")`` maps a request with an *empty* header value to the tenant ``""``: every
+    caller whose proxy passes the header empty shares one namespace and replays the others' responses.
+    docs/design.md §4: a keyed request whose tenant cannot be told "never silently shares a namespace with other
+    anonymous callers"; ``AuthorizationTenant`` treats an empty header as no credentials, ``header_tenant`` does not.
+
+    Expected: an empty header has no tenant (400 ``idempotency_tenant_unknown``, or the ``anonymous=`` namespace
+    when one is named), and a second caller never gets the first caller's response.
+    """
+
+    async def balance(request: Request) -> Response:
+        return JSONResponse({"owner": request.headers.get("x-caller")}, status_code=201)
+
+    app = Starlette(routes=[Route("/payouts", balance, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=pg_store, tenant=header_tenant("x-account-id"))
+    key = str(uuid.uuid4())
+    async with client_for(app) as client:
+        first = await client.post("/payouts", headers={"Idempotency-Key": key, "x-account-id": "", "x-caller": "a"})
+        second = await client.post("/payouts", headers={"Idempotency-Key": key, "x-account-id": "", "x-caller": "b"})
+    assert (first.status_code, second.status_code) == (400, 400)  # no tenant, so no shared namespace
+    assert second.json()["code"] == "idempotency_tenant_unknown"  # and never caller a's response
+    assert header_tenant("x-account-id")({"headers": [(b"x-account-id", b"")]}) is None
+
+
+# -- 8. The client crashes on a Retry-After it cannot read ----------------------------------------------------
+
+
+async def test_client_survives_an_unreadable_retry_after_date() -> None:
+    """``parse_retry_after`` promises None for a value it cannot read, and catches TypeError, ValueError and
+    IndexError from ``email.utils.parsedate_to_datetime``; a date whose zone offset has too many digits makes that
+    raise OverflowError, which escapes: the client's retry loop dies with an OverflowError (from a header a proxy or
+    server sent) instead of retrying, and the caller does not even get ``RetriesExhausted`` with the key to resume.
+
+    Expected: the header is ignored as unreadable and the call retries.
+    """
+    answers = iter(
+        [
+            httpx.Response(503, headers={"retry-after": "Mon, 01 Jan 2024 00:00:00 +99999999999999999999"}),
+            httpx.Response(201, json={"charged": True}),
+        ]
+    )
+    transport = httpx.MockTransport(lambda request: next(answers))
+    async with AsyncIdempotentClient(
+        "http://test", transport=transport, retry=Retry(backoff=0.0, max_backoff=0.0)
+    ) as client:
+        result = await client.post("/charges", json={"amount": 100})
+    assert result.status_code == 201
+
+
+# -- 9. Fingerprint: two bodies the app reads differently, one fingerprint ------------------------------------
+
+
+async def test_form_typed_bodies_the_app_reads_as_json_keep_different_fingerprints(pg_store: PostgresStore) -> None:
+    """A body sent as ``application/x-www-form-urlencoded`` is fingerprinted as its *decoded* pairs (``+`` becomes a
+    space, ``%XX`` its byte). Starlette's ``request.json()`` reads a body whatever its content type, and
+    ``curl -d '{...}'`` sends JSON with exactly that form content type. So ``{"to": "jane+shop@example.com"}`` and
+    ``{"to": "jane shop@example.com"}`` (or ``"50%25"`` and ``"50%"``) are one request to the fingerprint and two
+    to the app: a key reused for the second one (the client bug the 422 exists for) is answered with the first
+    one's response, silently.
+
+    Expected: bodies that differ as bytes in ways the form decoding erases do not share a fingerprint (keep each
+    pair's raw bytes and only sort them, or fall back to the raw bytes), so the second gets 422.
+    """
+
+    async def notify(request: Request) -> Response:
+        return JSONResponse(await request.json(), status_code=201)
+
+    app = Starlette(routes=[Route("/notify", notify, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=pg_store)
+    key = str(uuid.uuid4())
+    form = "application/x-www-form-urlencoded"
+    async with client_for(app) as client:
+        first = await client.post(
+            "/notify",
+            content=b'{"to": "jane+shop@example.com"}',
+            headers={"Idempotency-Key": key, "content-type": form},
+        )
+        second = await client.post(
+            "/notify",
+            content=b'{"to": "jane shop@example.com"}',
+            headers={"Idempotency-Key": key, "content-type": form},
+        )
+    assert first.json() == {"to": "jane+shop@example.com"}
+    assert second.status_code == 422, (
+        f"answered {second.json()} (replayed: {second.headers.get('idempotent-replayed')})"
+    )
+
+
+# -- 10. Body chunks that are views of a buffer the app reuses -------------------------------------------------
+
+
+def reusing_buffer_app(store: PostgresStore, **options: Any) -> Starlette:
+    """A download that streams a file through one reused buffer, yielding views of it (Starlette's
+    StreamingResponse passes memoryview chunks through unchanged)."""
+
+    async def export(request: Request) -> Response:
+        buffer = bytearray(4)
+
+        async def chunks() -> AsyncIterator[memoryview]:
+            for part in (b"AAAA", b"BBBB", b"CCCC"):
+                buffer[:] = part  # readinto() of the next block
+                yield memoryview(buffer)
+
+        return StreamingResponse(chunks(), status_code=201, media_type="application/octet-stream")
+
+    app = Starlette(routes=[Route("/exports", export, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, **options)
+    return app
+
+
+async def test_replay_of_a_body_streamed_from_a_reused_buffer(pg_store: PostgresStore) -> None:
+    """``ResponseRecorder.send`` keeps each body chunk by reference. A memoryview over a buffer the app refills for
+    the next chunk (Starlette passes memoryview chunks through) is stored as it is when the record is written: the
+    last block, three times. The client got ``AAAABBBBCCCC``; every replay says ``CCCCCCCCCCCC``.
+
+    Expected: the recorder copies what it keeps (``bytes(chunk)``), and the replay is the original, byte for byte.
+    """
+    key = str(uuid.uuid4())
+    async with client_for(reusing_buffer_app(pg_store)) as client:
+        first = await client.post("/exports", headers={"Idempotency-Key": key})
+        replay = await client.post("/exports", headers={"Idempotency-Key": key})
+    assert first.content == b"AAAABBBBCCCC"
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.content == first.content
+
+
+async def test_transactional_live_body_streamed_from_a_reused_buffer(pg_store: PostgresStore) -> None:
+    """In transactional mode the recorder *holds* the messages until the commit, again by reference: the client
+    itself receives the last block three times (``CCCCCCCCCCCC``), a corrupted download, and so does every replay.
+
+    Expected: the client receives ``AAAABBBBCCCC``.
+    """
+    key = str(uuid.uuid4())
+    async with client_for(reusing_buffer_app(pg_store, transactional=True)) as client:
+        first = await client.post("/exports", headers={"Idempotency-Key": key})
+    assert first.status_code == 201
+    assert first.content == b"AAAABBBBCCCC"
+
+
+# -- 11. Trailers -----------------------------------------------------------------------------------------------
+
+
+async def test_replay_keeps_the_response_trailers(pg_store: PostgresStore) -> None:
+    """With the ``http.response.trailers`` extension (HTTP/2 and gRPC-style servers), a response announces
+    ``trailers: True`` in its start message and sends its trailer fields after the final body message. The recorder
+    settles at that final body message, so the record has no trailers and no ``trailers`` flag, yet it is stored as
+    replayable: a replay ends without the trailers the original had (a checksum, a ``grpc-status``), and the stored
+    body is presented as the whole answer. docs/design.md §2.7: "The stored status, headers and body go out
+    unchanged".
+
+    Expected: a replay sends the trailers the original sent, or the record says it cannot be replayed (what the
+    middleware does: records keep no trailers).
+    """
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 201, "headers": [], "trailers": True})
+        await send({"type": "http.response.body", "body": b"payload"})
+        await send({"type": "http.response.trailers", "headers": [(b"x-checksum", b"abc")], "more_trailers": False})
+
+    middleware = IdempotencyMiddleware(app, store=pg_store, tenant=fixed_tenant)
+    key = str(uuid.uuid4())
+    answers: list[list[dict[str, Any]]] = []
+    for _ in range(2):
+        sent: list[dict[str, Any]] = []
+        scope = http_scope("/stream", key)
+        scope["extensions"] = {"http.response.trailers": {}}
+
+        async def send(message: dict[str, Any], sent: list[dict[str, Any]] = sent) -> None:
+            sent.append(message)
+
+        await middleware(scope, hanging_up_client(asyncio.Event()), send)
+        answers.append(sent)
+    original, retry = answers
+    assert [m["type"] for m in original] == ["http.response.start", "http.response.body", "http.response.trailers"]
+    assert retry[0]["status"] == 409  # the record keeps no trailers, so it says it cannot be replayed
+    assert b"idempotency_response_not_replayable" in retry[1]["body"]
+
+
+# -- 12. Starlette's TestClient: template responses cannot be replayed ----------------------------------------
+
+
+async def test_debug_extension_message_does_not_make_a_response_unreplayable(pg_store: PostgresStore) -> None:
+    """Starlette's TestClient offers the ``http.response.debug`` extension, and Starlette's ``TemplateResponse``
+    then sends ``{"type": "http.response.debug", "info": {...}}`` before its start message (for the test client's
+    ``response.template``). The recorder takes any message it does not know for one that carries the body around
+    ``send`` (``capturable = False``), so the record is stored without its body: under the TestClient every keyed
+    POST that renders a template answers its retry with 409 ``idempotency_response_not_replayable``, where
+    production (no such extension) replays it. Apps' own idempotency tests then fail, or pass for the wrong reason.
+
+    Expected: a message that carries no body (``http.response.debug``) is passed on and ignored by the recorder.
+    """
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:  # what TemplateResponse does under the TestClient
+        await receive()
+        if "http.response.debug" in scope.get("extensions", {}):
+            await send({"type": "http.response.debug", "info": {"template": "receipt.html", "context": {}}})
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"content-type", b"text/html")]})
+        await send({"type": "http.response.body", "body": b"<p>paid</p>"})
+
+    middleware = IdempotencyMiddleware(app, store=pg_store, tenant=fixed_tenant)
+    key = str(uuid.uuid4())
+    statuses: list[int] = []
+    for _ in range(2):
+        sent: list[dict[str, Any]] = []
+        scope = http_scope("/pay", key)
+        scope["extensions"] = {"http.response.debug": {}}
+
+        async def send(message: dict[str, Any], sent: list[dict[str, Any]] = sent) -> None:
+            sent.append(message)
+
+        await middleware(scope, hanging_up_client(asyncio.Event()), send)
+        statuses += [m["status"] for m in sent if m["type"] == "http.response.start"]
+    assert statuses == [201, 201]
