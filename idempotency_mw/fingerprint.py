@@ -58,7 +58,9 @@ def canonical_body(content_type: bytes, body: bytes) -> tuple[bytes, bytes]:
         fields = _canonical_form(body)
         if fields is not None:
             return b"form", fields
-    return b"raw", body
+    # Bytes the app reads by their content type's parameters (a multipart boundary, a charset) are another
+    # request under other parameters: the kind carries the whole content type.
+    return b"raw;" + b" ".join(content_type.lower().split()), body
 
 
 # -- JSON --------------------------------------------------------------------------------------------------------

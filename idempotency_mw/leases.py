@@ -37,6 +37,7 @@ class HeldLease:
     lease: float
     due: float  # loop time of the next renewal
     renewal: asyncio.Task[None] | None = None
+    dropped: bool = False  # the request has ended: a renewal still on its way changes nothing and says nothing
 
 
 class LeaseKeeper:
@@ -63,10 +64,12 @@ class LeaseKeeper:
         return held
 
     def drop(self, held: HeldLease) -> None:
-        """The request has ended: stop renewing. The timer is left to lapse; it costs one idle wake at most."""
+        """The request has ended: stop renewing. The timer is left to lapse; it costs one idle wake at most.
+
+        A renewal already on its way is left to finish rather than cancelled: cancelling a statement in flight
+        costs its connection, and the renewal is harmless (fenced, and a completed record is never renewed)."""
+        held.dropped = True
         self._forget(held)
-        if held.renewal is not None:
-            held.renewal.cancel()
 
     def _forget(self, held: HeldLease) -> None:
         queue = self._queues.get(held.lease)
@@ -101,7 +104,8 @@ class LeaseKeeper:
 
     async def _renew(self, held: HeldLease) -> None:
         try:
-            if not await self._store.renew(held.tenant, held.key, held.fence, lease=held.lease):
+            renewed = await self._store.renew(held.tenant, held.key, held.fence, lease=held.lease)
+            if not renewed and not held.dropped:  # dropped: it was completed or released meanwhile, not taken over
                 logger.warning("idempotency lease of key %s was taken over", hash_key(held.key))
                 self._forget(held)
         except Exception as error:  # the store is unreachable for now: the next beat tries again

@@ -145,7 +145,7 @@ def test_key_order_and_whitespace_never_matter_even_when_read_exactly(members: d
 
 def test_json_nested_too_deep_to_re_serialise_is_hashed_as_sent() -> None:
     deep = b"[" * 300 + b"]" * 300
-    assert canonical_body(JSON, deep) == (b"raw", deep)
+    assert canonical_body(JSON, deep) == (b"raw;" + JSON, deep)
 
 
 # -- bounded work: a body that would be costly to canonicalise is hashed as sent -------------------------------
@@ -156,9 +156,9 @@ def test_a_form_with_more_fields_than_starlette_reads_is_hashed_as_sent(monkeypa
     assert canonical_body(FORM, within)[0] == b"form"
     monkeypatch.setattr(fingerprint_module, "parse_qsl", refuse_to_parse)  # past the cap the parser is never run
     beyond = b"&".join([b"a"] * 1001)
-    assert canonical_body(FORM, beyond) == (b"raw", beyond)
+    assert canonical_body(FORM, beyond) == (b"raw;" + FORM, beyond)
     huge = b"&".join([b"a"] * (1 << 19))  # the 1 MiB body of the report
-    assert canonical_body(FORM, huge) == (b"raw", huge)
+    assert canonical_body(FORM, huge) == (b"raw;" + FORM, huge)
     assert fp(huge, FORM) == fp(huge, FORM)
     assert fp(huge, FORM) != fp(huge + b"&a", FORM)
 
@@ -167,7 +167,7 @@ def test_a_form_full_of_escapes_is_hashed_as_sent(monkeypatch: pytest.MonkeyPatc
     escaped = b"name=" + b"%41" * 100_000
     assert fp(escaped, FORM) != fp(b"name=" + b"A" * 100_000, FORM)  # the conservative side: a 422, never a replay
     monkeypatch.setattr(fingerprint_module, "parse_qsl", refuse_to_parse)
-    assert canonical_body(FORM, escaped) == (b"raw", escaped)
+    assert canonical_body(FORM, escaped) == (b"raw;" + FORM, escaped)
 
 
 def test_an_ordinary_form_with_escapes_is_still_canonical() -> None:
@@ -194,7 +194,7 @@ def test_a_costly_query_never_meets_the_canonical_pairs_of_another() -> None:
 def test_json_needing_exact_numbers_with_too_many_values_is_hashed_as_sent(monkeypatch: pytest.MonkeyPatch) -> None:
     dense = b"[" + b",".join([b"1"] * 200_000) + b",12345678901234567890]"  # one long number, then many values
     monkeypatch.setattr(fingerprint_module.json, "loads", refuse_to_parse)  # the exact reader is never run
-    assert canonical_body(JSON, dense) == (b"raw", dense)
+    assert canonical_body(JSON, dense) == (b"raw;" + JSON, dense)
 
 
 def test_json_with_a_few_exact_numbers_among_long_text_is_canonical() -> None:
@@ -204,3 +204,12 @@ def test_json_with_a_few_exact_numbers_among_long_text_is_canonical() -> None:
 
 def refuse_to_parse(*args: object, **kwargs: object) -> NoReturn:
     raise AssertionError("this body should not have been parsed")
+
+
+def test_raw_bodies_under_other_content_type_parameters_are_other_requests() -> None:
+    """The same bytes read under another boundary or charset are another request to the app."""
+    body = b"--b1\r\nContent-Disposition: form-data; name=amount\r\n\r\n10\r\n--b1--\r\n"
+    assert fp(body, b"multipart/form-data; boundary=b1") != fp(body, b"multipart/form-data; boundary=b2")
+    assert fp(b"caf\xe9", b"text/plain; charset=latin-1") != fp(b"caf\xe9", b"text/plain; charset=utf-8")
+    assert fp(b"x", b"Text/Plain;  charset=UTF-8") == fp(b"x", b"text/plain; charset=utf-8")  # spelling only
+

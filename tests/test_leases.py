@@ -209,3 +209,41 @@ def test_another_event_loop_starts_afresh(monkeypatch: pytest.MonkeyPatch) -> No
     current = asyncio.run(hold_and_beat())
     assert store.renewals == {current.key: 1}  # the lease of the loop that ended is not carried over
     assert abandoned.key not in store.renewals
+
+
+class SlowRenewStore(MemoryStore):
+    """A renewal that waits on the test: room for the request to end (complete its record) meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.renewing = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
+        self.renewing.set()
+        await self.go.wait()
+        return await super().renew(tenant, key, fence, lease=lease)
+
+
+async def test_a_renewal_on_its_way_when_the_request_ends_is_neither_cancelled_nor_reported(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The record completed while its renewal waited (in transactional mode, on the row lock of the commit): the
+    renewal then finds no claim in progress. That is no takeover to warn about, and cancelling the renewal would
+    have cost its connection."""
+    from idempotency_mw import StoredResponse
+
+    store = SlowRenewStore()
+    keeper = LeaseKeeper(store)
+    key, fence = await claimed(store, 0.3)
+    held = keeper.hold("t", key, fence, 0.3)
+    await asyncio.wait_for(store.renewing.wait(), 5)
+    assert await store.complete("t", key, fence, StoredResponse(201, [], b"done", 4))
+    keeper.drop(held)
+    renewal = held.renewal
+    assert renewal is not None
+    with caplog.at_level("WARNING", logger="idempotency_mw"):
+        store.go.set()
+        await asyncio.wait_for(renewal, 5)
+    assert not renewal.cancelled()
+    assert "taken over" not in caplog.text
