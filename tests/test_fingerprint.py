@@ -212,4 +212,3 @@ def test_raw_bodies_under_other_content_type_parameters_are_other_requests() -> 
     assert fp(body, b"multipart/form-data; boundary=b1") != fp(body, b"multipart/form-data; boundary=b2")
     assert fp(b"caf\xe9", b"text/plain; charset=latin-1") != fp(b"caf\xe9", b"text/plain; charset=utf-8")
     assert fp(b"x", b"Text/Plain;  charset=UTF-8") == fp(b"x", b"text/plain; charset=utf-8")  # spelling only
-
