@@ -13,6 +13,7 @@ issue 14's question of why PostgreSQL spends more per request under HTTP traffic
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from typing import Any
@@ -42,6 +43,7 @@ LABELS = {
     "fastidempotent": "fastidempotent (PostgresBackend)",
     "fastapi-idempotency": "fastapi-idempotency (TortoiseStore)",
     "floor": "database floor: asyncpg claim + complete",
+    "floor-contended": "the floor, while the bare app serves wrk on the same cores",
 }
 
 
@@ -100,13 +102,23 @@ class Reading:
         }
 
 
-def run_floor(ctx: Context) -> dict[str, Any]:
-    """The floor's client (floor.py) is this process's child: its CPU is the "app" part, there is no wrk."""
+def run_floor(ctx: Context, contended: bool = False) -> dict[str, Any]:
+    """The floor's client (floor.py) is this process's child: its CPU is the "app" part, there is no wrk.
+
+    ``contended``: while the bare app serves wrk on the same cores (HTTP with no database work), so PostgreSQL
+    runs the floor's statements while competing for the CPU as it does under the HTTP variants."""
     reset(ctx.db.url)
-    meter = CpuMeter(None, ctx.db.postmaster_pid)
-    before = Reading.take(ctx, meter)
-    floor = ctx.script("floor.py", "--dsn", ctx.db.url, "--seconds", str(ctx.seconds))
-    measured = before.per_request(ctx, meter, floor["requests"])
+    with contextlib.ExitStack() as stack:
+        if contended:
+            server = stack.enter_context(Server(ctx.python, "bare", None, log_name="e2e-contention"))
+            background = loadgen.Background(
+                server.url, mode="fresh", prefix="contention", connections=CONNECTIONS, limit=ctx.seconds + 60
+            ).start()
+            stack.callback(background.stop)
+        meter = CpuMeter(None, ctx.db.postmaster_pid)
+        before = Reading.take(ctx, meter)
+        floor = ctx.script("floor.py", "--dsn", ctx.db.url, "--seconds", str(ctx.seconds))
+        measured = before.per_request(ctx, meter, floor["requests"])
     if measured["postgres_switches"] is not None:  # its own backends ended before the reading: floor.py counted them
         measured["postgres_switches"] += floor["backend_switches"] / floor["requests"]
     cpu = measured["cpu_us"]
@@ -116,12 +128,15 @@ def run_floor(ctx: Context) -> dict[str, Any]:
 
 def measure(ctx: Context) -> dict[str, Any]:
     variants = ["bare", "handwritten", "ours", *ctx.usable_peers()]
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {v: {"fresh": [], "replay": []} for v in [*variants, "floor"]}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        v: {"fresh": [], "replay": []} for v in [*variants, "floor", "floor-contended"]
+    }
     for rep in range(ctx.repetitions):
         order = variants if rep % 2 == 0 else variants[::-1]
         for position, variant in enumerate(order):
             if position == len(order) // 2:  # the floor sits mid-sequence, between the variants
                 runs["floor"]["fresh"].append(run_floor(ctx))
+                runs["floor-contended"]["fresh"].append(run_floor(ctx, contended=True))
             for mode, result in run_variant(ctx, variant, rep).items():
                 runs[variant][mode].append(result)
     summary: dict[str, Any] = {}
@@ -234,7 +249,7 @@ def render(result: dict[str, Any], ctx: Context) -> str:
         return [
             f"{entry['rps']:.0f}",
             ratio(entry["rps"], ours_fresh) if mode == "fresh" else "",
-            ratio(entry["rps"], handwritten) if variant != "floor" else "",
+            ratio(entry["rps"], handwritten) if not variant.startswith("floor") else "",
             ratio(entry["rps"], floor),
             f"{entry['p50_ms']:.1f}",
             f"{entry['p99_ms']:.1f}",
@@ -244,13 +259,17 @@ def render(result: dict[str, Any], ctx: Context) -> str:
         ]
 
     rows = []
-    for variant in ("bare", "handwritten", "ours", "fastidempotent", "fastapi-idempotency", "floor"):
+    for variant in ("bare", "handwritten", "ours", "fastidempotent", "fastapi-idempotency", "floor", "floor-contended"):
         if variant in ctx.peers and ctx.peers[variant] is not None:
             rows.append([LABELS[variant], "fresh/replay", f"could not run: {ctx.peers[variant]}", *[""] * 10])
             continue
         for mode in ("fresh", "replay"):
             if mode in s.get(variant, {}):
-                label = "claim+complete pairs" if variant == "floor" else ("fresh keys" if mode == "fresh" else mode)
+                label = (
+                    "claim+complete pairs"
+                    if variant.startswith("floor")
+                    else ("fresh keys" if mode == "fresh" else mode)
+                )
                 if variant == "bare":
                     label = "keyed POST, ignored"
                 rows.append([LABELS[variant], label, *cells(variant, mode)])
@@ -263,7 +282,9 @@ def render(result: dict[str, Any], ctx: Context) -> str:
             "Every variant talks to the same PostgreSQL over its Unix socket. Fresh runs send a new key per "
             f"request; replay runs cycle through {POOL} keys primed just before. A run counts only if every answer "
             "was a 201 and replayed exactly when it should be. The floor is `floor.py`: 20 asyncpg connections "
-            "looping over the store's own claim and complete statements, no HTTP, no pool.",
+            "looping over the store's own claim and complete statements, no HTTP, no pool; the contended floor is "
+            "the same while the bare app serves wrk on the same cores (HTTP, no database work), which puts "
+            "PostgreSQL in the competition for the CPU that it meets under the HTTP variants.",
             target_table(targets(result)),
             table(
                 [
@@ -303,7 +324,7 @@ def render(result: dict[str, Any], ctx: Context) -> str:
 
 def database_rows(s: dict[str, Any]) -> list[list[str]]:
     rows = []
-    for variant in ("handwritten", "ours", "floor"):
+    for variant in ("handwritten", "ours", "floor", "floor-contended"):
         for mode in ("fresh", "replay"):
             entry = s.get(variant, {}).get(mode)
             if not entry or entry.get("rps") is None:
@@ -320,7 +341,9 @@ def database_rows(s: dict[str, Any]) -> list[list[str]]:
             rows.append(
                 [
                     LABELS[variant],
-                    "claim+complete pairs" if variant == "floor" else ("fresh keys" if mode == "fresh" else mode),
+                    "claim+complete pairs"
+                    if variant.startswith("floor")
+                    else ("fresh keys" if mode == "fresh" else mode),
                     "-" if postgres is None else f"{postgres:.0f}",
                     "-" if switches is None else f"{switches:.1f}",
                     "-" if wal is None else f"{wal:.0f}",

@@ -129,7 +129,7 @@ def run_roundtrips(ctx: Context) -> dict[str, Any]:
 
 
 def run_storepath(ctx: Context) -> dict[str, Any]:
-    rounds = "9" if ctx.quick else "15"
+    rounds = "7" if ctx.quick else "15"
     result: dict[str, Any] = ctx.script("storepath.py", "--dsn", ctx.db.url, "--rounds", rounds, "--pairs", "3200")
     return result
 

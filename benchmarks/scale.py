@@ -35,8 +35,8 @@ LEVELS = {"quick": [10**4, 10**6, 10**7], "full": [10**4, 10**6, 10**7]}
 # Many short runs rather than a few long ones: a level's p50 and p99 are the medians of its runs' own p50s and p99s,
 # so a spike of the shared machine in one run (or two, in full mode) moves a level's figure by one rank, not to
 # the spike itself.
-REPETITIONS = {"quick": 7, "full": 11}
-SECONDS = {"quick": 4.0, "full": 8.0}  # per load run
+REPETITIONS = {"quick": 5, "full": 11}
+SECONDS = {"quick": 3.0, "full": 8.0}  # per load run
 LIMIT = 1.25  # the target: the largest table's p50 and p99 at most 25% above the smallest's
 DB_FIELDS = ("exec_ms", "blks_read", "wal_fpi", "wal_bytes")
 
