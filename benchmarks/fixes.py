@@ -47,6 +47,7 @@ from idempotency_mw.postgres import StoreConnection
 
 TENANT = AuthorizationTenant(TENANT_SECRET)
 CONCURRENCY = 16
+FULL, PARTIAL, FUNCTION = "full reset (shipped)", "asyncpg's reset (before)", "full, deallocation in a function"
 SHIPPED = "eager task + shield (shipped)"
 FROM_THE_START = "task from the start + shield (before)"
 DIRECT = "awaited directly"
@@ -57,6 +58,27 @@ class PartialResetConnection(StoreConnection):
 
     def get_reset_query(self) -> str:
         return str(super(StoreConnection, self).get_reset_query())
+
+
+DEALLOCATE_FUNCTION = """
+CREATE OR REPLACE FUNCTION public.bench_deallocate_sql_statements() RETURNS void LANGUAGE plpgsql AS $$
+DECLARE statement_name text;
+BEGIN
+    FOR statement_name IN SELECT name FROM pg_prepared_statements WHERE from_sql LOOP
+        EXECUTE format('DEALLOCATE %I', statement_name);
+    END LOOP;
+END
+$$
+"""
+
+
+class FunctionResetConnection(StoreConnection):
+    """The full reset with its DO block (compiled anew at every reset) as a function (compiled once per server
+    process): what a migration could add. Not shipped; for this comparison only."""
+
+    def get_reset_query(self) -> str:
+        full = super().get_reset_query()
+        return full[: full.index("DO $$")] + "SELECT public.bench_deallocate_sql_statements();"
 
 
 def transactional_app(store: PostgresStore) -> Starlette:
@@ -108,8 +130,13 @@ async def drive(app: Any, requests: int, prefix: str) -> tuple[int, Sink]:
 async def reset_cost(dsn: str, pid: int | None, rounds: int, requests: int) -> dict[str, Any]:
     admin = await asyncpg.connect(dsn)
     await admin.execute("CREATE TABLE IF NOT EXISTS bench_orders (id bigserial PRIMARY KEY, body text)")
+    await admin.execute(DEALLOCATE_FUNCTION)
     stores: dict[str, PostgresStore] = {}
-    for variant, connection_class in (("full reset", StoreConnection), ("asyncpg's reset", PartialResetConnection)):
+    for variant, connection_class in (
+        (FULL, StoreConnection),
+        (PARTIAL, PartialResetConnection),
+        (FUNCTION, FunctionResetConnection),
+    ):
         store = PostgresStore(dsn, min_size=CONCURRENCY, max_size=CONCURRENCY + 4)
         assert store._own is not None
         store._own.connection_class = connection_class  # this comparison only: the store has no such option
@@ -138,12 +165,18 @@ async def reset_cost(dsn: str, pid: int | None, rounds: int, requests: int) -> d
         for store in stores.values():
             await store.close()
         await admin.execute("DROP TABLE IF EXISTS bench_orders")
+        await admin.execute("DROP FUNCTION IF EXISTS public.bench_deallocate_sql_statements()")
         await admin.close()
     return {
         variant: {field: statistics.median(r[field] for r in runs) for field in ("client_us", "postgres_us", "rps")}
         | {"each_rps": [round(r["rps"]) for r in runs]}
         for variant, runs in per.items()
-    } | {"rps_ratio": statistics.median(a["rps"] / b["rps"] for a, b in zip(*per.values(), strict=True))}
+    } | {
+        "rps_ratio": statistics.median(a["rps"] / b["rps"] for a, b in zip(per[FULL], per[PARTIAL], strict=True)),
+        "rps_ratio_function": statistics.median(
+            a["rps"] / b["rps"] for a, b in zip(per[FUNCTION], per[PARTIAL], strict=True)
+        ),
+    }
 
 
 async def settle_cost(dsn: str, rounds: int, requests: int) -> dict[str, Any]:
@@ -249,14 +282,15 @@ async def main(dsn: str, pid: int | None, quick: bool) -> dict[str, Any]:
 
 def targets(result: dict[str, Any]) -> list[Target]:
     reset = result["reset"]
-    full, partial = reset["full reset"], reset["asyncpg's reset"]
+    full, partial, function = reset[FULL], reset[PARTIAL], reset[FUNCTION]
     settle = result["settle"]
     return [
         Target(
             "14.6 transactional requests/s with the full session reset vs asyncpg's partial one",
             "published",
             f"{reset['rps_ratio']:.2f}x (database CPU {full['postgres_us']:.0f} vs {partial['postgres_us']:.0f} µs, "
-            f"client {full['client_us']:.0f} vs {partial['client_us']:.0f} µs per request)",
+            f"client {full['client_us']:.0f} vs {partial['client_us']:.0f} µs per request; with the deallocation in "
+            f"a function {reset['rps_ratio_function']:.2f}x, database {function['postgres_us']:.0f} µs)",
             None,
         ),
         Target(
@@ -290,7 +324,9 @@ def render(result: dict[str, Any]) -> str:
             "**Session reset** (defect 2): transactional requests on `PostgresStore` (claim, one INSERT by the "
             "handler on the lent connection, completion, commit, the connection's reset), with the full reset of "
             "`sql/reset_session.sql` against asyncpg's own (`RESET ALL`-style, which leaves the role, temp tables "
-            "and prepared statements). Both are one round trip.",
+            "and prepared statements), and the full reset with its `DO` block (which PostgreSQL compiles anew at "
+            "every reset) replaced by a call of a PL/pgSQL function (compiled once per server process), which a "
+            "migration could add: not shipped, measured to say what it would save. All are one round trip.",
             table(
                 ["reset", "requests/s", "client CPU µs/req", "database CPU µs/req", "each round, requests/s"],
                 [
@@ -301,7 +337,7 @@ def render(result: dict[str, Any]) -> str:
                         f"{reset[name]['postgres_us']:.0f}",
                         ", ".join(str(x) for x in reset[name]["each_rps"]),
                     ]
-                    for name in ("full reset", "asyncpg's reset")
+                    for name in (FULL, PARTIAL, FUNCTION)
                 ],
             ),
             "**Settle point** (defects 3 and 4): fresh requests, client CPU per request. The settlement runs in a "
