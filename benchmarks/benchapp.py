@@ -3,6 +3,8 @@
 Variants (``BENCH_VARIANT`` for uvicorn's ``benchapp:create_app --factory``):
 
 - ``bare``: no middleware.
+- ``handwritten``: no middleware; ``/orders`` does the store's claim and complete inline, as an expert would
+  without a library (``handwritten.py``).
 - ``ours``: ``IdempotencyMiddleware`` with ``PostgresStore`` (defaults: the store opens its own connections,
   2..20, without a reset on release, so a fresh request is 2 round trips).
 - ``ours-memory``: ``IdempotencyMiddleware`` with ``MemoryStore``.
@@ -30,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-VARIANTS = ("bare", "ours", "ours-memory", "fastidempotent", "fastapi-idempotency")
+VARIANTS = ("bare", "handwritten", "ours", "ours-memory", "fastidempotent", "fastapi-idempotency")
 PEERS = ("fastidempotent", "fastapi-idempotency")
 MiB = 1024 * 1024
 # The secret of our default tenant resolver (AuthorizationTenant) in every benchmark, so bulk-loaded records and
@@ -38,10 +40,13 @@ MiB = 1024 * 1024
 TENANT_SECRET = "benchmark-tenant-secret-0123456789abcdef"
 
 Hook = Callable[[], Awaitable[Any]]
+Endpoint = Callable[[Request], Awaitable[Response]]
+Wrap = Callable[[Endpoint], Endpoint]
 
 
-def routes(gate: asyncio.Event | None = None) -> list[Route]:
-    """``/orders``: a small JSON write (201); ``/slow``: held until ``gate`` is set; ``/big``: a large response."""
+def routes(gate: asyncio.Event | None = None, wrap: Wrap | None = None) -> list[Route]:
+    """``/orders``: a small JSON write (201); ``/slow``: held until ``gate`` is set; ``/big``: a large response.
+    ``wrap`` replaces the ``/orders`` endpoint by what it returns for it (the hand-written variant)."""
     counter = itertools.count(1)
 
     async def orders(request: Request) -> Response:
@@ -60,7 +65,7 @@ def routes(gate: asyncio.Event | None = None) -> list[Route]:
         return Response(b"x" * size, media_type="application/octet-stream")  # a fresh buffer per request
 
     return [
-        Route("/orders", orders, methods=["POST"]),
+        Route("/orders", wrap(orders) if wrap else orders, methods=["POST"]),
         Route("/slow", slow, methods=["POST"]),
         Route("/big", big, methods=["POST"]),
     ]
@@ -71,7 +76,20 @@ def build(variant: str, db: Database | None, gate: asyncio.Event | None = None) 
     middleware: list[Middleware] = []
     startup: Hook = _nothing
     shutdown: Hook = _nothing
-    if variant == "ours":
+    wrap: Wrap | None = None
+    if variant == "handwritten":
+        from handwritten import Connections, idempotent
+
+        assert db is not None
+        connections = Connections(db.url)
+        startup, shutdown = connections.open, connections.close
+
+        def inline(endpoint: Endpoint) -> Endpoint:
+            return idempotent(endpoint, connections)
+
+        wrap = inline
+
+    elif variant == "ours":
         from idempotency_mw import AuthorizationTenant, IdempotencyMiddleware, PostgresStore
 
         assert db is not None
@@ -126,7 +144,7 @@ def build(variant: str, db: Database | None, gate: asyncio.Event | None = None) 
         finally:
             await shutdown()
 
-    return Starlette(routes=routes(gate), middleware=middleware, lifespan=lifespan), startup, shutdown
+    return Starlette(routes=routes(gate, wrap), middleware=middleware, lifespan=lifespan), startup, shutdown
 
 
 async def _nothing() -> None:

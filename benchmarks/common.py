@@ -97,6 +97,69 @@ def server_counters(url: str, database: str | None = None) -> dict[str, float] |
     return asyncio.run(_counters(url, database))
 
 
+STATEMENTS = """
+SELECT query, calls::bigint, total_exec_time, wal_bytes::bigint FROM pg_stat_statements
+WHERE query NOT ILIKE '%pg_stat_statements%'
+"""
+
+
+def statement_name(query: str) -> str:
+    """Which of the store's statements (or the transaction's) a ``pg_stat_statements`` text is."""
+    for marker, name in (  # pg_stat_statements shows constants as $n: the markers avoid them
+        ("WITH inserted AS", "claim"),
+        ("idempotency_records AS r", "claim_locked"),
+        ("completed_at = now()", "complete"),
+        ("SET lease_expires_at", "renew"),
+        ("DELETE FROM", "release or purge"),
+        ("COMMIT", "COMMIT"),
+        ("BEGIN", "BEGIN"),
+    ):
+        if marker in query:
+            return name
+    return "other"
+
+
+async def _statements(url: str) -> dict[str, dict[str, float]] | None:
+    connection = await asyncpg.connect(url)
+    try:
+        rows = await connection.fetch(STATEMENTS)
+    except asyncpg.PostgresError:
+        return None
+    finally:
+        await connection.close()
+    out: dict[str, dict[str, float]] = {}
+    for row in rows:
+        entry = out.setdefault(statement_name(row["query"]), {"calls": 0.0, "exec_ms": 0.0, "wal_bytes": 0.0})
+        entry["calls"] += row["calls"]
+        entry["exec_ms"] += row["total_exec_time"]
+        entry["wal_bytes"] += float(row["wal_bytes"] or 0)
+    return out
+
+
+def statements(url: str) -> dict[str, dict[str, float]] | None:
+    """``pg_stat_statements`` summed by statement (``statement_name``): calls, execution ms, WAL bytes so far."""
+    return asyncio.run(_statements(url))
+
+
+def statements_per_request(
+    before: dict[str, dict[str, float]] | None, after: dict[str, dict[str, float]] | None, requests: int
+) -> dict[str, dict[str, float]] | None:
+    """Calls, execution µs and WAL bytes per request of each statement, between two ``statements`` readings."""
+    if before is None or after is None or not requests:
+        return None
+    out: dict[str, dict[str, float]] = {}
+    for name, end in after.items():
+        start = before.get(name, {"calls": 0.0, "exec_ms": 0.0, "wal_bytes": 0.0})
+        calls = end["calls"] - start["calls"]
+        if calls > 0:
+            out[name] = {
+                "calls": calls / requests,
+                "exec_us": (end["exec_ms"] - start["exec_ms"]) * 1000 / requests,
+                "wal_bytes": (end["wal_bytes"] - start["wal_bytes"]) / requests,
+            }
+    return out
+
+
 async def _wal_position(url: str) -> int:
     connection = await asyncpg.connect(url)
     try:

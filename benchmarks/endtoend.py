@@ -1,20 +1,36 @@
 """Measurement 3: end to end over loopback, every variant on the same PostgreSQL, one load generator.
 
-For each repetition, each variant (bare, ours, each installed peer) gets a fresh
+For each repetition, each variant (bare, hand-written, ours, each installed peer) gets a fresh
 uvicorn process and empty tables, a 2-second warm-up, then a fresh-key run and, after priming ``POOL`` keys, a
 replay run. The database floor (``floor.py``) runs once per repetition. Odd repetitions run the variants in reverse
 order, so slow drift of a shared machine does not favour one side. The tables report medians over repetitions.
+
+For each run it also keeps what the database did per request: each statement's calls, execution time and WAL
+bytes (``pg_stat_statements``), the WAL written in all, and the context switches of the PostgreSQL processes; for
+issue 14's question of why PostgreSQL spends more per request under HTTP traffic than under the floor.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from typing import Any
 
 import loadgen
-from common import Context, Target, median, ratio, reset, table, target_table
+from common import (
+    Context,
+    Target,
+    median,
+    ratio,
+    reset,
+    statements,
+    statements_per_request,
+    table,
+    target_table,
+    wal_position,
+)
 from servers import CpuMeter, Server
 
 POOL = 1000  # keys primed for the replay runs
@@ -22,10 +38,12 @@ CPU_PARTS = ("app", "postgres", "client")
 CONNECTIONS = 32
 LABELS = {
     "bare": "bare app (no middleware)",
+    "handwritten": "hand-written: claim + complete inline (asyncpg, prepared, 20 connections)",
     "ours": "idempotency_mw (PostgresStore, defaults)",
     "fastidempotent": "fastidempotent (PostgresBackend)",
     "fastapi-idempotency": "fastapi-idempotency (TortoiseStore)",
     "floor": "database floor: asyncpg claim + complete",
+    "floor-contended": "the floor, while the bare app serves wrk on the same cores",
 }
 
 
@@ -48,40 +66,77 @@ def run_variant(ctx: Context, variant: str, rep: int) -> dict[str, Any]:
     with Server(ctx.python, variant, ctx.db.url, log_name=f"e2e-{variant}") as server:
         meter = CpuMeter(server.pid, ctx.db.postmaster_pid)
         loadgen.run(server.url, mode="fresh", prefix=f"warm-{tag}", connections=CONNECTIONS, seconds=2)
-        before = meter.read()
+        before = Reading.take(ctx, meter)
         fresh = loadgen.run(server.url, mode="fresh", prefix=f"f-{tag}", connections=CONNECTIONS, seconds=ctx.seconds)
-        cpu = meter.per_request(before, meter.read(), fresh.requests)
-        out["fresh"] = {**fresh.as_dict(), "cpu_us": cpu, "invalid": check(fresh, replays=False)}
+        out["fresh"] = {**fresh.as_dict(), **before.per_request(ctx, meter, fresh.requests)}
+        out["fresh"]["invalid"] = check(fresh, replays=False)
         if variant != "bare":
             primed = asyncio.run(loadgen.prime(server.url, f"p-{tag}", POOL))
-            before = meter.read()
+            before = Reading.take(ctx, meter)
             replay = loadgen.run(
                 server.url, mode="replay", prefix=f"p-{tag}", pool=POOL, connections=CONNECTIONS, seconds=ctx.seconds
             )
-            cpu = meter.per_request(before, meter.read(), replay.requests)
             invalid = check(replay, replays=True) or (None if set(primed) == {201} else f"priming answered {primed}")
-            out["replay"] = {**replay.as_dict(), "cpu_us": cpu, "invalid": invalid}
+            out["replay"] = {**replay.as_dict(), **before.per_request(ctx, meter, replay.requests), "invalid": invalid}
     return out
 
 
-def run_floor(ctx: Context) -> dict[str, Any]:
-    """The floor's client (floor.py) is this process's child: its CPU is the "app" part, there is no wrk."""
+class Reading:
+    """CPU, WAL position and statement counters at one moment, to take per-request differences from."""
+
+    def __init__(self, cpu: dict[str, float | None], wal: int, stats: dict[str, dict[str, float]] | None) -> None:
+        self.cpu, self.wal, self.stats = cpu, wal, stats
+
+    @classmethod
+    def take(cls, ctx: Context, meter: CpuMeter) -> Reading:
+        return cls(meter.read(), wal_position(ctx.db.url), statements(ctx.db.url))
+
+    def per_request(self, ctx: Context, meter: CpuMeter, requests: int) -> dict[str, Any]:
+        after = Reading.take(ctx, meter)
+        cpu = meter.per_request(self.cpu, after.cpu, requests)
+        return {
+            "cpu_us": cpu,
+            "postgres_switches": cpu.pop("postgres_switches", None),
+            "wal_bytes": (after.wal - self.wal) / requests if requests else None,
+            "statements": statements_per_request(self.stats, after.stats, requests),
+        }
+
+
+def run_floor(ctx: Context, contended: bool = False) -> dict[str, Any]:
+    """The floor's client (floor.py) is this process's child: its CPU is the "app" part, there is no wrk.
+
+    ``contended``: while the bare app serves wrk on the same cores (HTTP with no database work), so PostgreSQL
+    runs the floor's statements while competing for the CPU as it does under the HTTP variants."""
     reset(ctx.db.url)
-    meter = CpuMeter(None, ctx.db.postmaster_pid)
-    before = meter.read()
-    floor = ctx.script("floor.py", "--dsn", ctx.db.url, "--seconds", str(ctx.seconds))
-    cpu = meter.per_request(before, meter.read(), floor["requests"])
-    return {**floor, "cpu_us": {"app": cpu["client"], "postgres": cpu["postgres"], "client": None}, "invalid": None}
+    with contextlib.ExitStack() as stack:
+        if contended:
+            server = stack.enter_context(Server(ctx.python, "bare", None, log_name="e2e-contention"))
+            background = loadgen.Background(
+                server.url, mode="fresh", prefix="contention", connections=CONNECTIONS, limit=ctx.seconds + 60
+            ).start()
+            stack.callback(background.stop)
+        meter = CpuMeter(None, ctx.db.postmaster_pid)
+        before = Reading.take(ctx, meter)
+        floor = ctx.script("floor.py", "--dsn", ctx.db.url, "--seconds", str(ctx.seconds))
+        measured = before.per_request(ctx, meter, floor["requests"])
+    if measured["postgres_switches"] is not None:  # its own backends ended before the reading: floor.py counted them
+        measured["postgres_switches"] += floor["backend_switches"] / floor["requests"]
+    cpu = measured["cpu_us"]
+    measured["cpu_us"] = {"app": cpu["client"], "postgres": cpu["postgres"], "client": None}
+    return {**floor, **measured, "invalid": None}
 
 
 def measure(ctx: Context) -> dict[str, Any]:
-    variants = ["bare", "ours", *ctx.usable_peers()]
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {v: {"fresh": [], "replay": []} for v in [*variants, "floor"]}
+    variants = ["bare", "handwritten", "ours", *ctx.usable_peers()]
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        v: {"fresh": [], "replay": []} for v in [*variants, "floor", "floor-contended"]
+    }
     for rep in range(ctx.repetitions):
         order = variants if rep % 2 == 0 else variants[::-1]
         for position, variant in enumerate(order):
             if position == len(order) // 2:  # the floor sits mid-sequence, between the variants
                 runs["floor"]["fresh"].append(run_floor(ctx))
+                runs["floor-contended"]["fresh"].append(run_floor(ctx, contended=True))
             for mode, result in run_variant(ctx, variant, rep).items():
                 runs[variant][mode].append(result)
     summary: dict[str, Any] = {}
@@ -103,8 +158,22 @@ def measure(ctx: Context) -> dict[str, Any]:
                     else None
                     for part in CPU_PARTS
                 },
+                "postgres_switches": median(r["postgres_switches"] for r in valid)
+                if valid and valid[0].get("postgres_switches") is not None
+                else None,
+                "wal_bytes": median(r["wal_bytes"] for r in valid) if valid else None,
+                "statements": median_statements([r["statements"] for r in valid if r.get("statements")]),
             }
     return {"connections": CONNECTIONS, "seconds": ctx.seconds, "repetitions": ctx.repetitions, "summary": summary}
+
+
+def median_statements(runs: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]] | None:
+    """Per statement and field, the median over runs (a statement missing from a run counts as 0 there)."""
+    if not runs:
+        return None
+    names = sorted({name for run in runs for name in run})
+    fields = ("calls", "exec_us", "wal_bytes")
+    return {name: {f: median(run.get(name, {}).get(f, 0.0) for run in runs) for f in fields} for name in names}
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:
@@ -128,6 +197,8 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         "fresh_vs_floor": over(rps("ours", "fresh"), rps("floor", "fresh")),
         "replay_vs_peer": over(rps("ours", "replay"), rps(best_replay, "replay")) if best_replay else None,
         "fresh_vs_bare": over(rps("ours", "fresh"), rps("bare", "fresh")),
+        "fresh_vs_handwritten": over(rps("ours", "fresh"), rps("handwritten", "fresh")),
+        "replay_vs_handwritten": over(rps("ours", "replay"), rps("handwritten", "replay")),
     }
 
 
@@ -142,6 +213,13 @@ def targets(result: dict[str, Any]) -> list[Target]:
     return [
         judged(
             "3. fresh-key throughput vs the best peer", "≥ 2x", h["fresh_vs_peer"], 2, h["best_fresh_peer"] or "peer"
+        ),
+        judged(
+            "14.1 fresh-key throughput vs the hand-written app (inline asyncpg)",
+            "≥ 0.90x",
+            h["fresh_vs_handwritten"],
+            0.9,
+            "hand-written",
         ),
         judged("3. fresh-key throughput vs the database floor", "≥ 0.60x", h["fresh_vs_floor"], 0.6, "floor"),
         judged(
@@ -161,15 +239,17 @@ def render(result: dict[str, Any], ctx: Context) -> str:
     def cells(variant: str, mode: str) -> list[str]:
         entry = s.get(variant, {}).get(mode)
         if not entry:
-            return ["-"] * 10
+            return ["-"] * 11
         if entry["rps"] is None:
-            return ["invalid: " + "; ".join(entry["invalid"]), *[""] * 9]
+            return ["invalid: " + "; ".join(entry["invalid"]), *[""] * 10]
+        handwritten = s.get("handwritten", {}).get(mode, {}).get("rps") or 0.0
         cpu = entry.get("cpu_us") or {}
         parts = [cpu.get(part) for part in CPU_PARTS]
         total = sum(x for x in parts if x is not None) if cpu.get("postgres") is not None else None
         return [
             f"{entry['rps']:.0f}",
             ratio(entry["rps"], ours_fresh) if mode == "fresh" else "",
+            ratio(entry["rps"], handwritten) if not variant.startswith("floor") else "",
             ratio(entry["rps"], floor),
             f"{entry['p50_ms']:.1f}",
             f"{entry['p99_ms']:.1f}",
@@ -179,13 +259,17 @@ def render(result: dict[str, Any], ctx: Context) -> str:
         ]
 
     rows = []
-    for variant in ("bare", "ours", "fastidempotent", "fastapi-idempotency", "floor"):
+    for variant in ("bare", "handwritten", "ours", "fastidempotent", "fastapi-idempotency", "floor", "floor-contended"):
         if variant in ctx.peers and ctx.peers[variant] is not None:
-            rows.append([LABELS[variant], "fresh/replay", f"could not run: {ctx.peers[variant]}", *[""] * 9])
+            rows.append([LABELS[variant], "fresh/replay", f"could not run: {ctx.peers[variant]}", *[""] * 10])
             continue
         for mode in ("fresh", "replay"):
             if mode in s.get(variant, {}):
-                label = "claim+complete pairs" if variant == "floor" else ("fresh keys" if mode == "fresh" else mode)
+                label = (
+                    "claim+complete pairs"
+                    if variant.startswith("floor")
+                    else ("fresh keys" if mode == "fresh" else mode)
+                )
                 if variant == "bare":
                     label = "keyed POST, ignored"
                 rows.append([LABELS[variant], label, *cells(variant, mode)])
@@ -198,7 +282,9 @@ def render(result: dict[str, Any], ctx: Context) -> str:
             "Every variant talks to the same PostgreSQL over its Unix socket. Fresh runs send a new key per "
             f"request; replay runs cycle through {POOL} keys primed just before. A run counts only if every answer "
             "was a 201 and replayed exactly when it should be. The floor is `floor.py`: 20 asyncpg connections "
-            "looping over the store's own claim and complete statements, no HTTP, no pool.",
+            "looping over the store's own claim and complete statements, no HTTP, no pool; the contended floor is "
+            "the same while the bare app serves wrk on the same cores (HTTP, no database work), which puts "
+            "PostgreSQL in the competition for the CPU that it meets under the HTTP variants.",
             target_table(targets(result)),
             table(
                 [
@@ -206,6 +292,7 @@ def render(result: dict[str, Any], ctx: Context) -> str:
                     "traffic",
                     "requests/s",
                     "vs ours fresh",
+                    "vs hand-written",
                     "vs floor",
                     "p50 ms",
                     "p99 ms",
@@ -222,5 +309,45 @@ def render(result: dict[str, Any], ctx: Context) -> str:
             "process, *wrk* the load generator. Server, database and load generator share this machine's "
             f"{os.cpu_count()} cores, so when they keep them busy, throughput follows the total: a variant's "
             "requests/s relative to the floor is close to the floor's total CPU per request over the variant's.",
+            "## What the database did per request",
+            "Medians over the runs above. *statements*: calls and execution time per request of each statement, "
+            "from `pg_stat_statements` (execution only: parsing, the protocol, waking up and commit are outside "
+            "it); *WAL*: bytes of WAL the server wrote during the run per request, from the WAL position; "
+            "*switches*: context switches of the PostgreSQL processes per request.",
+            table(
+                ["variant", "traffic", "postgres CPU µs", "switches", "WAL bytes", "statements: calls x exec µs"],
+                database_rows(s),
+            ),
         ]
     )
+
+
+def database_rows(s: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for variant in ("handwritten", "ours", "floor", "floor-contended"):
+        for mode in ("fresh", "replay"):
+            entry = s.get(variant, {}).get(mode)
+            if not entry or entry.get("rps") is None:
+                continue
+            found = entry.get("statements") or {}
+            listed = "; ".join(
+                f"{name} {v['calls']:.2f} x {v['exec_us'] / v['calls']:.0f}"
+                for name, v in sorted(found.items(), key=lambda kv: -kv[1]["exec_us"])
+                if v["calls"] >= 0.01
+            )
+            postgres = (entry.get("cpu_us") or {}).get("postgres")
+            switches = entry.get("postgres_switches")
+            wal = entry.get("wal_bytes")
+            rows.append(
+                [
+                    LABELS[variant],
+                    "claim+complete pairs"
+                    if variant.startswith("floor")
+                    else ("fresh keys" if mode == "fresh" else mode),
+                    "-" if postgres is None else f"{postgres:.0f}",
+                    "-" if switches is None else f"{switches:.1f}",
+                    "-" if wal is None else f"{wal:.0f}",
+                    listed or "-",
+                ]
+            )
+    return rows

@@ -3,7 +3,8 @@
 Each worker owns one connection (no pool, so no pool bookkeeping) and loops over the two statements a fresh request
 needs, taken from the store's own ``sql/queries.sql``: ``claim`` (a new key) then ``complete`` (a small stored
 response), each committed on its own. ``--connections`` workers run for ``--seconds``. Runs under uvloop, like the
-servers. Prints JSON: pairs per second and p50/p99 of one claim+complete pair.
+servers. Prints JSON: pairs per second, p50/p99 of one claim+complete pair, and the context switches of its
+server processes (they end with its connections, before the caller could count them).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import time
 import uuid
 
 import asyncpg
+import psutil
 
 from idempotency_mw.capture import encode_headers
+from idempotency_mw.postgres import new_fence
 from idempotency_mw.sql import queries
 
 TENANT = "floor-tenant"
@@ -27,29 +30,39 @@ BODY = b'{"id":1,"status":"accepted","amount":1250,"currency":"eur","customer":"
 HEADERS = encode_headers([(b"content-length", str(len(BODY)).encode()), (b"content-type", b"application/json")])
 
 
-async def worker(dsn: str, run: str, deadline: float, latencies: list[float]) -> None:
-    sql = queries()
+def switches(pid: int) -> int:
+    """Context switches of one server process so far (the server runs on this machine)."""
+    return sum(psutil.Process(pid).num_ctx_switches())
+
+
+async def worker(dsn: str, run: str, deadline: float, latencies: list[float], switched: list[int]) -> None:
+    sql = queries("public")
     connection = await asyncpg.connect(dsn)
     try:
         claim, complete = await connection.prepare(sql["claim"]), await connection.prepare(sql["complete"])
+        backend = connection.get_server_pid()
+        first = switches(backend)
         i = 0
         while time.perf_counter() < deadline:
             i += 1
             started = time.perf_counter()
-            row = await claim.fetchrow(TENANT, f"{run}-{i}", FINGERPRINT, 60.0, 86400.0)
-            assert row is not None  # the claim always returns the record
+            row = await claim.fetchrow(TENANT, f"{run}-{i}", FINGERPRINT, 60.0, 86400.0, new_fence())
+            assert row is not None
+            assert row["owned"]  # a new key: inserted, ours
             await complete.fetch(TENANT, f"{run}-{i}", row["fence"], 201, HEADERS, BODY, len(BODY))
             latencies.append(time.perf_counter() - started)
+        switched.append(switches(backend) - first)  # before the process ends with the connection
     finally:
         await connection.close()
 
 
 async def main(dsn: str, connections: int, seconds: float) -> dict[str, float]:
     latencies: list[float] = []
+    switched: list[int] = []
     run = uuid.uuid4().hex[:8]
     started = time.perf_counter()
     deadline = started + seconds
-    await asyncio.gather(*(worker(dsn, f"{run}-{n}", deadline, latencies) for n in range(connections)))
+    await asyncio.gather(*(worker(dsn, f"{run}-{n}", deadline, latencies, switched) for n in range(connections)))
     elapsed = time.perf_counter() - started
     cuts = statistics.quantiles(latencies, n=100)
     return {
@@ -59,6 +72,7 @@ async def main(dsn: str, connections: int, seconds: float) -> dict[str, float]:
         "p50_ms": cuts[49] * 1000,
         "p99_ms": cuts[98] * 1000,
         "connections": connections,
+        "backend_switches": sum(switched),  # context switches of its own server processes, which end with it
     }
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import endtoend
 import fingerprint
+import fixes
 import loadgen
 import overhead
 import peers
@@ -37,6 +38,7 @@ import purge
 import roundtrips
 import rss
 import scale
+import storepath
 from common import Context, Target, load_average, machine, table
 from servers import HERE, bench_env
 
@@ -44,8 +46,19 @@ from idempotency_mw import PostgresStore
 
 RESULTS = HERE / "results"
 RAW = RESULTS / "raw"
-MEASUREMENTS = ("overhead", "fingerprint", "roundtrips", "endtoend", "scale", "gc", "memory")  # the order they run in
-ISSUE_ORDER = ("roundtrips", "overhead", "endtoend", "scale", "gc", "memory", "fingerprint")  # issue 5's, then 10
+MEASUREMENTS = (
+    "overhead",
+    "fingerprint",
+    "roundtrips",
+    "storepath",
+    "fixes",
+    "endtoend",
+    "scale",
+    "gc",
+    "memory",
+)  # the order they run in
+# issue 5's, then 10's and 14's
+ISSUE_ORDER = ("roundtrips", "overhead", "endtoend", "scale", "gc", "memory", "fingerprint", "storepath", "fixes")
 VERSIONS = (
     "starlette",
     "uvicorn",
@@ -115,6 +128,18 @@ def run_roundtrips(ctx: Context) -> dict[str, Any]:
     return {"n": n, "results": results, "problems": problems}
 
 
+def run_storepath(ctx: Context) -> dict[str, Any]:
+    rounds = "7" if ctx.quick else "15"
+    result: dict[str, Any] = ctx.script("storepath.py", "--dsn", ctx.db.url, "--rounds", rounds, "--pairs", "3200")
+    return result
+
+
+def run_fixes(ctx: Context) -> dict[str, Any]:
+    pid = ["--postmaster-pid", str(ctx.db.postmaster_pid)] if ctx.db.postmaster_pid else []
+    result: dict[str, Any] = ctx.script("fixes.py", "--dsn", ctx.db.url, *pid, *(["--quick"] if ctx.quick else []))
+    return result
+
+
 def render_roundtrips(result: dict[str, Any], ctx: Context) -> str:
     return roundtrips.render(result["results"], result["problems"], result["n"])
 
@@ -124,6 +149,8 @@ STEPS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[dict[str, 
     "overhead": (run_overhead, lambda result, ctx: overhead.render(result)),
     "fingerprint": (run_fingerprint, lambda result, ctx: fingerprint.render(result)),
     "roundtrips": (run_roundtrips, render_roundtrips),
+    "storepath": (run_storepath, lambda result, ctx: storepath.render(result)),
+    "fixes": (run_fixes, lambda result, ctx: fixes.render(result)),
     "endtoend": (endtoend.measure, endtoend.render),
     "scale": (scale.measure, scale.render),
     "gc": (purge.measure, purge.render),
@@ -162,6 +189,8 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "roundtrips": lambda r: roundtrips.targets(r["results"], r["problems"]),
     "overhead": overhead.targets,
     "fingerprint": fingerprint.targets,
+    "storepath": storepath.targets,
+    "fixes": fixes.targets,
     "endtoend": endtoend.targets,
     "scale": scale.targets,
     "gc": purge.targets,
@@ -209,7 +238,7 @@ def summary() -> str:
             "computed by `run.py` from the raw results in `raw/`, and every ratio compares numbers taken side by "
             "side in the same run on the same machine. Absolute numbers in the linked files are context for that "
             "machine only.",
-            table(["target (issue 5)", "goal", "measured", "verdict", "details (mode)"], rows),
+            table(["target (issue 5, 10, 14)", "goal", "measured", "verdict", "details (mode)"], rows),
             *mixed,
             f"Runs: {'; '.join(runs)}.",
         ]

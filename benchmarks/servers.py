@@ -147,29 +147,36 @@ class CpuMeter:
 
     def read(self) -> dict[str, float | None]:
         postgres: float | None = None
+        switches: float | None = None
         if self.postmaster is not None:
             times = self.postmaster.cpu_times()
             total = float(times.user + times.system + times.children_user + times.children_system)
+            switches = 0.0
             for child in self.postmaster.children(recursive=True):
                 with contextlib.suppress(psutil.NoSuchProcess):  # ended just now: in the children times soon
                     total += self._own(child)
+                    switches += sum(child.num_ctx_switches())
             postgres = total
         own = os.times()
         return {
             "app": self._own(self.app) if self.app else None,
             "postgres": postgres,
             "client": own.children_user + own.children_system,
+            # Context switches of the PostgreSQL processes alive at the reading (voluntary + involuntary): a count
+            # per request, not µs (those that ended in between are not in it).
+            "postgres_switches": switches,
         }
 
     @staticmethod
     def per_request(
         before: dict[str, float | None], after: dict[str, float | None], requests: int
     ) -> dict[str, float | None]:
-        """Microseconds of CPU per request for each part, between two readings."""
+        """Microseconds of CPU per request for each part (context switches: a count), between two readings."""
         out: dict[str, float | None] = {}
         for part, start in before.items():
             end = after[part]
-            out[part] = None if start is None or end is None or not requests else (end - start) / requests * 1e6
+            scale = 1.0 if part.endswith("_switches") else 1e6
+            out[part] = None if start is None or end is None or not requests else (end - start) / requests * scale
         return out
 
 

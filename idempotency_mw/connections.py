@@ -15,12 +15,65 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import importlib
+import time
+from typing import Any
 
 import asyncpg
 
 from idempotency_mw.store import PoolExhausted
 
 STATEMENT_CACHE_SIZE = 100  # asyncpg's default: far more than the store's dozen statements
+
+# What asyncpg takes as "no deadline for this call, whatever the connection's command_timeout": the store's own
+# statements use it and are watched by Deadlines instead. If a later asyncpg drops it, None gives those statements
+# the connection's command_timeout as well: slower (a timer per statement), just as safe.
+NO_TIMEOUT: Any = getattr(importlib.import_module("asyncpg.protocol.protocol"), "NO_TIMEOUT", None)
+
+
+class Deadlines:
+    """The deadline of the store's own statements, kept by one timer per pool instead of one per statement.
+
+    asyncpg's per-call deadline (``timeout=``, or the connection's ``command_timeout``) starts and cancels a timer
+    for every statement, measured at about 5 µs of CPU per statement (benchmarks/storepath.py). Here a statement
+    only notes when it started; a timer that runs while statements are in flight wakes every quarter of
+    ``timeout`` and closes the connection of any statement that has run longer than ``timeout``. The statement then
+    fails at once (asyncpg's "connection was closed in the middle of operation"), so a database that stopped
+    answering still becomes :class:`~idempotency_mw.store.StoreUnavailable` (a 503), after ``timeout`` and at
+    most a quarter more.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._started: dict[Any, float] = {}  # connection -> time.monotonic() its statement started
+        self._late: set[Any] = set()  # connections closed for running late, until their statement hears of it
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self, connection: Any) -> None:
+        self._started[connection] = time.monotonic()
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.timeout / 4, self._check)
+
+    def finish(self, connection: Any) -> None:
+        self._started.pop(connection, None)
+
+    def was_late(self, connection: Any) -> bool:
+        """Whether this connection was closed because its statement ran past the deadline (asked once)."""
+        if connection in self._late:
+            self._late.discard(connection)
+            return True
+        return False
+
+    def _check(self) -> None:
+        self._timer = None
+        now = time.monotonic()
+        for connection, started in list(self._started.items()):
+            if now - started >= self.timeout:
+                del self._started[connection]
+                self._late.add(connection)
+                connection.terminate()
+        if self._started:
+            self._timer = asyncio.get_running_loop().call_later(self.timeout / 4, self._check)
 
 
 class PoolClosed(asyncpg.exceptions.InterfaceError):
@@ -71,6 +124,7 @@ class ConnectionPool:
         self._opening = 0  # connections being opened for checkouts that are not urgent (they count as lent)
         self._normal_cap = max_size - 1 if max_size > 1 else max_size  # the last one is kept for urgent work
         self._closed = False
+        self.deadlines = Deadlines(timeout)
 
     @property
     def size(self) -> int:
@@ -94,6 +148,13 @@ class ConnectionPool:
     def _room(self, urgent: bool) -> bool:
         """Whether this checkout may take a connection now: urgent work always, other work below its share."""
         return urgent or len(self._lent) + self._opening < self._normal_cap
+
+    def take(self, urgent: bool = False) -> asyncpg.Connection | None:
+        """An idle connection now, or None (then :meth:`acquire` waits or connects): the common case, without the
+        cost of a coroutine."""
+        if not self._closed and self._room(urgent):
+            return self._take_idle(urgent)
+        return None
 
     async def acquire(self, *, urgent: bool = False) -> asyncpg.Connection:
         """A connection within ``timeout``. Waiting that long for a busy pool raises :class:`PoolExhausted`;

@@ -46,12 +46,13 @@ class MemoryStore:
             attempts = 0  # an expired record's attempts belong to the operation it recorded, not to this one
             self._records[(tenant, key)] = _Record(fingerprint, fence, now, now + ttl, now + lease, attempts=attempts)
             return Claim(ClaimOutcome.OWNED, fence=fence, attempts=attempts)
+        if record.fingerprint == fingerprint and record.response is not None:
+            # A replay only reads the record (PostgreSQL: no write at all), so it is not counted.
+            return Claim(ClaimOutcome.COMPLETED, response=record.response, attempts=record.attempts)
         record.attempts += 1
         attempts = record.attempts
         if record.fingerprint != fingerprint:
             return Claim(ClaimOutcome.MISMATCH, attempts=attempts)
-        if record.response is not None:
-            return Claim(ClaimOutcome.COMPLETED, response=record.response, attempts=attempts)
         assert record.lease_expires_at is not None
         if record.lease_expires_at <= now:
             record.fence = next(self._fences)

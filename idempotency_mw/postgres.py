@@ -16,7 +16,7 @@ from typing import Any, cast
 import asyncpg
 
 from idempotency_mw.capture import decode_headers, encode_headers
-from idempotency_mw.connections import ConnectionPool
+from idempotency_mw.connections import NO_TIMEOUT, ConnectionPool
 from idempotency_mw.sql import bookkeeping, check_schema, migrations, queries, reset_session
 from idempotency_mw.store import (
     Claim,
@@ -103,10 +103,12 @@ class PostgresStore:
         else:
             self._borrowed = dsn_or_pool
         self._sql = queries(self.schema)
+        self._prepare = self._own is not None and prepared_statements  # statements as objects on its connections
         # Claims handed out and not yet completed or released: close() gives them time to settle.
         self._unsettled: set[tuple[str, str, int]] = set()
         self._all_settled: asyncio.Event | None = None  # set when the last one settles while close() waits
         self._closing = False
+        self.claim_races = 0  # claims that found no row to answer from and ran claim_locked (benchmarks count them)
 
     async def open(self) -> None:
         """Connect now (``min_size`` connections) and check that the tables exist, so that a database that cannot
@@ -259,24 +261,64 @@ class PostgresStore:
             await self._give_back(connection, broken=broken)
 
     async def _fetchrow(self, name: str, *args: Any) -> asyncpg.Record | None:
-        row: asyncpg.Record | None = await self._run("fetchrow", name, args)
+        """One statement's first row (None if it returned none), on a connection of its own."""
+        row: asyncpg.Record | None = await self._run(name, args, False, False)
         return row
 
     async def _execute(self, name: str, *args: Any, urgent: bool = False) -> str:
-        status: str = await self._run("execute", name, args, urgent=urgent)
+        """One statement's status ("UPDATE 1"), on a connection of its own."""
+        status: str = await self._run(name, args, urgent, True)
         return status
 
-    async def _run(self, method: str, name: str, args: tuple[Any, ...], *, urgent: bool = False) -> Any:
-        """One statement on a connection of its own; a connection that saw an error is not reused. ``urgent``:
-        the statement finishes a request (renew, complete, release) and goes before new claims for a connection."""
-        connection = await self._acquire(urgent=urgent)
+    async def _run(self, name: str, args: tuple[Any, ...], urgent: bool, status: bool) -> Any:
+        """One statement on a connection of its own: its first row, or with ``status`` its status. A connection
+        that saw an error is not reused. ``urgent``: the statement finishes a request (renew, complete, release)
+        and goes before new claims for a connection.
+
+        Every request takes this path twice, so it is written for speed (benchmarks/storepath.py measures it): an
+        idle connection is taken without a coroutine, the statement runs as a prepared-statement object kept on the
+        connection (no lookup in asyncpg's statement cache), and its deadline is kept by the pool's one timer
+        (``connections.Deadlines``) rather than by a timer per statement.
+        """
+        own = self._own
+        connection = own.take(urgent) if own is not None else None
+        if connection is None:
+            connection = await self._acquire(urgent=urgent)
+        result: Any
         try:
-            with _reachable(self.schema):
-                result = await getattr(connection, method)(self._sql[name], *args, timeout=self.timeout)
+            if self._prepare:  # the store's own connection, with prepared statements
+                assert own is not None
+                statements = cast(StoreConnection, connection).statements
+                statement = statements.get(name)
+                if statement is None:
+                    statement = statements[name] = await connection.prepare(self._sql[name])
+                own.deadlines.start(connection)
+                try:
+                    result = await statement.fetchrow(*args, timeout=NO_TIMEOUT)
+                finally:
+                    own.deadlines.finish(connection)
+                if status:
+                    result = statement.get_statusmsg()
+            elif status:  # a pool's connection, or no prepared statements (a transaction-pooling proxy)
+                result = await connection.execute(self._sql[name], *args, timeout=self.timeout)
+            else:
+                result = await connection.fetchrow(self._sql[name], *args, timeout=self.timeout)
+        except UNAVAILABLE as error:
+            await self._give_back(connection, broken=True)
+            if own is not None and own.deadlines.was_late(connection):
+                late = TimeoutError(f"the database did not answer within {self.timeout}s")
+                raise StoreUnavailable(str(late)) from late
+            raise StoreUnavailable(str(error) or type(error).__name__) from error
+        except NOT_MIGRATED as error:
+            await self._give_back(connection, broken=True)
+            raise StoreNotMigrated(self.schema, str(error)) from error
         except BaseException:
             await self._give_back(connection, broken=True)
             raise
-        await self._give_back(connection)
+        if own is not None:
+            own.release(connection)
+        else:
+            await self._give_back(connection)
         return result
 
     # -- the Store protocol --------------------------------------------------------------------------------
@@ -284,8 +326,12 @@ class PostgresStore:
     async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
         if self._closing:
             raise StoreUnavailable("the idempotency store is closing: it takes no new claims")
-        row = await self._fetchrow("claim", tenant, key, fingerprint, float(lease), float(ttl), new_fence())
-        assert row is not None  # INSERT … ON CONFLICT DO UPDATE … RETURNING always returns the row
+        args = (tenant, key, fingerprint, float(lease), float(ttl), new_fence())
+        row = await self._fetchrow("claim", *args)
+        if row is None:  # lost a race with a concurrent claim of the key (see sql/queries.sql): lock and look again
+            self.claim_races += 1
+            row = await self._fetchrow("claim_locked", *args)
+            assert row is not None  # INSERT … ON CONFLICT DO UPDATE … RETURNING always returns the row
         claim = claim_from_row(row)
         if claim.outcome is ClaimOutcome.OWNED:
             self._unsettled.add((tenant, key, claim.fence))
@@ -480,6 +526,12 @@ class PostgresTransaction:
 class StoreConnection(asyncpg.Connection):
     """The connections a DSN-built store opens: their reset (when a lent one comes back) is the full one of
     ``sql/reset_session.sql``, in one round trip, instead of asyncpg's partial one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The store's statements, prepared on this connection as first used (PostgresStore._run), unless the
+        # store keeps no prepared statements (a transaction-pooling proxy).
+        self.statements: dict[str, asyncpg.prepared_stmt.PreparedStatement] = {}
 
     def get_reset_query(self) -> str:
         return reset_session()

@@ -99,11 +99,13 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 async def completed(store: PostgresStore, tenant: str, key: str, body: bytes, *, retries: int = 0) -> None:
+    """A completed record; ``retries`` claims arrive while it runs (409s, counted), then one replay (not counted)."""
     claim = await store.claim(tenant, key, FINGERPRINT, lease=60, ttl=3600)
-    headers = [(b"content-type", b"application/json"), (b"set-cookie", b"a=1"), (b"set-cookie", b"b=2")]
-    assert await store.complete(tenant, key, claim.fence, StoredResponse(201, headers, body, len(body)))
     for _ in range(retries):
         await store.claim(tenant, key, FINGERPRINT, lease=60, ttl=3600)
+    headers = [(b"content-type", b"application/json"), (b"set-cookie", b"a=1"), (b"set-cookie", b"b=2")]
+    assert await store.complete(tenant, key, claim.fence, StoredResponse(201, headers, body, len(body)))
+    await store.claim(tenant, key, FINGERPRINT, lease=60, ttl=3600)
 
 
 # -- migrate ----------------------------------------------------------------------------------------------------
@@ -242,7 +244,7 @@ def test_inspect_by_authorization_finds_what_the_middleware_stored(
     shown = json.loads(out)
     assert code == 0
     assert shown["tenant"] == tenant_of("sk_test_alice")
-    assert (shown["attempts"], shown["response"]["status"]) == (1, 201)
+    assert (shown["attempts"], shown["response"]["status"]) == (0, 201)  # the second request was a replay
     assert shown["response"]["body_preview"] == '{"charge":1,"echo":"{\\"amount\\": 10}"}'
     # The header as another client library spells it names the same tenant.
     code, out, _ = cli(capsys, *db.options, "inspect", "--authorization", " bearer  sk_test_alice", "pay-1", "--json")

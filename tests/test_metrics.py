@@ -233,13 +233,19 @@ async def test_attempts_per_key_are_observed_by_route_and_outcome() -> None:
     m = Registry()
     client = client_for(build_app(MemoryStore(), Probe(), on_event=m.metrics))
     same = key()
-    for _ in range(4):  # the first runs, three replays that saw 1, 2 and 3 earlier requests
+    assert (await client.post("/status/201", headers=same)).status_code == 201
+    for n in range(3):  # a different request each time: 422s that saw 1, 2 and 3 earlier requests
+        assert (await client.post("/status/201", headers=same, content=f"other {n}")).status_code == 422
+    for _ in range(2):  # replays, which read the count (3) without adding to it
         assert (await client.post("/status/201", headers=same)).status_code == 201
+    reused = {"method": "POST", "route": "/status/{code}", "outcome": "key_reused"}
     replayed = {"method": "POST", "route": "/status/{code}", "outcome": "replayed"}
     executed = {"method": "POST", "route": "/status/{code}", "outcome": "executed"}
-    assert m.value("idempotency_key_attempts_count", replayed) == 3
-    assert m.value("idempotency_key_attempts_sum", replayed) == 1 + 2 + 3
-    assert m.value("idempotency_key_attempts_bucket", {**replayed, "le": "1.0"}) == 1
+    assert m.value("idempotency_key_attempts_count", reused) == 3
+    assert m.value("idempotency_key_attempts_sum", reused) == 1 + 2 + 3
+    assert m.value("idempotency_key_attempts_bucket", {**reused, "le": "1.0"}) == 1
+    assert m.value("idempotency_key_attempts_count", replayed) == 2
+    assert m.value("idempotency_key_attempts_sum", replayed) == 3 + 3
     assert m.value("idempotency_key_attempts_sum", executed) == 0
 
 

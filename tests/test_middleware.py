@@ -602,11 +602,20 @@ async def test_uuid7_key_with_a_live_record_still_replays(store: Store) -> None:
 
 async def test_attempts_are_counted_on_the_record(store: Store, key: str) -> None:
     probe, client = setup(store)
-    for _ in range(4):
-        await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+    probe.hold()
+    first = asyncio.create_task(client.post("/charge", content=b"a", headers={"Idempotency-Key": key}))
+    await asyncio.wait_for(probe.entered.wait(), 5)
+    for _ in range(2):  # retries while the first still runs: 409, counted
+        assert (await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})).status_code == 409
+    probe.release.set()
+    assert (await first).status_code == 201
+    assert (await client.post("/charge", content=b"b", headers={"Idempotency-Key": key})).status_code == 422
+    for _ in range(3):  # replays only read the record: not counted
+        replay = await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+        assert replay.headers["idempotent-replayed"] == "true"
     info = await store.inspect(tenant_of(), key)
     assert info is not None
-    assert info.attempts == 3  # three retries after the first request
+    assert info.attempts == 3  # two 409s and a 422 after the first request
     assert info.state == "completed"
     assert probe.calls["charge"] == 1
 
@@ -616,13 +625,14 @@ async def test_events_report_outcomes_and_attempts(store: Store, key: str) -> No
 
     events: list[Event] = []
     probe, client = setup(store, on_event=events.append)
-    for body in (b"a", b"a", b"b"):
+    for body in (b"a", b"a", b"b", b"a"):
         await client.post("/charge", content=body, headers={"Idempotency-Key": key})
     await client.post("/charge", content=b"a", headers={"Idempotency-Key": "bad key"})
     assert [(e.outcome.value, e.attempts, e.status) for e in events] == [
         ("executed", 0, 201),
+        ("replayed", 0, 201),  # a replay reads the count and does not add to it
+        ("key_reused", 1, 422),
         ("replayed", 1, 201),
-        ("key_reused", 2, 422),
         ("key_invalid", 0, 400),
     ]
     assert all(key not in repr(e) for e in events)  # only a hash of the key travels

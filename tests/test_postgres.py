@@ -131,6 +131,8 @@ async def exercise(store: PostgresStore, prefix: str) -> None:
     key = f"{prefix}-key"
     claim = await store.claim("tenant", key, FINGERPRINT, lease=30, ttl=3600)
     assert claim.outcome is ClaimOutcome.OWNED
+    busy = await store.claim("tenant", key, FINGERPRINT, lease=30, ttl=3600)
+    assert (busy.outcome, busy.attempts) == (ClaimOutcome.IN_PROGRESS, 1)
     assert await store.renew("tenant", key, claim.fence, lease=30)
     assert await store.complete("tenant", key, claim.fence, RESPONSE)
     replay = await store.claim("tenant", key, FINGERPRINT, lease=30, ttl=3600)
@@ -299,6 +301,96 @@ async def test_fences_are_random_tokens_unique_per_claim(migrated_url: str) -> N
             assert await store.release("t-fences", "same-key", claim.fence)
     assert len(fences) == 50
     assert all(0 < fence < 2**63 for fence in fences)
+
+
+# -- replays only read -----------------------------------------------------------------------------------------
+
+
+async def row_version(url: str, tenant: str, key: str) -> tuple[str, str]:
+    """The row's ``xmin`` (the transaction that wrote this version) and ``ctid`` (where it lies): both change on
+    any write of the row, a lock-only update too."""
+    (row,) = await fetch(
+        url, "SELECT xmin::text, ctid::text FROM idempotency_records WHERE tenant = $1 AND key = $2", tenant, key
+    )
+    return row[0], row[1]
+
+
+async def test_a_replay_writes_nothing(migrated_url: str) -> None:
+    """A retry storm on completed keys must stay reads: no new row version, so no WAL and no dead tuples."""
+    async with PostgresStore(migrated_url, min_size=1, max_size=2) as store:
+        claim = await store.claim("t", "paid", FINGERPRINT, lease=30, ttl=60)
+        assert await store.complete("t", "paid", claim.fence, RESPONSE)
+        before = await row_version(migrated_url, "t", "paid")
+        for _ in range(3):
+            replay = await store.claim("t", "paid", FINGERPRINT, lease=30, ttl=60)
+            assert (replay.outcome, replay.response, replay.attempts) == (ClaimOutcome.COMPLETED, RESPONSE, 0)
+        assert await row_version(migrated_url, "t", "paid") == before
+        mismatch = await store.claim("t", "paid", b"other" * 4, lease=30, ttl=60)  # a 422 is counted: it writes
+        assert (mismatch.outcome, mismatch.attempts) == (ClaimOutcome.MISMATCH, 1)
+        assert await row_version(migrated_url, "t", "paid") != before
+        assert store.claim_races == 0
+
+
+async def test_a_claim_that_meets_a_row_committed_after_its_snapshot_still_answers(migrated_url: str) -> None:
+    """The claim's INSERT waits for a concurrent insert of the key and then does nothing, while the rest of the
+    statement reads the snapshot taken before that insert committed, so it finds no row. It must then look again
+    (claim_locked) and answer from the row as it is: here, in progress, 409."""
+    other = await asyncpg.connect(migrated_url)
+    try:
+        async with PostgresStore(migrated_url, min_size=1, max_size=2) as store:
+            transaction = other.transaction()
+            await transaction.start()
+            await other.execute(
+                "INSERT INTO idempotency_records (tenant, key, fingerprint, state, fence, lease_expires_at, "
+                "created_at, expires_at) VALUES ('t', 'raced', $1, 'in_progress', 7, now() + interval '30 s', now(), "
+                "now() + interval '60 s')",
+                FINGERPRINT,
+            )
+            claiming = asyncio.create_task(store.claim("t", "raced", FINGERPRINT, lease=30, ttl=60))
+            for _ in range(100):  # until the claim waits on the uncommitted row
+                await asyncio.sleep(0.02)
+                waiting = await other.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event = 'transactionid'"
+                )
+                if waiting:
+                    break
+            assert waiting == 1
+            await transaction.commit()
+            claim = await claiming
+            assert claim.outcome is ClaimOutcome.IN_PROGRESS
+            assert store.claim_races == 1
+    finally:
+        await other.close()
+
+
+# -- deadlines --------------------------------------------------------------------------------------------------
+
+
+async def test_a_statement_that_gets_no_answer_within_the_timeout_is_store_unavailable(migrated_url: str) -> None:
+    """The store's statements have no timer of their own (connections.Deadlines keeps one per pool): a statement
+    stuck behind a lock it will never get must still end as StoreUnavailable soon after ``timeout``."""
+    locker = await asyncpg.connect(migrated_url)
+    try:
+        async with PostgresStore(migrated_url, min_size=1, max_size=1, timeout=0.4) as store:
+            await store.claim("t", "warm-up", FINGERPRINT, lease=10, ttl=60)  # the claim is prepared by now
+            transaction = locker.transaction()
+            await transaction.start()
+            await locker.execute("LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE")
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable) as unavailable:
+                await store.claim("t", "locked-out", FINGERPRINT, lease=10, ttl=60)
+            waited = time.monotonic() - started
+            assert isinstance(unavailable.value.__cause__, TimeoutError)
+            assert "did not answer within 0.4s" in str(unavailable.value)
+            assert waited < 5  # did not hang (about 0.4 to 0.5 s)
+            await transaction.rollback()
+            # A fresh connection serves the next claim. (The abandoned one may still land once its server process
+            # gets the lock, as with asyncpg's own deadline: a 503 never says that nothing happened.)
+            claim = await store.claim("t", "after-the-lock", FINGERPRINT, lease=10, ttl=60)
+            assert claim.outcome is ClaimOutcome.OWNED
+    finally:
+        await locker.close()
 
 
 # -- an app's asyncpg pool ------------------------------------------------------------------------------------

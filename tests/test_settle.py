@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, StoredResponse
 from idempotency_mw.events import Event, Outcome
+from idempotency_mw.middleware import start_eagerly
 from tests.conftest import client_for
 
 TENANT = "tenant-settle"
@@ -207,6 +208,69 @@ async def test_cancellation_during_complete_still_completes() -> None:
         await asyncio.sleep(0.01)
     assert info is not None
     assert info.state == "completed"
+
+
+# -- start_eagerly: the settlement's own task, from its first wait on ---------------------------------------------
+
+
+async def test_a_settlement_that_never_waits_needs_no_task() -> None:
+    ran: list[str] = []
+
+    async def settle() -> None:
+        ran.append("settled")
+
+    settling = start_eagerly(settle())
+    assert ran == ["settled"]  # run in the caller, before anything else could
+    assert settling.done()
+    assert not isinstance(settling, asyncio.Task)
+
+
+async def test_a_settlement_that_waits_goes_on_in_a_task_of_its_own_through_a_cancellation() -> None:
+    gate, steps = asyncio.Event(), []
+
+    async def settle() -> None:
+        steps.append("sent")  # the statement is on its way before the caller waits
+        await gate.wait()
+        await asyncio.sleep(0)
+        steps.append("written")
+
+    async def request() -> None:
+        await asyncio.shield(start_eagerly(settle()))
+
+    task = asyncio.create_task(request())
+    await asyncio.sleep(0)
+    assert steps == ["sent"]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    gate.set()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert steps == ["sent", "written"]
+
+
+async def test_an_eager_settlement_passes_on_errors_and_its_own_cancellation() -> None:
+    async def fails_after_a_wait() -> None:
+        await asyncio.sleep(0)
+        raise RuntimeError("the store refused")
+
+    with pytest.raises(RuntimeError, match="the store refused"):
+        await start_eagerly(fails_after_a_wait())
+
+    cleaned_up: list[bool] = []
+
+    async def waits_forever() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cleaned_up.append(True)
+
+    settling = start_eagerly(waits_forever())
+    await asyncio.sleep(0)
+    settling.cancel()  # the settlement itself cancelled (the loop closing): it sees the cancellation
+    with pytest.raises(asyncio.CancelledError):
+        await settling
+    assert cleaned_up == [True]
 
 
 def file_app(store: Store, path: Path, **options: Any) -> tuple[Starlette, list[int]]:

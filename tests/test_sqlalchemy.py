@@ -654,7 +654,7 @@ def test_bad_arguments_are_refused_with_what_is_needed(idempotency_database_url:
 
 def test_the_store_names_its_statements(pg_store: PostgresStore) -> None:
     assert 'UPDATE "public".idempotency_records' in pg_store.statement("complete")
-    with pytest.raises(KeyError, match="no statement 'completion'; it has claim, complete"):
+    with pytest.raises(KeyError, match="no statement 'completion'; it has claim, claim_locked, complete"):
         pg_store.statement("completion")
 
 

@@ -4,12 +4,69 @@
 -- depends on the session's search_path.
 
 -- name: claim
--- Insert a fresh in_progress record, or take over an expired record or a lapsed lease of the same request,
--- or else leave the record alone (counting the attempt) and return it. ON CONFLICT DO UPDATE locks and returns
--- the current row even when it was committed after this statement's snapshot, so one round trip always answers.
+-- Insert a fresh in_progress record; or take over an expired record, or a lapsed lease of the same request; or
+-- count the attempt on a record that is still running or was made by a different request (409, 422); or, for a
+-- completed record of the same request, only read it: a replay writes nothing (no new row version, no WAL, no
+-- transaction id), so a storm of retries stays a storm of reads.
 -- $6 is the fence of this claim: a random 63-bit token the store draws (see postgres.py, new_fence), not a
 -- sequence value, because a sequence can hand out a value again after a restore or the promotion of a standby
 -- that missed its last values, and a stale worker's fence would then own the newer claim.
+-- ON CONFLICT DO NOTHING sees a row committed after this statement's snapshot (it waits for a concurrent insert
+-- to commit), but the UPDATE and the SELECT below see only the snapshot. So in a race with a concurrent claim the
+-- statement can return no row, or the snapshot's version of a row another claim has just changed (a replayable
+-- row that is no longer one): the store then runs claim_locked, which always answers (postgres.py, claim).
+-- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds, $6 fence
+WITH inserted AS (
+    INSERT INTO {schema}.idempotency_records AS r
+        (tenant, key, fingerprint, state, fence, lease_expires_at, created_at, expires_at)
+    VALUES ($1, $2, $3, 'in_progress', $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5))
+    ON CONFLICT (tenant, key) DO NOTHING
+    RETURNING r.fence, r.state, r.fingerprint, r.attempts, r.status, r.headers, r.body, r.body_size
+), updated AS (
+    UPDATE {schema}.idempotency_records AS r SET
+        fingerprint      = CASE WHEN r.expires_at <= now() OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = $3) THEN $3 ELSE r.fingerprint END,
+        state            = CASE WHEN r.expires_at <= now() OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = $3) THEN 'in_progress' ELSE r.state END,
+        fence            = CASE WHEN r.expires_at <= now() OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = $3) THEN $6 ELSE r.fence END,
+        lease_expires_at = CASE WHEN r.expires_at <= now() OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = $3) THEN now() + make_interval(secs => $4) ELSE r.lease_expires_at END,
+        status           = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.status END,
+        headers          = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.headers END,
+        body             = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.body END,
+        body_size        = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.body_size END,
+        completed_at     = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.completed_at END,
+        created_at       = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
+        expires_at       = CASE WHEN r.expires_at <= now() THEN now() + make_interval(secs => $5) ELSE r.expires_at END,
+        attempts         = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.attempts + 1 END
+    WHERE r.tenant = $1 AND r.key = $2 AND NOT EXISTS (SELECT FROM inserted)
+      AND NOT (r.state = 'completed' AND r.fingerprint = $3 AND r.expires_at > now())
+    RETURNING r.fence, r.state, r.fingerprint, r.attempts, r.status, r.headers, r.body, r.body_size
+), found AS (
+    SELECT * FROM inserted
+    UNION ALL
+    SELECT * FROM updated
+    UNION ALL
+    SELECT r.fence, r.state, r.fingerprint, r.attempts, r.status, r.headers, r.body, r.body_size
+    FROM {schema}.idempotency_records AS r
+    WHERE r.tenant = $1 AND r.key = $2 AND NOT EXISTS (SELECT FROM inserted) AND NOT EXISTS (SELECT FROM updated)
+      AND r.state = 'completed' AND r.fingerprint = $3 AND r.expires_at > now()
+)
+SELECT
+    -- Ours if it carries the fence just drawn. The state check is a second lock on the door: a completed record
+    -- whose fence equals the one drawn (one chance in 2^63) must replay, never run again.
+    f.fence = $6 AND f.state = 'in_progress' AS owned,
+    f.fence,
+    f.state,
+    f.fingerprint = $3 AS same_request,
+    f.attempts,
+    CASE WHEN f.state = 'completed' AND f.fingerprint = $3 THEN f.status END AS status,
+    CASE WHEN f.state = 'completed' AND f.fingerprint = $3 THEN f.headers END AS headers,
+    CASE WHEN f.state = 'completed' AND f.fingerprint = $3 THEN f.body END AS body,
+    CASE WHEN f.state = 'completed' AND f.fingerprint = $3 THEN f.body_size END AS body_size
+FROM found AS f;
+
+-- name: claim_locked
+-- The claim in one INSERT … ON CONFLICT DO UPDATE, for when ``claim`` returned nothing usable (a race with a
+-- concurrent claim, see above): DO UPDATE locks and returns the current row even when it was committed after this
+-- statement's snapshot, so it always answers. It writes the row in every case, a replay too (without counting it).
 -- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds, $6 fence
 INSERT INTO {schema}.idempotency_records AS r
     (tenant, key, fingerprint, state, fence, lease_expires_at, created_at, expires_at)
@@ -26,10 +83,10 @@ ON CONFLICT (tenant, key) DO UPDATE SET
     completed_at     = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.completed_at END,
     created_at       = CASE WHEN r.expires_at <= now() THEN excluded.created_at ELSE r.created_at END,
     expires_at       = CASE WHEN r.expires_at <= now() THEN excluded.expires_at ELSE r.expires_at END,
-    attempts         = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.attempts + 1 END
+    attempts         = CASE WHEN r.expires_at <= now() THEN 0
+                            WHEN r.state = 'completed' AND r.fingerprint = excluded.fingerprint THEN r.attempts
+                            ELSE r.attempts + 1 END
 RETURNING
-    -- Ours if it carries the fence just drawn. The state check is a second lock on the door: a completed record
-    -- whose fence equals the one drawn (one chance in 2^63) must replay, never run again.
     r.fence = $6 AND r.state = 'in_progress' AS owned,
     r.fence,
     r.state,
