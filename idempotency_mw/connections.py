@@ -85,7 +85,9 @@ class ConnectionPool:
 
     ``timeout`` bounds a checkout (waiting for a free connection, or opening one), in seconds. A checkout that
     waited that long for a busy pool fails with :class:`PoolExhausted`, one that was opening a connection with
-    ``TimeoutError``: a pool too small for the load and a database that does not answer need different fixes.
+    ``TimeoutError``: a pool too small for the load and a database that does not answer need different fixes. A
+    checkout that waited while no connection was in use, every place taken by a connection still being opened,
+    waited for the database, not for the pool: ``TimeoutError`` too.
 
     Two kinds of checkout. Work that *finishes* a request (renewing a running handler's lease, recording or
     releasing its outcome) is ``urgent``: it is served before anything else, and one connection is kept for it
@@ -122,6 +124,7 @@ class ConnectionPool:
         self._size = 0  # connections open, in use or idle, plus those being opened
         self._lent: set[asyncpg.Connection] = set()  # out on a checkout that is not urgent
         self._opening = 0  # connections being opened for checkouts that are not urgent (they count as lent)
+        self._connecting = 0  # connections being opened, for any checkout
         self._normal_cap = max_size - 1 if max_size > 1 else max_size  # the last one is kept for urgent work
         self._closed = False
         self.deadlines = Deadlines(timeout)
@@ -138,11 +141,14 @@ class ConnectionPool:
         """Open connections up to ``min_size`` (a dead server fails here, at startup, instead of at a request)."""
         while self._size < self.min_size and not self._closed:
             self._size += 1
+            self._connecting += 1
             try:
                 connection = await self._connect()
             except BaseException:
                 self._size -= 1
                 raise
+            finally:
+                self._connecting -= 1
             self.release(connection)
 
     def _room(self, urgent: bool) -> bool:
@@ -208,15 +214,18 @@ class ConnectionPool:
                     counted = 0 if urgent else 1  # a connection opened for other work already takes its share
                     self._size += 1
                     self._opening += counted
+                    self._connecting += 1
                     try:
                         async with asyncio.timeout_at(deadline):
                             connection = await self._connect()
                     except BaseException:
                         self._size -= 1
                         self._opening -= counted
+                        self._connecting -= 1
                         self._hand_over(None)
                         raise
                     self._opening -= counted
+                    self._connecting -= 1
                     if not urgent:
                         self._lent.add(connection)
                     return connection
@@ -236,6 +245,10 @@ class ConnectionPool:
                 else:
                     waiter.cancel()
                 if isinstance(error, TimeoutError):
+                    if self._size - len(self._idle) - self._connecting <= 0:
+                        raise TimeoutError(
+                            f"the database did not answer within {self.timeout}s: no connection could be opened"
+                        ) from None
                     raise PoolExhausted(
                         "the idempotency store's connection pool", max_size=self.max_size, timeout=self.timeout
                     ) from None

@@ -44,7 +44,9 @@ class MemoryStore:
         if record is None or record.expires_at <= now:
             fence = next(self._fences)
             attempts = 0  # an expired record's attempts belong to the operation it recorded, not to this one
-            self._records[(tenant, key)] = _Record(fingerprint, fence, now, now + ttl, now + lease, attempts=attempts)
+            # A record never expires under a live lease: renew and a takeover move expires_at past the lease.
+            expires = now + max(ttl, lease)
+            self._records[(tenant, key)] = _Record(fingerprint, fence, now, expires, now + lease, attempts=attempts)
             return Claim(ClaimOutcome.OWNED, fence=fence, attempts=attempts)
         if record.fingerprint == fingerprint and record.response is not None:
             # A replay only reads the record (PostgreSQL: no write at all), so it is not counted.
@@ -57,6 +59,7 @@ class MemoryStore:
         if record.lease_expires_at <= now:
             record.fence = next(self._fences)
             record.lease_expires_at = now + lease
+            record.expires_at = max(record.expires_at, record.lease_expires_at)
             return Claim(ClaimOutcome.OWNED, fence=record.fence, attempts=attempts)
         return Claim(ClaimOutcome.IN_PROGRESS, attempts=attempts)
 
@@ -71,6 +74,7 @@ class MemoryStore:
         if record is None:
             return False
         record.lease_expires_at = self._clock() + lease
+        record.expires_at = max(record.expires_at, record.lease_expires_at)
         return True
 
     async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:

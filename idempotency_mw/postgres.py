@@ -326,7 +326,8 @@ class PostgresStore:
     async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
         if self._closing:
             raise StoreUnavailable("the idempotency store is closing: it takes no new claims")
-        args = (tenant, key, fingerprint, float(lease), float(ttl), new_fence())
+        # max: a record never expires under a live lease (sql/queries.sql, renew)
+        args = (tenant, key, fingerprint, float(lease), float(max(ttl, lease)), new_fence())
         row = await self._fetchrow("claim", *args)
         if row is None:  # lost a race with a concurrent claim of the key (see sql/queries.sql): lock and look again
             self.claim_races += 1

@@ -9,7 +9,7 @@ import httpx
 import orjson
 import pytest
 
-from idempotency_mw import MemoryStore, PostgresStore, Store
+from idempotency_mw import MemoryStore, PostgresStore, Store, StoredResponse
 from tests.apps import Probe, build_app
 from tests.conftest import client_for, tenant_of
 
@@ -322,6 +322,31 @@ async def test_lapsed_lease_of_a_different_request_is_still_422(store: Store, ke
     await store.claim("t", key, b"a" * 32, lease=0.05, ttl=60)
     await asyncio.sleep(0.1)
     assert (await store.claim("t", key, b"b" * 32, lease=60, ttl=60)).outcome.value == "mismatch"
+
+
+async def test_a_live_lease_keeps_its_record_past_the_ttl(store: Store, key: str) -> None:
+    """A handler running longer than its ttl, its lease renewed: the record is neither taken over by a retry (two
+    executions at once) nor purged. An outside review found both on PostgreSQL, where expires_at stayed put."""
+    fp = b"f" * 32
+    first = await store.claim("t", key, fp, lease=1, ttl=0.2)
+    await asyncio.sleep(0.3)  # the ttl passes; the handler is still running
+    assert await store.renew("t", key, first.fence, lease=2)  # and keeps its lease alive
+    await asyncio.sleep(1)  # past the first lease too: only the renewal holds the record now
+    assert (await store.claim("t", key, fp, lease=1, ttl=0.2)).outcome.value == "in_progress"
+    await store.purge_expired()
+    info = await store.inspect("t", key)
+    assert info is not None and info.fence == first.fence
+    assert await store.complete("t", key, first.fence, StoredResponse(201, [], b"done", 4))
+
+
+async def test_a_takeover_near_the_end_of_the_ttl_keeps_its_record_for_its_lease(store: Store, key: str) -> None:
+    fp = b"f" * 32
+    await store.claim("t", key, fp, lease=0.1, ttl=0.4)
+    await asyncio.sleep(0.2)  # the lease lapses; 0.2 s of ttl left
+    taken = await store.claim("t", key, fp, lease=2, ttl=0.4)
+    assert taken.outcome.value == "owned"
+    await asyncio.sleep(0.4)  # past the first claim's ttl, well within the takeover's lease
+    assert (await store.claim("t", key, fp, lease=2, ttl=0.4)).outcome.value == "in_progress"
 
 
 async def test_release_after_a_new_claim_cannot_delete_it(store: Store, key: str) -> None:

@@ -151,7 +151,7 @@ async def exercise(store: PostgresStore, prefix: str) -> None:
     assert await store.forget("tenant", f"{prefix}-forgotten")
     assert await store.inspect("tenant", f"{prefix}-forgotten") is None
 
-    expiring = await store.claim("tenant", f"{prefix}-expiring", FINGERPRINT, lease=30, ttl=0.001)
+    expiring = await store.claim("tenant", f"{prefix}-expiring", FINGERPRINT, lease=0.001, ttl=0.001)
     assert await store.complete("tenant", f"{prefix}-expiring", expiring.fence, RESPONSE)
     for _ in range(200):  # expires_at is 1 ms after the claim, by the database's clock
         if await store.count_expired() == 1:
@@ -481,3 +481,21 @@ async def test_close_lets_unsettled_claims_finish_and_refuses_new_ones(idempoten
     started = time.monotonic()
     await stuck.close(grace=0.2)
     assert time.monotonic() - started < 5  # bounded by the grace, not by the lease
+
+
+async def test_checkouts_behind_connection_attempts_to_a_silent_database_are_not_pool_exhausted(
+    silent_server: str,
+) -> None:
+    """Every place in the pool is a connection being opened to a database that does not answer; the checkouts
+    waiting behind them time out as waiters. An outside review found them told PoolExhausted ("raise max_size"):
+    in a partition or a frozen server, all but the first requests pointed the operator at the pool instead of the
+    database. No connection is in use, so none of them waited for the pool."""
+    store = PostgresStore(silent_server, timeout=0.5, min_size=0, max_size=2)
+    try:
+        results = await asyncio.gather(
+            *(store.claim("t", f"k{i}", FINGERPRINT, lease=30, ttl=60) for i in range(3)), return_exceptions=True
+        )
+    finally:
+        await store.close(grace=0)
+    assert all(isinstance(result, StoreUnavailable) for result in results), results
+    assert [result for result in results if isinstance(result, PoolExhausted)] == []

@@ -15,7 +15,7 @@
 -- to commit), but the UPDATE and the SELECT below see only the snapshot. So in a race with a concurrent claim the
 -- statement can return no row, or the snapshot's version of a row another claim has just changed (a replayable
 -- row that is no longer one): the store then runs claim_locked, which always answers (postgres.py, claim).
--- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds, $6 fence
+-- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds (at least $4, see renew), $6 fence
 WITH inserted AS (
     INSERT INTO {schema}.idempotency_records AS r
         (tenant, key, fingerprint, state, fence, lease_expires_at, created_at, expires_at)
@@ -34,7 +34,9 @@ WITH inserted AS (
         body_size        = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.body_size END,
         completed_at     = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.completed_at END,
         created_at       = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
-        expires_at       = CASE WHEN r.expires_at <= now() THEN now() + make_interval(secs => $5) ELSE r.expires_at END,
+        expires_at       = CASE WHEN r.expires_at <= now() THEN now() + make_interval(secs => $5)
+                                WHEN r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = $3 THEN GREATEST(r.expires_at, now() + make_interval(secs => $4))
+                                ELSE r.expires_at END,
         attempts         = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.attempts + 1 END
     WHERE r.tenant = $1 AND r.key = $2 AND NOT EXISTS (SELECT FROM inserted)
       AND NOT (r.state = 'completed' AND r.fingerprint = $3 AND r.expires_at > now())
@@ -82,7 +84,9 @@ ON CONFLICT (tenant, key) DO UPDATE SET
     body_size        = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.body_size END,
     completed_at     = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.completed_at END,
     created_at       = CASE WHEN r.expires_at <= now() THEN excluded.created_at ELSE r.created_at END,
-    expires_at       = CASE WHEN r.expires_at <= now() THEN excluded.expires_at ELSE r.expires_at END,
+    expires_at       = CASE WHEN r.expires_at <= now() THEN excluded.expires_at
+                            WHEN r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = excluded.fingerprint THEN GREATEST(r.expires_at, excluded.lease_expires_at)
+                            ELSE r.expires_at END,
     attempts         = CASE WHEN r.expires_at <= now() THEN 0
                             WHEN r.state = 'completed' AND r.fingerprint = excluded.fingerprint THEN r.attempts
                             ELSE r.attempts + 1 END
@@ -98,9 +102,14 @@ RETURNING
     CASE WHEN r.state = 'completed' AND r.fingerprint = $3 THEN r.body_size END AS body_size;
 
 -- name: renew
+-- A record never expires under a live lease: expires_at is moved to the new lease deadline when that is later
+-- (a handler running past its ttl), or the claim statement and the purge would treat a running request's record
+-- as expired, and a retry would run the handler a second time beside it. claim keeps the same rule ($5 is at
+-- least $4, and a takeover moves expires_at like this). Unchanged, the indexed column keeps the update HOT.
 -- $1 tenant, $2 key, $3 fence, $4 lease seconds
 UPDATE {schema}.idempotency_records
-SET lease_expires_at = now() + make_interval(secs => $4)
+SET lease_expires_at = now() + make_interval(secs => $4),
+    expires_at = GREATEST(expires_at, now() + make_interval(secs => $4))
 WHERE tenant = $1 AND key = $2 AND fence = $3 AND state = 'in_progress';
 
 -- name: complete
