@@ -335,7 +335,8 @@ async def test_a_live_lease_keeps_its_record_past_the_ttl(store: Store, key: str
     assert (await store.claim("t", key, fp, lease=1, ttl=0.2)).outcome.value == "in_progress"
     await store.purge_expired()
     info = await store.inspect("t", key)
-    assert info is not None and info.fence == first.fence
+    assert info is not None
+    assert info.fence == first.fence
     assert await store.complete("t", key, first.fence, StoredResponse(201, [], b"done", 4))
 
 
