@@ -41,8 +41,9 @@ from starlette.routing import Route
 
 from idempotency_mw import AuthorizationTenant, IdempotencyMiddleware, MemoryStore, PostgresStore
 from idempotency_mw.context import idempotency_context
+from idempotency_mw.eager import start_eagerly
 from idempotency_mw.leases import LeaseKeeper
-from idempotency_mw.middleware import IdempotentRequest, start_eagerly
+from idempotency_mw.middleware import IdempotentRequest
 from idempotency_mw.postgres import StoreConnection
 
 TENANT = AuthorizationTenant(TENANT_SECRET)
@@ -341,7 +342,7 @@ def render(result: dict[str, Any]) -> str:
                 ],
             ),
             "**Settle point** (defects 3 and 4): fresh requests, client CPU per request. The settlement runs in a "
-            "task of its own from its first wait on (as shipped: `middleware.start_eagerly`; a cancelled request "
+            "task of its own from its first wait on (as shipped: `eager.start_eagerly`; a cancelled request "
             "still finishes writing its record); in a task from its start (as first written, with the same "
             "guarantee); and awaited directly (a variant made here only, without the guarantee). On `MemoryStore` "
             "the settlement never waits, so a task from the start adds two turns of the event loop that neither "

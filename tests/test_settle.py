@@ -23,8 +23,8 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, StoredResponse
+from idempotency_mw.eager import start_eagerly
 from idempotency_mw.events import Event, Outcome
-from idempotency_mw.middleware import start_eagerly
 from tests.conftest import client_for
 
 TENANT = "tenant-settle"
