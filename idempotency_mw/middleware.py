@@ -251,7 +251,7 @@ class IdempotentRequest:
         self.outcome = Outcome.STORE_ERROR  # until something better is known: every started request ends
         self._notify_started()
         started = time.perf_counter()
-        claiming = asyncio.ensure_future(
+        claiming = start_eagerly(  # a task of its own once it waits: a cancellation must not lose a landed claim
             self.store.claim(self.tenant, self.key, digest, lease=self.policy.lease, ttl=self.policy.ttl)
         )
         try:
