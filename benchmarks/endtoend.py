@@ -277,7 +277,7 @@ def render(result: dict[str, Any], ctx: Context) -> str:
         [
             "# End to end over loopback",
             f"uvicorn (1 process, uvloop + httptools) on 127.0.0.1, wrk with {result['connections']} keep-alive "
-            f"connections (1 thread), {result['seconds']:.0f} s per run, {result['repetitions']} interleaved "
+            f"connections (1 thread), {result['seconds']:g} s per run, {result['repetitions']} interleaved "
             "repetitions (odd ones in reverse order); medians shown, every run's requests/s in the last column. "
             "Every variant talks to the same PostgreSQL over its Unix socket. Fresh runs send a new key per "
             f"request; replay runs cycle through {POOL} keys primed just before. A run counts only if every answer "

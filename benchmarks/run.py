@@ -1,11 +1,11 @@
 """Run every benchmark of issue 5 in one go and write the tables to ``benchmarks/results/``.
 
-    ./dev bench --quick                             # about 6 minutes on 2 cores (must stay under 10)
+    ./dev bench --quick                             # about 10 minutes on 2 cores (must stay under 10)
     .venv/bin/python benchmarks/run.py --quick      # the same
     .venv/bin/python benchmarks/run.py              # the full run: 15 s load runs, more repetitions
 
 Both modes measure the same sizes (10⁴, 10⁶ and 10⁷ stored records; 1,000,000 expired records purged); the quick
-mode runs each load for 6 s instead of 15 and repeats less (``--seconds`` overrides the run length).
+mode runs each load for 5 s instead of 15 and repeats less (``--seconds`` overrides the run length).
 
 Steps: the load generator (wrk) and the benchmark venv with the peers are made ready; the in-process overhead and
 the fingerprint's cost per body shape (issue 10) run;
@@ -249,7 +249,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="shorter runs; under 10 minutes on 2 cores")
     parser.add_argument("--only", help=f"comma-separated subset of {', '.join(MEASUREMENTS)}")
-    parser.add_argument("--seconds", type=float, help="seconds per load run (default 6 quick, 15 full)")
+    parser.add_argument("--seconds", type=float, help="seconds per load run (default 5 quick, 15 full)")
     args = parser.parse_args()
     chosen = [m.strip() for m in args.only.split(",")] if args.only else list(MEASUREMENTS)
     unknown = set(chosen) - set(MEASUREMENTS)
@@ -262,7 +262,7 @@ def main() -> None:
     for name, problem in peer_status.items():
         log(f"  {name}: {'ok' if problem is None else problem}")
     mode = "quick" if args.quick else "full"
-    seconds = args.seconds or (6.0 if args.quick else 15.0)
+    seconds = args.seconds or (5.0 if args.quick else 15.0)
     failed: list[str] = []
     with pgserver.database() as db:
         stats, postgres = asyncio.run(prepare_database(db.url))

@@ -36,7 +36,7 @@ LEVELS = {"quick": [10**4, 10**6, 10**7], "full": [10**4, 10**6, 10**7]}
 # so a spike of the shared machine in one run (or two, in full mode) moves a level's figure by one rank, not to
 # the spike itself.
 REPETITIONS = {"quick": 5, "full": 11}
-SECONDS = {"quick": 3.0, "full": 8.0}  # per load run
+SECONDS = {"quick": 2.5, "full": 8.0}  # per load run
 LIMIT = 1.25  # the target: the largest table's p50 and p99 at most 25% above the smallest's
 DB_FIELDS = ("exec_ms", "blks_read", "wal_fpi", "wal_bytes")
 
@@ -262,7 +262,7 @@ def render(result: dict[str, Any], ctx: Context) -> str:
             "# Scale: latency against the number of stored records",
             f"{sizes_note(result, 'quick' if ctx.quick else 'full')} Each size in its own database on the same "
             f"server, with its own uvicorn process (idempotency_mw, PostgresStore); wrk with {result['connections']} "
-            f"connections, {result['seconds']:.0f} s per run, {result['repetitions']} repetitions, each running "
+            f"connections, {result['seconds']:g} s per run, {result['repetitions']} repetitions, each running "
             "every size in turn (odd ones in reverse order), a fresh-key run then a replay run per turn. A size's "
             "p50 and p99 are the medians of its runs' own p50s and p99s (wrk's percentiles of each run): one run "
             "with a spike of the shared machine moves them by one rank, not to the spike. "
