@@ -9,6 +9,7 @@ response the server sends from a file (``http.response.pathsend``) must be captu
 from __future__ import annotations
 
 import asyncio
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -210,26 +211,28 @@ async def test_cancellation_during_complete_still_completes() -> None:
     assert info.state == "completed"
 
 
-# -- start_eagerly: the settlement's own task, from its first wait on ---------------------------------------------
+# -- start_eagerly: the claim's and the settlement's own tasks ---------------------------------------------------
 
 
-async def test_a_settlement_that_never_waits_needs_no_task() -> None:
+async def test_a_settlement_that_never_waits_is_done_at_once_where_tasks_start_eagerly() -> None:
     ran: list[str] = []
 
     async def settle() -> None:
         ran.append("settled")
 
     settling = start_eagerly(settle())
-    assert ran == ["settled"]  # run in the caller, before anything else could
-    assert settling.done()
-    assert not isinstance(settling, asyncio.Task)
+    if sys.version_info >= (3, 12):
+        assert ran == ["settled"]  # run in the caller's turn, before anything else could
+        assert settling.done()
+    await settling
+    assert ran == ["settled"]
 
 
 async def test_a_settlement_that_waits_goes_on_in_a_task_of_its_own_through_a_cancellation() -> None:
     gate, steps = asyncio.Event(), []
 
     async def settle() -> None:
-        steps.append("sent")  # the statement is on its way before the caller waits
+        steps.append("sent")
         await gate.wait()
         await asyncio.sleep(0)
         steps.append("written")
@@ -238,7 +241,8 @@ async def test_a_settlement_that_waits_goes_on_in_a_task_of_its_own_through_a_ca
         await asyncio.shield(start_eagerly(settle()))
 
     task = asyncio.create_task(request())
-    await asyncio.sleep(0)
+    for _ in range(3):
+        await asyncio.sleep(0)
     assert steps == ["sent"]
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -249,7 +253,28 @@ async def test_a_settlement_that_waits_goes_on_in_a_task_of_its_own_through_a_ca
     assert steps == ["sent", "written"]
 
 
-async def test_an_eager_settlement_passes_on_errors_and_its_own_cancellation() -> None:
+async def test_a_timeout_inside_the_task_cancels_the_task_not_the_request() -> None:
+    """asyncio.timeout captures the current task. An earlier 3.11 emulation of eager start drove the coroutine by
+    hand in the request's task up to its first wait, so a timeout entered before that wait (the store's pool,
+    waiting for a connection) later cancelled the request instead: a busy pool gave a CancelledError, not a 503."""
+
+    async def claim() -> str:
+        try:
+            async with asyncio.timeout(0.05):
+                await asyncio.Event().wait()
+        except TimeoutError:
+            return "timed out"
+        return "never"
+
+    async def request() -> str:
+        result = await asyncio.shield(start_eagerly(claim()))
+        await asyncio.sleep(0.1)  # the request goes on: nothing cancels it
+        return result
+
+    assert await asyncio.wait_for(request(), 5) == "timed out"
+
+
+async def test_an_eager_task_passes_on_errors_and_its_own_cancellation() -> None:
     async def fails_after_a_wait() -> None:
         await asyncio.sleep(0)
         raise RuntimeError("the store refused")
