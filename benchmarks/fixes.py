@@ -12,7 +12,8 @@ In process, under uvloop, the ASGI app called directly (no sockets), variants in
   (``start_eagerly`` + ``shield``: an eager task on Python 3.12+, a task from the start on 3.11), so that a
   cancellation cannot interrupt writing the record. Against a task from the start (as first written; on 3.11 the
   same as shipped, so the two columns show the run's noise) and a variant that awaits the settlement directly
-  (benchmark only: it would lose that guarantee), fresh requests on ``MemoryStore`` and ``PostgresStore``, and the mechanisms alone.
+  (benchmark only: it would lose that guarantee), fresh requests on ``MemoryStore`` and ``PostgresStore``, and the
+  mechanisms alone.
 - **Lease keeper** (defect 14): hold + drop per request, timed alone.
 - The **fingerprint** (defects 1 and 8) has its own measurement, ``fingerprint.py``.
 """
