@@ -251,7 +251,7 @@ class IdempotentRequest:
         self.outcome = Outcome.STORE_ERROR  # until something better is known: every started request ends
         self._notify_started()
         started = time.perf_counter()
-        claiming = start_eagerly(  # a task of its own once it waits: a cancellation must not lose a landed claim
+        claiming = start_eagerly(  # a task of its own: a cancellation must not lose a claim that landed
             self.store.claim(self.tenant, self.key, digest, lease=self.policy.lease, ttl=self.policy.ttl)
         )
         try:
@@ -347,7 +347,7 @@ class IdempotentRequest:
         return self.settling
 
     async def _settle(self, recorder: ResponseRecorder) -> None:
-        """Record a final answer, release anything else: once, in a task of its own from its first wait on.
+        """Record a final answer, release anything else: once, in a task of its own (eager.py).
 
         Shielded: a request cancelled while its outcome is being written (a server shutting down, an outer timeout)
         still finishes writing it, or the key would stay in progress and the handler run again once the lease
