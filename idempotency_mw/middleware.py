@@ -38,7 +38,15 @@ from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers, uuid7_
 from idempotency_mw.leases import HeldLease, LeaseKeeper
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
 from idempotency_mw.routes import RouteTemplates
-from idempotency_mw.store import Claim, ClaimOutcome, PoolExhausted, Store, Transaction, TransactionalStore
+from idempotency_mw.store import (
+    Claim,
+    ClaimOutcome,
+    PoolExhausted,
+    Store,
+    Transaction,
+    TransactionalStore,
+    TransactionEnded,
+)
 from idempotency_mw.tenants import AuthorizationTenant, TenantResolver
 from idempotency_mw.transaction import Claimed, State, TransactionalRun
 
@@ -435,8 +443,12 @@ class IdempotentRequest:
             return await self._refuse(problem, _store_failure(run.failure))
         if run.state is State.REFUSED:
             # The database refused the transaction itself: a deferred constraint at COMMIT, or an error the handler
-            # caught but that aborted the transaction. Nothing was committed; the key is free again.
+            # caught but that aborted the transaction. Nothing was committed; the key is free again. Or the
+            # handler ended the transaction itself, and the record was refused (TransactionEnded says so).
             assert run.failure is not None
+            if isinstance(run.failure, TransactionEnded):
+                logger.error("idempotency: %s", run.failure)
+                raise run.failure from raised
             logger.error(
                 "idempotency: the handler's transaction could not commit (%s); nothing was committed. If the "
                 "handler recovers from database errors, run the statements that may fail in a savepoint "

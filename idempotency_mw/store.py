@@ -77,6 +77,12 @@ class PoolExhausted(StoreUnavailable):
         self.timeout = timeout
 
 
+class TransactionEnded(RuntimeError):
+    """A transactional handler ended the transaction it was lent (a COMMIT or ROLLBACK of its own): its effect and
+    the record can no longer land together, so the record is refused and the request fails like a handler error.
+    Statements that may need undoing belong in a savepoint (asyncpg: ``async with connection.transaction():``)."""
+
+
 class StoreNotMigrated(StoreUnavailable):
     """The store's tables are not in the database: it was never migrated, or the store looks in another schema
     than the one that was. The message names the schema and the command that fixes it."""

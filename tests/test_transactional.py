@@ -18,7 +18,7 @@ from starlette.routing import Route
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotency_context
 from idempotency_mw.events import Event, Outcome
 from idempotency_mw.postgres import PostgresTransaction
-from idempotency_mw.store import StoreUnavailable
+from idempotency_mw.store import StoreUnavailable, TransactionEnded
 from tests.conftest import client_for, tenant_of
 
 
@@ -289,6 +289,32 @@ async def test_a_transaction_the_database_refuses_is_a_handler_failure(
     retry = await client.post("/write?how=fixed", headers={"Idempotency-Key": key})
     assert retry.status_code == 201
     assert await effects(db, key) == 1
+
+
+@pytest.mark.parametrize("statement", ["ROLLBACK", "COMMIT"])
+async def test_a_handler_that_ends_its_transaction_gets_no_record(
+    pg_store: PostgresStore, db: asyncpg.Connection, statement: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The handler runs COMMIT or ROLLBACK on the connection it was lent. The completion then ran on its own and
+    recorded a 201: after a ROLLBACK, every retry was told of an effect that never happened. Now the record is
+    refused, the request fails like a handler error, the log says why and what to use instead, the key is free."""
+
+    async def write(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await context.connection.execute("INSERT INTO tx_effects VALUES ($1, $2)", context.key, statement)
+        await context.connection.execute(statement)
+        return JSONResponse({"ok": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=pg_store, transactional=True)
+    key = str(uuid.uuid4())
+    with pytest.raises(TransactionEnded):
+        await client_for(app).post("/write", headers={"Idempotency-Key": key})
+    assert await pg_store.inspect(tenant_of(), key) is None
+    assert await effects(db, key) == (1 if statement == "COMMIT" else 0)
+    assert "savepoint" in caplog.text
 
 
 def build_session_setter(store: PostgresStore) -> Starlette:
