@@ -484,8 +484,7 @@ class PostgresTransaction:
         self._complete_sql = complete_sql
         self._timeout = timeout
         self._schema = schema
-        self._on_settled = on_settled  # told when the claim this transaction completes needs nothing more
-        self._completed: tuple[str, str, int] | None = None
+        self.settlement = Settlement(on_settled)
 
     async def begin(self) -> None:
         with self._reachable():
@@ -504,19 +503,13 @@ class PostgresTransaction:
         args = completion(tenant, key, fence, response)
         with self._reachable(self._schema):
             status = await self.connection.execute(self._complete_sql, *args, timeout=self._timeout)
-        completed = status == "UPDATE 1"
-        if completed:
-            self._completed = (tenant, key, fence)
-        elif self._on_settled is not None:
-            self._on_settled(tenant, key, fence)  # fenced out: the key is another claim's now
-        return completed
+        return self.settlement.completed(tenant, key, fence, status == "UPDATE 1")
 
     async def commit(self) -> None:
         assert self._transaction is not None
         with self._reachable():
             await self._transaction.commit()
-        if self._completed is not None and self._on_settled is not None:
-            self._on_settled(*self._completed)
+        self.settlement.committed()
 
     async def rollback(self) -> None:
         assert self._transaction is not None
@@ -531,6 +524,28 @@ class PostgresTransaction:
         except StoreUnavailable:
             self.lost = True
             raise
+
+
+class Settlement:
+    """What a transaction that completes a claim tells ``on_settled`` (``PostgresStore.settled``, which ``close()``
+    waits on): the claim is settled once its completion is committed, or at once if it was fenced out (the key is
+    another claim's now). A completion rolled back is not settled here: the middleware releases the key."""
+
+    def __init__(self, on_settled: Callable[[str, str, int], None] | None) -> None:
+        self._on_settled = on_settled
+        self._completed: tuple[str, str, int] | None = None
+
+    def completed(self, tenant: str, key: str, fence: int, done: bool) -> bool:
+        """Note the outcome of the completion statement; returns ``done``."""
+        if done:
+            self._completed = (tenant, key, fence)
+        elif self._on_settled is not None:
+            self._on_settled(tenant, key, fence)
+        return done
+
+    def committed(self) -> None:
+        if self._completed is not None and self._on_settled is not None:
+            self._on_settled(*self._completed)
 
 
 class StoreConnection(asyncpg.Connection):

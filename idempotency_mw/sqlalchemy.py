@@ -28,7 +28,7 @@ except ImportError as error:  # sqlalchemy is an optional dependency of the pack
 from starlette.requests import HTTPConnection
 
 from idempotency_mw.context import idempotency_context
-from idempotency_mw.postgres import NOT_MIGRATED, UNAVAILABLE, PostgresStore, completion
+from idempotency_mw.postgres import NOT_MIGRATED, UNAVAILABLE, PostgresStore, Settlement, completion
 from idempotency_mw.sql import reset_session
 from idempotency_mw.store import Claim, RecordInfo, StoredResponse, StoreNotMigrated, StoreUnavailable
 
@@ -192,8 +192,7 @@ class SQLAlchemyTransaction:
         self._complete_sql = complete_sql
         self._timeout = timeout
         self._schema = schema
-        self._on_settled = on_settled  # told when the claim this transaction completes needs nothing more
-        self._completed: tuple[str, str, int] | None = None
+        self.settlement = Settlement(on_settled)
 
     async def begin(self) -> None:
         # No round trip here: SQLAlchemy's asyncpg adapter sends BEGIN just before the first statement.
@@ -207,12 +206,7 @@ class SQLAlchemyTransaction:
                 result = await self.connection.exec_driver_sql(
                     self._complete_sql, completion(tenant, key, fence, response)
                 )
-        completed = result.rowcount == 1
-        if completed:
-            self._completed = (tenant, key, fence)
-        elif self._on_settled is not None:
-            self._on_settled(tenant, key, fence)  # fenced out: the key is another claim's now
-        return completed
+        return self.settlement.completed(tenant, key, fence, result.rowcount == 1)
 
     async def commit(self) -> None:
         assert self._transaction is not None
@@ -220,8 +214,7 @@ class SQLAlchemyTransaction:
         with self._reachable():
             async with asyncio.timeout(self._timeout):
                 await self._transaction.commit()
-        if self._completed is not None and self._on_settled is not None:
-            self._on_settled(*self._completed)
+        self.settlement.committed()
 
     async def rollback(self) -> None:
         assert self._transaction is not None
