@@ -27,6 +27,8 @@ import urllib.parse
 from pathlib import Path
 from types import TracebackType
 
+from faults.server import free_port
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -98,7 +100,7 @@ class PgBouncer:
         port = query.get("port", [str(upstream.port or 5432)])[0]
         self.pool_mode = pool_mode
         self._directory = Path(tempfile.mkdtemp(prefix="imw-pgbouncer-", dir="/tmp"))
-        self.port = _free_port()
+        self.port = free_port()
         self.log = self._directory / "pgbouncer.log"
         settings = {
             "listen_addr": LOOPBACK,
@@ -187,13 +189,6 @@ class PgBouncer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.close()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((LOOPBACK, 0))
-        port: int = probe.getsockname()[1]
-    return port
 
 
 def _unprivileged_user(host: str) -> str:

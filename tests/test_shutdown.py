@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from faults.server import free_port
 from idempotency_mw import PostgresStore
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 TENANT = "t-shutdown"  # what tests/shutdown_app.py resolves every request to
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Server:
