@@ -8,8 +8,6 @@ message at once (the live response streams as if we were not there) or holds the
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
 import orjson
 from starlette.types import Message, Send
 
@@ -23,25 +21,25 @@ BODY_ELSEWHERE = frozenset({"http.response.pathsend", "http.response.zerocopysen
 
 
 class ResponseRecorder:
-    """Copy a response as it passes through ``send``.
+    """Copy a response as it passes through ``send``, in two steps per message, so the owner can decide in between.
 
-    ``on_final`` is awaited when the final body message arrives, before that message goes on: the point where the
-    answer is decided (the record is written, or the transaction commits) while the client has not yet seen its
-    end, and before anything the app runs after its response (background tasks). If it raises, the final message
-    (and, when holding, everything held) is not sent.
+    :meth:`record` copies a message and says whether the answer must be decided before it goes on: the final body
+    message (the record is written, or the transaction commits, while the client has not yet seen its end, and
+    before anything the app runs after its response: background tasks). :meth:`forward` then sends it on. The owner
+    decides between the two (``IdempotentRequest._send_recorded``, ``TransactionalRun._send``); if deciding raises,
+    the message is not sent.
 
-    With ``hold``, messages are kept back until then (transactional mode: nothing reaches the client before the
-    commit). A held response that outgrows ``max_body`` calls ``on_final`` early (the answer is decided then, and
-    the record says the body was too large to store) and streams the rest through, so holding never grows without
-    bound.
+    With ``hold``, messages are kept back until the answer is decided (transactional mode: nothing reaches the
+    client before the commit). A held response that outgrows ``max_body`` must be decided early (the record then
+    says the body was too large to store) and streams the rest through, so holding never grows without bound.
+
+    The recorder keeps no reference to its owner: an owner that keeps the recorder would otherwise make a reference
+    cycle of every request, which only the cycle collector frees (tests/test_cycles.py).
     """
 
-    def __init__(
-        self, send: Send, *, max_body: int, on_final: Callable[[], Awaitable[None]], hold: bool = False
-    ) -> None:
+    def __init__(self, send: Send, *, max_body: int, hold: bool = False) -> None:
         self._send = send
         self._max_body = max_body
-        self._on_final = on_final
         self._hold = hold
         self._held: list[Message] = []
         self._chunks: list[bytes] = []
@@ -55,7 +53,9 @@ class ResponseRecorder:
     def overflowed(self) -> bool:
         return self.body_size > self._max_body
 
-    async def send(self, message: Message) -> None:
+    def record(self, message: Message) -> tuple[Message, bool]:
+        """Copy ``message``; return it as it must go on (a buffer view becomes bytes) and whether the answer must be
+        decided before it does."""
         kind = message["type"]
         final = False
         if kind == "http.response.start":
@@ -80,22 +80,18 @@ class ResponseRecorder:
         # Anything else (trailers, a test client's http.response.debug) carries no body: it passes as it is.
         if final:
             self.finished = True
-            await self._on_final()
+        return message, final or (self._hold and self.overflowed)
+
+    async def forward(self, message: Message) -> None:
+        """Send ``message`` on; while holding, keep it back until the answer is decided."""
         if not self._hold:
             await self._send(message)
             return
         self._held.append(message)
-        if final:
-            await self._release_held()
-        elif self.overflowed:
-            await self._on_final()  # decide now: holding more would grow without bound
-            await self._release_held()
-
-    async def _release_held(self) -> None:
-        """Send the held messages and stop holding."""
-        held, self._held, self._hold = self._held, [], False
-        for message in held:
-            await self._send(message)
+        if self.finished or self.overflowed:  # decided: send what was held, and stop holding
+            held, self._held, self._hold = self._held, [], False
+            for message in held:
+                await self._send(message)
 
     def stored_response(self) -> StoredResponse:
         """What to record; without a body when it is over the cap, was cut short, or went around the recorder

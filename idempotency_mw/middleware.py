@@ -210,6 +210,7 @@ class IdempotentRequest:
         self.store_seconds = 0.0
         self.attempts = 0
         self.lease: HeldLease | None = None
+        self.recorder: ResponseRecorder | None = None  # the response on its way out, once the handler runs
         self.settling: asyncio.Future[None] | None = None
         self.emitted = False
         self.reached_store = False
@@ -333,14 +334,12 @@ class IdempotentRequest:
         """Run the handler with its response streaming through; settle as its final body message passes."""
         assert self.key is not None
         self._set_context(IdempotencyContext(self.tenant, self.key))
-        recorder = ResponseRecorder(
-            self.send, max_body=self.policy.max_response_bytes, on_final=lambda: self._settle(recorder)
-        )
+        recorder = self.recorder = ResponseRecorder(self.send, max_body=self.policy.max_response_bytes)
         # Settled as the final body passed, unless the response never finished: an error, a cancelled request (a
         # client that hung up, a server shutting down), or a stream cut short. Settle it all the same; a cancelled
         # request does not wait for that (the settlement goes on in its own task).
         try:
-            await self.middleware.app(self._app_scope(), self._receive_buffered, recorder.send)
+            await self.middleware.app(self._app_scope(), self._receive_buffered, self._send_recorded)
         except asyncio.CancelledError:
             self._start_settling(recorder)
             raise
@@ -348,6 +347,14 @@ class IdempotentRequest:
             await self._settle(recorder)
             raise
         await self._settle(recorder)
+
+    async def _send_recorded(self, message: Message) -> None:
+        """The handler's ``send``: copy each message, and settle before the final body message goes on."""
+        assert self.recorder is not None
+        message, decide = self.recorder.record(message)
+        if decide:
+            await self._settle(self.recorder)
+        await self.recorder.forward(message)
 
     def _start_settling(self, recorder: ResponseRecorder) -> asyncio.Future[None]:
         if self.settling is None:
@@ -421,44 +428,47 @@ class IdempotentRequest:
             await run.run(self.middleware.app, self._app_scope(), self._receive_buffered, self._lend)
         except BaseException as error:
             raised = error
-        self.status = run.status
-        if run.state is State.COMMITTED:
-            if self.fence is not None:
-                self.outcome = Outcome.EXECUTED
-            if raised is not None:  # after the commit (a background task, a stream past the cap): nothing to undo
-                raise raised
-            return
-        if run.state is State.ROLLED_BACK and raised is None:
-            return  # a transient answer: released and reported when it settled
-        # Nothing committed: free the key for the retry, then answer as the transaction ended.
-        if self.fence is not None and run.state is not State.FENCED_OUT:
-            await self._release(self.fence)
-        if run.state is State.FENCED_OUT:
-            # A newer claim owns the key: our writes were rolled back, and the client hears what a retry would.
-            return await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.FENCED_OUT)
-        if run.state is State.UNAVAILABLE:
-            assert run.failure is not None
-            self.middleware.failures.failed("run the handler's transaction", run.failure)
-            problem = problems.store_unavailable(self.middleware.retry_after)
-            return await self._refuse(problem, _store_failure(run.failure))
-        if run.state is State.REFUSED:
-            # The database refused the transaction itself: a deferred constraint at COMMIT, or an error the handler
-            # caught but that aborted the transaction. Nothing was committed; the key is free again. Or the
-            # handler ended the transaction itself, and the record was refused (TransactionEnded says so).
-            assert run.failure is not None
-            if isinstance(run.failure, TransactionEnded):
-                logger.error("idempotency: %s", run.failure)
+        try:
+            self.status = run.status
+            if run.state is State.COMMITTED:
+                if self.fence is not None:
+                    self.outcome = Outcome.EXECUTED
+                if raised is not None:  # after the commit (a background task, a stream past the cap): nothing to undo
+                    raise raised
+                return
+            if run.state is State.ROLLED_BACK and raised is None:
+                return  # a transient answer: released and reported when it settled
+            # Nothing committed: free the key for the retry, then answer as the transaction ended.
+            if self.fence is not None and run.state is not State.FENCED_OUT:
+                await self._release(self.fence)
+            if run.state is State.FENCED_OUT:
+                # A newer claim owns the key: our writes were rolled back, and the client hears what a retry would.
+                return await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.FENCED_OUT)
+            if run.state is State.UNAVAILABLE:
+                assert run.failure is not None
+                self.middleware.failures.failed("run the handler's transaction", run.failure)
+                problem = problems.store_unavailable(self.middleware.retry_after)
+                return await self._refuse(problem, _store_failure(run.failure))
+            if run.state is State.REFUSED:
+                # The database refused the transaction itself: a deferred constraint at COMMIT, or an error the handler
+                # caught but that aborted the transaction. Nothing was committed; the key is free again. Or the
+                # handler ended the transaction itself, and the record was refused (TransactionEnded says so).
+                assert run.failure is not None
+                if isinstance(run.failure, TransactionEnded):
+                    logger.error("idempotency: %s", run.failure)
+                    raise run.failure from raised
+                logger.error(
+                    "idempotency: the handler's transaction could not commit (%s); nothing was committed. If the "
+                    "handler recovers from database errors, run the statements that may fail in a savepoint "
+                    "(asyncpg: async with connection.transaction(): ...; "
+                    "SQLAlchemy: async with session.begin_nested(): ...)",
+                    type(run.failure).__name__,
+                )
                 raise run.failure from raised
-            logger.error(
-                "idempotency: the handler's transaction could not commit (%s); nothing was committed. If the "
-                "handler recovers from database errors, run the statements that may fail in a savepoint "
-                "(asyncpg: async with connection.transaction(): ...; SQLAlchemy: async with session.begin_nested(): "
-                "...)",
-                type(run.failure).__name__,
-            )
-            raise run.failure from raised
-        assert raised is not None  # rolled back because the handler failed, was cancelled, or never finished
-        raise raised
+            assert raised is not None  # rolled back because the handler failed, was cancelled, or never finished
+            raise raised
+        finally:
+            raised = None  # re-raised, its traceback holds this frame: no reference cycle is left (test_cycles.py)
 
     async def _on_transaction_settled(self, run: TransactionalRun) -> None:
         """Committed or rolled back, just before the held response goes out: free a released key, report."""

@@ -71,7 +71,7 @@ class TransactionalRun:
     ) -> None:
         self._state = State.OPEN
         self.failure: BaseException | None = None  # what the database said, for UNAVAILABLE and REFUSED
-        self.recorder = ResponseRecorder(send, max_body=max_body, hold=True, on_final=self._settle)
+        self.recorder = ResponseRecorder(send, max_body=max_body, hold=True)
         self._transactions = transactions
         self._claimed = claimed
         self._is_final = is_final
@@ -143,7 +143,10 @@ class TransactionalRun:
     async def _send(self, message: Message) -> None:
         if self.state in DID_NOT_COMMIT:
             raise NotCommitted(f"the handler's transaction did not commit ({self.state.value})")
-        await self.recorder.send(message)
+        message, decide = self.recorder.record(message)
+        if decide:
+            await self._settle()
+        await self.recorder.forward(message)
 
     async def _settle(self) -> None:
         """The response is complete (or outgrew what may be held): decide, once, whether it may go out.

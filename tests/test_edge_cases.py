@@ -428,7 +428,7 @@ def reusing_buffer_app(store: PostgresStore, **options: Any) -> Starlette:
 
 
 async def test_replay_of_a_body_streamed_from_a_reused_buffer(pg_store: PostgresStore) -> None:
-    """``ResponseRecorder.send`` keeps each body chunk by reference. A memoryview over a buffer the app refills for
+    """``ResponseRecorder.record`` keeps each body chunk by reference. A memoryview over a buffer the app refills for
     the next chunk (Starlette passes memoryview chunks through) is stored as it is when the record is written: the
     last block, three times. The client got ``AAAABBBBCCCC``; every replay says ``CCCCCCCCCCCC``.
 

@@ -1,0 +1,165 @@
+"""A request leaves no reference cycle behind.
+
+Objects in a cycle are freed only by the cycle collector, not when the request ends: a cycle that holds a request
+keeps its scope, body, response copy and tasks alive until then, and makes the collector run (and walk the whole
+heap, in its oldest generation) several times as often as the app alone would. Under load that cost more than
+the middleware's own work (benchmarks/README.md). Each flow below runs with the collector saving what it finds,
+and none of the library's objects may be among it.
+"""
+
+from __future__ import annotations
+
+import gc
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store
+
+TENANT = "tenant-cycles"
+BODY = b'{"amount": 1250}'
+
+
+def app_on(store: Store, **options: Any) -> Starlette:
+    async def charge(request: Request) -> Response:
+        await request.body()
+        return JSONResponse({"ok": True}, status_code=201)
+
+    async def status(request: Request) -> Response:
+        await request.body()
+        return Response("status", status_code=int(request.path_params["code"]))
+
+    async def boom(request: Request) -> Response:
+        raise RuntimeError("the handler failed")
+
+    app = Starlette(
+        routes=[
+            Route("/charge", charge, methods=["POST"]),
+            Route("/status/{code:int}", status, methods=["POST"]),
+            Route("/boom", boom, methods=["POST"]),
+        ]
+    )
+    app.add_middleware(IdempotencyMiddleware, store=store, tenant=lambda scope: TENANT, **options)
+    return app
+
+
+async def call(app: Starlette, path: str, key: str | None, body: bytes = BODY) -> int:
+    """One raw ASGI request (no test client, whose own objects could hold ours); its status, 500 if it raised."""
+    headers = [(b"content-type", b"application/json")]
+    if key is not None:
+        headers.append((b"idempotency-key", key.encode()))
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 80),
+    }
+    statuses: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    try:
+        await app(scope, receive, send)
+    except RuntimeError:
+        return 500
+    return statuses[0]
+
+
+async def warmed_up(app: Starlette) -> None:
+    """One request first: the middleware reads the app's routes once, replacing what it built before (once per
+    app, not per request)."""
+    assert await call(app, "/charge", None) == 201
+
+
+async def left_to_the_collector(flow: Callable[[], Awaitable[None]]) -> Counter[str]:
+    """The library's objects that only the cycle collector could free after ``flow``."""
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        await flow()
+        gc.collect()
+        return Counter(
+            f"{type(thing).__module__}.{type(thing).__qualname__}"
+            for thing in gc.garbage
+            if type(thing).__module__.startswith("idempotency_mw")
+        )
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+
+
+def flows(app: Starlette) -> dict[str, Callable[[], Awaitable[None]]]:
+    async def fresh_then_replay() -> None:
+        key = str(uuid.uuid4())
+        assert await call(app, "/charge", key) == 201
+        assert await call(app, "/charge", key) == 201  # the replay
+
+    async def reused_with_another_body() -> None:
+        key = str(uuid.uuid4())
+        assert await call(app, "/charge", key) == 201
+        assert await call(app, "/charge", key, body=b'{"amount": 1}') == 422
+
+    async def released() -> None:
+        assert await call(app, "/status/503", str(uuid.uuid4())) == 503
+
+    async def handler_failed() -> None:
+        assert await call(app, "/boom", str(uuid.uuid4())) == 500
+
+    async def without_a_key() -> None:
+        assert await call(app, "/charge", None) == 201
+
+    return {
+        "fresh then replay": fresh_then_replay,
+        "reused with another body": reused_with_another_body,
+        "released": released,
+        "handler failed": handler_failed,
+        "without a key": without_a_key,
+    }
+
+
+FLOWS = ["fresh then replay", "reused with another body", "released", "handler failed", "without a key"]
+
+
+@pytest.mark.parametrize("flow", FLOWS)
+async def test_no_cycles_on_memory_store(flow: str) -> None:
+    app = app_on(MemoryStore())
+    await warmed_up(app)
+    assert await left_to_the_collector(flows(app)[flow]) == Counter()
+
+
+@pytest.fixture
+async def opened_store(idempotency_database_url: str) -> AsyncIterator[PostgresStore]:
+    store = PostgresStore(idempotency_database_url, min_size=1, max_size=4)
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.close(grace=0)
+
+
+@pytest.mark.parametrize("transactional", [False, True], ids=["plain", "transactional"])
+@pytest.mark.parametrize("flow", FLOWS)
+async def test_no_cycles_on_postgres(opened_store: PostgresStore, flow: str, transactional: bool) -> None:
+    app = app_on(opened_store, transactional=transactional)
+    await warmed_up(app)
+    assert await left_to_the_collector(flows(app)[flow]) == Counter()
