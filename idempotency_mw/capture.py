@@ -2,8 +2,9 @@
 
 The recorder sits in the ASGI ``send`` path and copies what passes: the status, the raw header list (order and
 repeats kept: two ``Set-Cookie`` stay two), and every body chunk, up to the storage cap. It either forwards each
-message at once (the live response streams as if we were not there) or holds them until the answer is decided
-(transactional mode: nothing reaches the client before the record has committed).
+message as it comes (the live response streams as if we were not there; only the response start waits for the
+first body message, to leave with it) or holds them until the answer is decided (transactional mode: nothing
+reaches the client before the record has committed).
 """
 
 from __future__ import annotations
@@ -83,15 +84,17 @@ class ResponseRecorder:
         return message, final or (self._hold and self.overflowed)
 
     async def forward(self, message: Message) -> None:
-        """Send ``message`` on; while holding, keep it back until the answer is decided."""
-        if not self._hold:
-            await self._send(message)
-            return
+        """Send ``message`` on. The response start waits for the message after it, as PEP 3333 asks of WSGI servers:
+        status line, headers and the first body chunk then reach the server back to back, which writes them
+        together and wakes the client once. While holding, everything waits until the answer is decided."""
         self._held.append(message)
-        if self.finished or self.overflowed:  # decided: send what was held, and stop holding
-            held, self._held, self._hold = self._held, [], False
-            for message in held:
-                await self._send(message)
+        if message["type"] == "http.response.start":
+            return  # goes on with the next message
+        if self._hold and not (self.finished or self.overflowed):
+            return
+        held, self._held, self._hold = self._held, [], False  # decided, or never held: send what waits
+        for waiting in held:
+            await self._send(waiting)
 
     def stored_response(self) -> StoredResponse:
         """What to record; without a body when it is over the cap, was cut short, or went around the recorder

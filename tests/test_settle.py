@@ -20,7 +20,7 @@ import pytest
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, StoredResponse
@@ -125,6 +125,74 @@ async def test_plain_record_is_completed_before_background_tasks_run(store: Stor
     assert retry.headers["idempotent-replayed"] == "true"  # a replay, not 409 in progress
     background.go.set()
     await asyncio.wait_for(call.task, 5)
+
+
+async def test_the_status_line_leaves_with_the_first_body_message(store: Store) -> None:
+    """The response start waits for the message after it (as PEP 3333 asks of WSGI servers): status line, headers
+    and a one-message body reach the server back to back, after the record is complete, so the server writes them
+    together and wakes the client once instead of twice (benchmarks/README.md). A stream's start leaves with its
+    first chunk."""
+    first_chunk_made = asyncio.Event()
+
+    async def stream(request: Request) -> Response:
+        async def chunks() -> AsyncIterator[bytes]:
+            first_chunk_made.set()
+            yield b"first,"
+            yield b"second"
+
+        return StreamingResponse(chunks(), status_code=201)
+
+    async def charge(request: Request) -> Response:
+        return JSONResponse({"charged": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/charge", charge, methods=["POST"]), Route("/stream", stream, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, tenant=fixed_tenant)
+
+    async def arrivals(path: str, key: str) -> list[tuple[str, bytes, str | None, bool]]:
+        """Each message as the server gets it, with the record's state and whether the first chunk was made."""
+        seen: list[tuple[str, bytes, str | None, bool]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            info = await store.inspect(TENANT, key)
+            state = info.state if info is not None else None
+            seen.append((message["type"], message.get("body", b""), state, first_chunk_made.is_set()))
+
+        request = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"idempotency-key", key.encode()), (b"content-type", b"application/json")],
+        }
+
+        bodies = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if bodies:
+                return bodies.pop()
+            await asyncio.Event().wait()  # the client stays
+            raise AssertionError("unreachable")
+
+        await app(request, receive, send)
+        return seen
+
+    charged = await arrivals("/charge", str(uuid.uuid4()))
+    assert [(kind, state) for kind, _, state, _ in charged] == [
+        ("http.response.start", "completed"),  # not "in_progress": nothing left before the record was written
+        ("http.response.body", "completed"),
+    ]
+    streamed = await arrivals("/stream", str(uuid.uuid4()))
+    assert [(kind, body, made) for kind, body, _, made in streamed] == [
+        ("http.response.start", b"", True),  # sent once the first chunk was there, with it
+        ("http.response.body", b"first,", True),
+        ("http.response.body", b"second", True),
+        ("http.response.body", b"", True),
+    ]
 
 
 async def test_plain_background_failure_changes_nothing(store: Store) -> None:
