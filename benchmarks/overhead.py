@@ -88,23 +88,49 @@ def covered_app(store: MemoryStore) -> Starlette:
     return Starlette(routes=routes(), middleware=[Middleware(IdempotencyMiddleware, store=store, tenant=TENANT)])
 
 
-async def timed(app: ASGIApp, keys: list[bytes | None], sink: Sink) -> float:
-    """Seconds per request for one pass over ``keys`` (None: no Idempotency-Key header)."""
+class Collections:
+    """Time the cycle collector spends while the requests run (``gc.callbacks``): a request that leaves a reference
+    cycle behind makes it run more often (tests/test_cycles.py)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __enter__(self) -> Collections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+
+
+async def timed(app: ASGIApp, keys: list[bytes | None], sink: Sink) -> tuple[float, float]:
+    """Seconds per request for one pass over ``keys`` (None: no Idempotency-Key header), and of that the cycle
+    collector's seconds per request."""
     headers = BASE_HEADERS
     gc.collect()
-    started = time.process_time()  # CPU time of this process: other processes on a shared machine do not count
-    for key in keys:
-        scope = {**SCOPE, "headers": headers if key is None else [*headers, (b"idempotency-key", key)]}
-        await app(scope, receive, sink.send)
-        # Give the loop its turn, as a server does between requests: without it, nothing here ever suspends,
-        # and whatever the request scheduled (a lease renewal, a cancelled task) would pile up instead of being run.
-        await asyncio.sleep(0)
-    return (time.process_time() - started) / len(keys)
+    with Collections() as collections:
+        started = time.process_time()  # CPU time of this process: other processes on a shared machine do not count
+        for key in keys:
+            scope = {**SCOPE, "headers": headers if key is None else [*headers, (b"idempotency-key", key)]}
+            await app(scope, receive, sink.send)
+            # Give the loop its turn, as a server does between requests: without it, nothing here ever suspends,
+            # and whatever the request scheduled (a lease renewal, a cancelled task) would pile up instead of run.
+            await asyncio.sleep(0)
+        elapsed = time.process_time() - started
+    return elapsed / len(keys), collections.seconds / len(keys)
 
 
-async def round_of(n: int, serial: int) -> dict[str, tuple[float, int, bool]]:
-    """One pass of every variant, ``n`` requests each: {variant: (seconds per request, last status, replayed)}."""
-    out: dict[str, tuple[float, int, bool]] = {}
+async def round_of(n: int, serial: int) -> dict[str, tuple[float, float, int, bool]]:
+    """One pass of every variant, ``n`` requests each: {variant: (seconds per request, of which the collector's,
+    last status, replayed)}."""
+    out: dict[str, tuple[float, float, int, bool]] = {}
     fresh_keys: list[bytes | None] = [f"r{serial}-k{i}".encode() for i in range(n)]
     tenant = TENANT({"headers": BASE_HEADERS})
     assert tenant is not None
@@ -127,7 +153,8 @@ async def round_of(n: int, serial: int) -> dict[str, tuple[float, int, bool]]:
     for name, make in runs.items():
         app, keys = make()
         sink = Sink()
-        out[name] = (await timed(app, keys, sink), sink.status, sink.replayed)
+        seconds, collecting = await timed(app, keys, sink)
+        out[name] = (seconds, collecting, sink.status, sink.replayed)
     return out
 
 
@@ -189,13 +216,15 @@ async def components(n: int) -> dict[str, float]:
 
 async def main(n: int, rounds: int) -> dict[str, Any]:
     await round_of(min(n, 2000), -1)  # warm-up: imports, first-request route scan, allocator
-    per_round = []
+    per_round: list[dict[str, float]] = []
+    collector: list[dict[str, float]] = []
     for serial in range(rounds):
         result = await round_of(n, serial)
-        for name, (_, status, replayed) in result.items():
+        for name, (_, _, status, replayed) in result.items():
             if (status, replayed) != EXPECTED[name]:
                 raise SystemExit(f"{name}: answered {status} (replayed={replayed}), expected {EXPECTED[name]}")
-        per_round.append({name: seconds for name, (seconds, _, _) in result.items()})
+        per_round.append({name: seconds for name, (seconds, _, _, _) in result.items()})
+        collector.append({name: collecting for name, (_, collecting, _, _) in result.items()})
     summary: dict[str, Any] = {}
     for name in VARIANTS:
         us = [r[name] * 1e6 for r in per_round]
@@ -209,6 +238,7 @@ async def main(n: int, rounds: int) -> dict[str, Any]:
             "added_us_min": min(added),
             "added_us_max": max(added),
             "vs_bare": statistics.median(r[name] / r["bare"] for r in per_round),
+            "collector_us": statistics.median(r[name] * 1e6 for r in collector),
         }
     return {
         "requests_per_round": n,
@@ -252,6 +282,7 @@ def render(result: dict[str, Any]) -> str:
             if name == "bare"
             else f"{entry['added_us']:+.1f} ({entry['added_us_min']:+.1f} … {entry['added_us_max']:+.1f})",
             f"{entry['vs_bare']:.2f}x",
+            f"{entry['collector_us']:.1f}" if "collector_us" in entry else "-",
         ]
         for name, entry in v.items()
     ]
@@ -261,9 +292,12 @@ def render(result: dict[str, Any]) -> str:
         "endpoint, the ASGI app called directly with a freshly built scope and constant receive/send, one event-loop "
         f"turn between requests (as a server gives). {result['rounds']} interleaved rounds of "
         f"{result['requests_per_round']:,} requests per variant; a fresh MemoryStore per round. Cost added = median "
-        "over rounds of (variant - bare in the same round); min … max over rounds in brackets.",
+        "over rounds of (variant - bare in the same round); min … max over rounds in brackets. The collector's share "
+        "is the time the cycle collector ran during the pass (gc.callbacks), per request, median over rounds.",
         target_table(targets(result)),
-        table(["variant", "what", "µs per request", "added vs bare, µs", "vs bare"], rows),
+        table(
+            ["variant", "what", "µs per request", "added vs bare, µs", "vs bare", "of which the collector, µs"], rows
+        ),
     ]
     if "components" in result:
         parts += [
