@@ -1,7 +1,7 @@
 """Measurement 3: end to end over loopback, every variant on the same PostgreSQL, one load generator.
 
 For each repetition, each variant (bare, hand-written, ours, each installed peer) gets a fresh
-uvicorn process and empty tables, a 2-second warm-up, then a fresh-key run and, after priming ``POOL`` keys, a
+uvicorn process and empty tables, a warm-up (1 s quick, 2 s full), then a fresh-key run and, after priming ``POOL`` keys, a
 replay run. The database floor (``floor.py``) runs once per repetition. Odd repetitions run the variants in reverse
 order, so slow drift of a shared machine does not favour one side. The tables report medians over repetitions.
 
@@ -65,13 +65,18 @@ def check(load: loadgen.Load, replays: bool) -> str | None:
     return None
 
 
+def warm_up(ctx: Context) -> float:
+    """Seconds of traffic a fresh server gets before it is measured: its pool filled, its statements prepared."""
+    return 1.0 if ctx.quick else 2.0
+
+
 def run_variant(ctx: Context, variant: str, rep: int) -> dict[str, Any]:
     reset(ctx.db.url)
     out: dict[str, Any] = {}
     tag = f"{variant}-{rep}-{uuid.uuid4().hex[:6]}"
     with Server(ctx.python, variant, ctx.db.url, log_name=f"e2e-{variant}") as server:
         meter = CpuMeter(server.pid, ctx.db.postmaster_pid)
-        loadgen.run(server.url, mode="fresh", prefix=f"warm-{tag}", connections=CONNECTIONS, seconds=2)
+        loadgen.run(server.url, mode="fresh", prefix=f"warm-{tag}", connections=CONNECTIONS, seconds=warm_up(ctx))
         before = Reading.take(ctx, meter)
         fresh = loadgen.run(server.url, mode="fresh", prefix=f"f-{tag}", connections=CONNECTIONS, seconds=ctx.seconds)
         out["fresh"] = {**fresh.as_dict(), **before.per_request(ctx, meter, fresh.requests)}
@@ -145,7 +150,9 @@ def run_paired(ctx: Context, rounds: int) -> dict[str, Any]:
     ):
         servers = {"handwritten": hand, "ours": ours}
         for name, server in servers.items():
-            loadgen.run(server.url, mode="fresh", prefix=f"pw-{name}-{tag}", connections=CONNECTIONS, seconds=2)
+            loadgen.run(
+                server.url, mode="fresh", prefix=f"pw-{name}-{tag}", connections=CONNECTIONS, seconds=warm_up(ctx)
+            )
         for round_ in range(rounds):
             order = list(servers) if round_ % 2 == 0 else list(servers)[::-1]
             for name in order:
