@@ -1,9 +1,10 @@
 """Measurement 3: end to end over loopback, every variant on the same PostgreSQL, one load generator.
 
 For each repetition, each variant (bare, hand-written, ours, each installed peer) gets a fresh
-uvicorn process and empty tables, a warm-up (1 s quick, 2 s full), then a fresh-key run and, after priming ``POOL`` keys, a
-replay run. The database floor (``floor.py``) runs once per repetition. Odd repetitions run the variants in reverse
-order, so slow drift of a shared machine does not favour one side. The tables report medians over repetitions.
+uvicorn process and empty tables, a warm-up (1 s quick, 2 s full), then a fresh-key run and, after priming
+``POOL`` keys, a replay run. The database floor (``floor.py``) runs once per repetition. Odd repetitions run the
+variants in reverse order, so slow drift of a shared machine does not favour one side. The tables report medians
+over repetitions.
 
 For each run it also keeps what the database did per request: each statement's calls, execution time and WAL
 bytes (``pg_stat_statements``), the WAL written in all, and the context switches of the PostgreSQL processes; for
