@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
+import json
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -156,4 +159,33 @@ def create_app() -> Any:
     dsn = os.environ.get("BENCH_DSN")
     db = Database(dsn, embedded=False, settings={}) if dsn else None
     app, _, _ = build(os.environ["BENCH_VARIANT"], db)
-    return app
+    return CollectorStats(app)
+
+
+class CollectorStats:
+    """Every variant's server keeps the time its cycle collector ran (``gc.callbacks``) and answers ``GET /_gc``
+    with it, so the harness can report the collector's share of the app's CPU per request."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.seconds = 0.0
+        self.collections = [0, 0, 0]
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+            self.collections[info["generation"]] += 1
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/_gc":
+            body = json.dumps({"seconds": self.seconds, "collections": self.collections}).encode()
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)

@@ -78,39 +78,57 @@ def run_variant(ctx: Context, variant: str, rep: int) -> dict[str, Any]:
     with Server(ctx.python, variant, ctx.db.url, log_name=f"e2e-{variant}") as server:
         meter = CpuMeter(server.pid, ctx.db.postmaster_pid)
         loadgen.run(server.url, mode="fresh", prefix=f"warm-{tag}", connections=CONNECTIONS, seconds=warm_up(ctx))
-        before = Reading.take(ctx, meter)
+        before = Reading.take(ctx, meter, server)
         fresh = loadgen.run(server.url, mode="fresh", prefix=f"f-{tag}", connections=CONNECTIONS, seconds=ctx.seconds)
-        out["fresh"] = {**fresh.as_dict(), **before.per_request(ctx, meter, fresh.requests)}
+        out["fresh"] = {**fresh.as_dict(), **before.per_request(ctx, meter, fresh.requests, server)}
         out["fresh"]["invalid"] = check(fresh, replays=False)
         if variant != "bare":
             primed = asyncio.run(loadgen.prime(server.url, f"p-{tag}", POOL))
-            before = Reading.take(ctx, meter)
+            before = Reading.take(ctx, meter, server)
             replay = loadgen.run(
                 server.url, mode="replay", prefix=f"p-{tag}", pool=POOL, connections=CONNECTIONS, seconds=ctx.seconds
             )
             invalid = check(replay, replays=True) or (None if set(primed) == {201} else f"priming answered {primed}")
-            out["replay"] = {**replay.as_dict(), **before.per_request(ctx, meter, replay.requests), "invalid": invalid}
+            measured = before.per_request(ctx, meter, replay.requests, server)
+            out["replay"] = {**replay.as_dict(), **measured, "invalid": invalid}
     return out
 
 
 class Reading:
     """CPU, WAL position and statement counters at one moment, to take per-request differences from."""
 
-    def __init__(self, cpu: dict[str, float | None], wal: int, stats: dict[str, dict[str, float]] | None) -> None:
-        self.cpu, self.wal, self.stats = cpu, wal, stats
+    def __init__(
+        self,
+        cpu: dict[str, float | None],
+        wal: int,
+        stats: dict[str, dict[str, float]] | None,
+        collector: dict[str, Any] | None,
+    ) -> None:
+        self.cpu, self.wal, self.stats, self.collector = cpu, wal, stats, collector
 
     @classmethod
-    def take(cls, ctx: Context, meter: CpuMeter) -> Reading:
-        return cls(meter.read(), wal_position(ctx.db.url), statements(ctx.db.url))
+    def take(cls, ctx: Context, meter: CpuMeter, server: Server | None = None) -> Reading:
+        collector = server.collector() if server is not None else None
+        return cls(meter.read(), wal_position(ctx.db.url), statements(ctx.db.url), collector)
 
-    def per_request(self, ctx: Context, meter: CpuMeter, requests: int) -> dict[str, Any]:
-        after = Reading.take(ctx, meter)
+    def per_request(self, ctx: Context, meter: CpuMeter, requests: int, server: Server | None = None) -> dict[str, Any]:
+        after = Reading.take(ctx, meter, server)
         cpu = meter.per_request(self.cpu, after.cpu, requests)
+        collector = None
+        if self.collector is not None and after.collector is not None and requests:
+            collector = {
+                "us": (after.collector["seconds"] - self.collector["seconds"]) / requests * 1e6,
+                "per_1000": [
+                    (a - b) / requests * 1000
+                    for a, b in zip(after.collector["collections"], self.collector["collections"], strict=True)
+                ],
+            }
         return {
             "cpu_us": cpu,
             "postgres_switches": cpu.pop("postgres_switches", None),
             "wal_bytes": (after.wal - self.wal) / requests if requests else None,
             "statements": statements_per_request(self.stats, after.stats, requests),
+            "collector": collector,
         }
 
 
@@ -216,6 +234,7 @@ def measure(ctx: Context) -> dict[str, Any]:
                 else None,
                 "wal_bytes": median(r["wal_bytes"] for r in valid) if valid else None,
                 "statements": median_statements([r["statements"] for r in valid if r.get("statements")]),
+                "collector": median_collector([r["collector"] for r in valid if r.get("collector")]),
             }
     paired = run_paired(ctx, rounds=8 if ctx.quick else 20)
     return {
@@ -224,6 +243,15 @@ def measure(ctx: Context) -> dict[str, Any]:
         "repetitions": ctx.repetitions,
         "summary": summary,
         "paired": paired,
+    }
+
+
+def median_collector(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if not runs:
+        return None
+    return {
+        "us": median(r["us"] for r in runs),
+        "per_1000": [median(r["per_1000"][generation] for r in runs) for generation in range(3)],
     }
 
 
@@ -371,6 +399,7 @@ def render(result: dict[str, Any], ctx: Context) -> str:
             f"{os.cpu_count()} cores, so when they keep them busy, throughput follows the total: a variant's "
             "requests/s relative to the floor is close to the floor's total CPU per request over the variant's.",
             *paired_section(result.get("paired")),
+            *collector_section(s),
             "## What the database did per request",
             "Medians over the runs above. *statements*: calls and execution time per request of each statement, "
             "from `pg_stat_statements` (execution only: parsing, the protocol, waking up and commit are outside "
@@ -382,6 +411,40 @@ def render(result: dict[str, Any], ctx: Context) -> str:
             ),
         ]
     )
+
+
+def collector_section(s: dict[str, Any]) -> list[str]:
+    """The cycle collector's share of the app process's CPU, per variant (``benchapp.CollectorStats``)."""
+    rows = []
+    for variant in ("bare", "handwritten", "ours", "fastidempotent", "fastapi-idempotency"):
+        for mode in ("fresh", "replay"):
+            entry = s.get(variant, {}).get(mode)
+            collector = entry.get("collector") if entry else None
+            if not collector:
+                continue
+            app = (entry.get("cpu_us") or {}).get("app")
+            per_1000 = collector["per_1000"]
+            rows.append(
+                [
+                    LABELS[variant],
+                    "fresh keys" if mode == "fresh" else mode,
+                    f"{collector['us']:.1f}",
+                    "-" if not app else f"{collector['us'] / app:.0%}",
+                    " / ".join(f"{n:.1f}" for n in per_1000),
+                ]
+            )
+    if not rows:
+        return []
+    return [
+        "## The cycle collector in the app process",
+        "Time the server process's cycle collector ran during each run (gc.callbacks in the uvicorn process, the "
+        "same for every variant), per request, and collections per 1,000 requests by generation; medians over the "
+        "runs above. A collection of the oldest generation walks the whole heap.",
+        table(
+            ["variant", "traffic", "collector µs/req", "of the app's CPU", "collections per 1,000 (gen 0 / 1 / 2)"],
+            rows,
+        ),
+    ]
 
 
 def paired_section(paired: dict[str, Any] | None) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import psutil
 
@@ -108,6 +110,15 @@ class Server:
             except OSError:
                 time.sleep(0.1)
         raise TimeoutError(f"{self.variant} server did not answer within {timeout} s")
+
+    def collector(self) -> dict[str, Any]:
+        """The server's cycle collector so far: ``{"seconds": …, "collections": [gen0, gen1, gen2]}``."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            connection.request("GET", "/_gc")
+            return dict(json.loads(connection.getresponse().read()))
+        finally:
+            connection.close()
 
     @property
     def pid(self) -> int:
