@@ -87,14 +87,15 @@ class ResponseRecorder:
         """Send ``message`` on. The response start waits for the message after it, as PEP 3333 asks of WSGI servers:
         status line, headers and the first body chunk then reach the server back to back, which writes them
         together and wakes the client once. While holding, everything waits until the answer is decided."""
-        self._held.append(message)
-        if message["type"] == "http.response.start":
-            return  # goes on with the next message
-        if self._hold and not (self.finished or self.overflowed):
+        if message["type"] == "http.response.start" or (self._hold and not (self.finished or self.overflowed)):
+            self._held.append(message)
             return
-        held, self._held, self._hold = self._held, [], False  # decided, or never held: send what waits
-        for waiting in held:
-            await self._send(waiting)
+        self._hold = False  # decided, or never held: what waits goes first
+        if self._held:
+            for waiting in self._held:
+                await self._send(waiting)
+            self._held.clear()
+        await self._send(message)
 
     def stored_response(self) -> StoredResponse:
         """What to record; without a body when it is over the cap, was cut short, or went around the recorder

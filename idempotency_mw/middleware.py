@@ -334,34 +334,34 @@ class IdempotentRequest:
         """Run the handler with its response streaming through; settle as its final body message passes."""
         assert self.key is not None
         self._set_context(IdempotencyContext(self.tenant, self.key))
-        recorder = self.recorder = ResponseRecorder(self.send, max_body=self.policy.max_response_bytes)
+        self.recorder = ResponseRecorder(self.send, max_body=self.policy.max_response_bytes)
         # Settled as the final body passed, unless the response never finished: an error, a cancelled request (a
         # client that hung up, a server shutting down), or a stream cut short. Settle it all the same; a cancelled
         # request does not wait for that (the settlement goes on in its own task).
         try:
             await self.middleware.app(self._app_scope(), self._receive_buffered, self._send_recorded)
         except asyncio.CancelledError:
-            self._start_settling(recorder)
+            self._start_settling()
             raise
         except BaseException:
-            await self._settle(recorder)
+            await self._settle()
             raise
-        await self._settle(recorder)
+        await self._settle()
 
     async def _send_recorded(self, message: Message) -> None:
         """The handler's ``send``: copy each message, and settle before the final body message goes on."""
         assert self.recorder is not None
         message, decide = self.recorder.record(message)
         if decide:
-            await self._settle(self.recorder)
+            await self._settle()
         await self.recorder.forward(message)
 
-    def _start_settling(self, recorder: ResponseRecorder) -> asyncio.Future[None]:
+    def _start_settling(self) -> asyncio.Future[None]:
         if self.settling is None:
-            self.settling = start_eagerly(self._record_or_release(recorder))
+            self.settling = start_eagerly(self._record_or_release())
         return self.settling
 
-    async def _settle(self, recorder: ResponseRecorder) -> None:
+    async def _settle(self) -> None:
         """Record a final answer, release anything else: once, in a task of its own (eager.py).
 
         Shielded: a request cancelled while its outcome is being written (a server shutting down, an outer timeout)
@@ -370,10 +370,12 @@ class IdempotentRequest:
         mid-stream, or the handler failed mid-stream): its effect has happened, so the retry must not run it again.
         Such a record has no body, and a retry is told that the response cannot be replayed.
         """
-        await asyncio.shield(self._start_settling(recorder))
+        await asyncio.shield(self._start_settling())
         self._emit()  # before the final body goes out, while a server span still records
 
-    async def _record_or_release(self, recorder: ResponseRecorder) -> None:
+    async def _record_or_release(self) -> None:
+        recorder = self.recorder
+        assert recorder is not None
         assert self.fence is not None
         self._drop_lease()
         self.status = recorder.status
@@ -423,52 +425,54 @@ class IdempotentRequest:
             is_final=self._is_final,
             on_settled=self._on_transaction_settled,
         )
-        raised: BaseException | None = None
         try:
             await run.run(self.middleware.app, self._app_scope(), self._receive_buffered, self._lend)
         except BaseException as error:
-            raised = error
-        try:
-            self.status = run.status
-            if run.state is State.COMMITTED:
-                if self.fence is not None:
-                    self.outcome = Outcome.EXECUTED
-                if raised is not None:  # after the commit (a background task, a stream past the cap): nothing to undo
-                    raise raised
-                return
-            if run.state is State.ROLLED_BACK and raised is None:
-                return  # a transient answer: released and reported when it settled
-            # Nothing committed: free the key for the retry, then answer as the transaction ended.
-            if self.fence is not None and run.state is not State.FENCED_OUT:
-                await self._release(self.fence)
-            if run.state is State.FENCED_OUT:
-                # A newer claim owns the key: our writes were rolled back, and the client hears what a retry would.
-                return await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.FENCED_OUT)
-            if run.state is State.UNAVAILABLE:
-                assert run.failure is not None
-                self.middleware.failures.failed("run the handler's transaction", run.failure)
-                problem = problems.store_unavailable(self.middleware.retry_after)
-                return await self._refuse(problem, _store_failure(run.failure))
-            if run.state is State.REFUSED:
-                # The database refused the transaction itself: a deferred constraint at COMMIT, or an error the handler
-                # caught but that aborted the transaction. Nothing was committed; the key is free again. Or the
-                # handler ended the transaction itself, and the record was refused (TransactionEnded says so).
-                assert run.failure is not None
-                if isinstance(run.failure, TransactionEnded):
-                    logger.error("idempotency: %s", run.failure)
-                    raise run.failure from raised
-                logger.error(
-                    "idempotency: the handler's transaction could not commit (%s); nothing was committed. If the "
-                    "handler recovers from database errors, run the statements that may fail in a savepoint "
-                    "(asyncpg: async with connection.transaction(): ...; "
-                    "SQLAlchemy: async with session.begin_nested(): ...)",
-                    type(run.failure).__name__,
-                )
+            if not await self._answer_transaction(run, error):
+                raise  # from here, so its traceback holds no frame that holds it (tests/test_cycles.py)
+            return
+        await self._answer_transaction(run, None)
+
+    async def _answer_transaction(self, run: TransactionalRun, raised: BaseException | None) -> bool:
+        """Answer by how the transaction ended, ``raised`` being what the app raised. True when that answer (a 409
+        or 503) replaces it; False when it is to go on as it is."""
+        self.status = run.status
+        if run.state is State.COMMITTED:
+            if self.fence is not None:
+                self.outcome = Outcome.EXECUTED
+            return False  # what the app raised after the commit (a background task) undoes nothing
+        if run.state is State.ROLLED_BACK and raised is None:
+            return False  # a transient answer: released and reported when it settled
+        # Nothing committed: free the key for the retry, then answer as the transaction ended.
+        if self.fence is not None and run.state is not State.FENCED_OUT:
+            await self._release(self.fence)
+        if run.state is State.FENCED_OUT:
+            # A newer claim owns the key: our writes were rolled back, and the client hears what a retry would.
+            await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.FENCED_OUT)
+            return True
+        if run.state is State.UNAVAILABLE:
+            assert run.failure is not None
+            self.middleware.failures.failed("run the handler's transaction", run.failure)
+            await self._refuse(problems.store_unavailable(self.middleware.retry_after), _store_failure(run.failure))
+            return True
+        if run.state is State.REFUSED:
+            # The database refused the transaction itself: a deferred constraint at COMMIT, or an error the handler
+            # caught but that aborted the transaction. Nothing was committed; the key is free again. Or the
+            # handler ended the transaction itself, and the record was refused (TransactionEnded says so).
+            assert run.failure is not None
+            if isinstance(run.failure, TransactionEnded):
+                logger.error("idempotency: %s", run.failure)
                 raise run.failure from raised
-            assert raised is not None  # rolled back because the handler failed, was cancelled, or never finished
-            raise raised
-        finally:
-            raised = None  # re-raised, its traceback holds this frame: no reference cycle is left (test_cycles.py)
+            logger.error(
+                "idempotency: the handler's transaction could not commit (%s); nothing was committed. If the "
+                "handler recovers from database errors, run the statements that may fail in a savepoint "
+                "(asyncpg: async with connection.transaction(): ...; "
+                "SQLAlchemy: async with session.begin_nested(): ...)",
+                type(run.failure).__name__,
+            )
+            raise run.failure from raised
+        assert raised is not None  # rolled back because the handler failed, was cancelled, or never finished
+        return False
 
     async def _on_transaction_settled(self, run: TransactionalRun) -> None:
         """Committed or rolled back, just before the held response goes out: free a released key, report."""
