@@ -9,6 +9,7 @@ import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import asyncpg
 import httpx
@@ -105,3 +106,29 @@ def client_for(app: object, *, token: str = "sk_test_alice") -> httpx.AsyncClien
         base_url="http://test",  # type: ignore[arg-type]
         headers={"Authorization": f"Bearer {token}"},
     )
+
+
+def http_scope(
+    path: str, key: str | None, *, spec_version: str = "2.3", extensions: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A JSON POST (keyed unless ``key`` is None) as uvicorn 0.54 builds it, for tests that call the ASGI app
+    directly (``spec_version`` 2.3: Starlette's StreamingResponse then listens for ``http.disconnect`` while it
+    streams)."""
+    headers = [(b"content-type", b"application/json")]
+    if key is not None:
+        headers.insert(0, (b"idempotency-key", key.encode()))
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": spec_version},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 80),
+        "extensions": extensions or {},
+    }

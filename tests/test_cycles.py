@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store
+from tests.conftest import http_scope
 
 TENANT = "tenant-cycles"
 BODY = b'{"amount": 1250}'
@@ -52,23 +53,6 @@ def app_on(store: Store, **options: Any) -> Starlette:
 
 async def call(app: Starlette, path: str, key: str | None, body: bytes = BODY) -> int:
     """One raw ASGI request (no test client, whose own objects could hold ours); its status, 500 if it raised."""
-    headers = [(b"content-type", b"application/json")]
-    if key is not None:
-        headers.append((b"idempotency-key", key.encode()))
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": headers,
-        "client": ("127.0.0.1", 40000),
-        "server": ("127.0.0.1", 80),
-    }
     statuses: list[int] = []
 
     async def receive() -> dict[str, Any]:
@@ -79,7 +63,7 @@ async def call(app: Starlette, path: str, key: str | None, body: bytes = BODY) -
             statuses.append(message["status"])
 
     try:
-        await app(scope, receive, send)
+        await app(http_scope(path, key), receive, send)
     except RuntimeError:
         return 500
     return statuses[0]

@@ -29,7 +29,7 @@ from idempotency_mw.client import AsyncIdempotentClient, Retry
 from idempotency_mw.events import Event, Outcome
 from idempotency_mw.postgres import PostgresTransaction
 from idempotency_mw.store import Claim
-from tests.conftest import client_for, opened
+from tests.conftest import client_for, http_scope, opened
 
 TENANT = "tenant-review"
 
@@ -48,26 +48,6 @@ async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]
 
 async def effects(db: asyncpg.Connection, key: str) -> int:
     return int(await db.fetchval("SELECT count(*) FROM review_effects WHERE key = $1", key))
-
-
-def http_scope(path: str, key: str, *, spec_version: str = "2.3") -> dict[str, Any]:
-    """A keyed POST as uvicorn 0.54 builds it (``spec_version`` 2.3: Starlette's StreamingResponse then listens for
-    ``http.disconnect`` while it streams)."""
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": spec_version},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"idempotency-key", key.encode()), (b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 40000),
-        "server": ("127.0.0.1", 80),
-        "extensions": {},
-    }
 
 
 def hanging_up_client(hang_up: asyncio.Event) -> Callable[[], Awaitable[dict[str, Any]]]:

@@ -26,7 +26,7 @@ from starlette.routing import Route
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, StoredResponse
 from idempotency_mw.eager import start_eagerly
 from idempotency_mw.events import Event, Outcome
-from tests.conftest import client_for
+from tests.conftest import client_for, http_scope
 
 TENANT = "tenant-settle"
 
@@ -41,21 +41,7 @@ class Call:
     def __init__(self, app: Any, path: str, key: str, *, body: bytes = b"{}", extensions: dict[str, Any] | None = None):
         self.sent: list[dict[str, Any]] = []
         self.finished = asyncio.Event()  # the final body message reached the client
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.4"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"idempotency-key", key.encode()), (b"content-type", b"application/json")],
-            "client": ("127.0.0.1", 40000),
-            "server": ("127.0.0.1", 80),
-            "extensions": extensions or {},
-        }
+        scope = http_scope(path, key, spec_version="2.4", extensions=extensions)
         delivered = False
         never = asyncio.Event()
 
@@ -157,19 +143,6 @@ async def test_the_status_line_leaves_with_the_first_body_message(store: Store) 
             state = info.state if info is not None else None
             seen.append((message["type"], message.get("body", b""), state, first_chunk_made.is_set()))
 
-        request = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"idempotency-key", key.encode()), (b"content-type", b"application/json")],
-        }
-
         bodies = [{"type": "http.request", "body": b"{}", "more_body": False}]
 
         async def receive() -> dict[str, Any]:
@@ -178,7 +151,7 @@ async def test_the_status_line_leaves_with_the_first_body_message(store: Store) 
             await asyncio.Event().wait()  # the client stays
             raise AssertionError("unreachable")
 
-        await app(request, receive, send)
+        await app(http_scope(path, key), receive, send)
         return seen
 
     charged = await arrivals("/charge", str(uuid.uuid4()))
