@@ -162,16 +162,20 @@ def create_app() -> Any:
     return CollectorStats(app)
 
 
-class CollectorStats:
-    """Every variant's server keeps the time its cycle collector ran (``gc.callbacks``) and answers ``GET /_gc``
-    with it, so the harness can report the collector's share of the app's CPU per request."""
+class Collector:
+    """The time the cycle collector ran, and its runs by generation, while installed (``gc.callbacks``)."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    def __init__(self) -> None:
         self.seconds = 0.0
         self.collections = [0, 0, 0]
         self._started = 0.0
+
+    def __enter__(self) -> Collector:
         gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -180,9 +184,19 @@ class CollectorStats:
             self.seconds += time.perf_counter() - self._started
             self.collections[info["generation"]] += 1
 
+
+class CollectorStats:
+    """Every variant's server keeps its :class:`Collector` installed for its whole life and answers ``GET /_gc``
+    with it, so the harness can report the collector's share of the app's CPU per request."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.collector = Collector().__enter__()
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] == "/_gc":
-            body = json.dumps({"seconds": self.seconds, "collections": self.collections}).encode()
+            collector = self.collector
+            body = json.dumps({"seconds": collector.seconds, "collections": collector.collections}).encode()
             await send(
                 {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
             )

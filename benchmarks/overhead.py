@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchapp import TENANT_SECRET, routes
+from benchapp import TENANT_SECRET, Collector, routes
 from common import Target, table, target_table
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -88,34 +88,12 @@ def covered_app(store: MemoryStore) -> Starlette:
     return Starlette(routes=routes(), middleware=[Middleware(IdempotencyMiddleware, store=store, tenant=TENANT)])
 
 
-class Collections:
-    """Time the cycle collector spends while the requests run (``gc.callbacks``): a request that leaves a reference
-    cycle behind makes it run more often (tests/test_cycles.py)."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._started = 0.0
-
-    def __enter__(self) -> Collections:
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._started
-
-
 async def timed(app: ASGIApp, keys: list[bytes | None], sink: Sink) -> tuple[float, float]:
     """Seconds per request for one pass over ``keys`` (None: no Idempotency-Key header), and of that the cycle
     collector's seconds per request."""
     headers = BASE_HEADERS
     gc.collect()
-    with Collections() as collections:
+    with Collector() as collector:
         started = time.process_time()  # CPU time of this process: other processes on a shared machine do not count
         for key in keys:
             scope = {**SCOPE, "headers": headers if key is None else [*headers, (b"idempotency-key", key)]}
@@ -124,7 +102,7 @@ async def timed(app: ASGIApp, keys: list[bytes | None], sink: Sink) -> tuple[flo
             # and whatever the request scheduled (a lease renewal, a cancelled task) would pile up instead of run.
             await asyncio.sleep(0)
         elapsed = time.process_time() - started
-    return elapsed / len(keys), collections.seconds / len(keys)
+    return elapsed / len(keys), collector.seconds / len(keys)
 
 
 async def round_of(n: int, serial: int) -> dict[str, tuple[float, float, int, bool]]:
