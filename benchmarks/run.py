@@ -10,7 +10,8 @@ mode runs each load for 5 s instead of 15 and repeats less (``--seconds`` overri
 Steps: the load generator (wrk) and the benchmark venv with the peers are made ready; the in-process overhead and
 the fingerprint's cost per body shape (issue 10) run;
 then one PostgreSQL (embedded, restarted with pg_stat_statements; or ``DATABASE_URL``) serves every other
-measurement: round trips, end to end, scale, garbage collection, memory. Each measurement writes
+measurement: round trips, end to end, scale, garbage collection, memory, and (in the full run, or with
+``--only instructions``) the instructions per request that valgrind counts. Each measurement writes
 ``results/<name>.md`` and its raw numbers to ``results/raw/<name>.json``; ``results/README.md`` is the summary.
 ``--only name,name`` re-runs some measurements and keeps the others' previous results.
 """
@@ -30,6 +31,7 @@ from typing import Any
 import endtoend
 import fingerprint
 import fixes
+import instructions
 import loadgen
 import overhead
 import peers
@@ -56,9 +58,22 @@ MEASUREMENTS = (
     "scale",
     "gc",
     "memory",
+    "instructions",
 )  # the order they run in
+QUICK_SKIPS = ("instructions",)  # about 2 minutes: in the full run, or the quick one with --only instructions
 # issue 5's, then 10's and 14's
-ISSUE_ORDER = ("roundtrips", "overhead", "endtoend", "scale", "gc", "memory", "fingerprint", "storepath", "fixes")
+ISSUE_ORDER = (
+    "roundtrips",
+    "overhead",
+    "endtoend",
+    "scale",
+    "gc",
+    "memory",
+    "fingerprint",
+    "storepath",
+    "fixes",
+    "instructions",
+)
 VERSIONS = (
     "starlette",
     "uvicorn",
@@ -140,6 +155,11 @@ def run_fixes(ctx: Context) -> dict[str, Any]:
     return result
 
 
+def run_instructions(ctx: Context) -> dict[str, Any]:
+    result: dict[str, Any] = ctx.script("instructions.py", "--dsn", ctx.db.url, *(["--quick"] if ctx.quick else []))
+    return result
+
+
 def render_roundtrips(result: dict[str, Any], ctx: Context) -> str:
     return roundtrips.render(result["results"], result["problems"], result["n"])
 
@@ -155,6 +175,7 @@ STEPS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[dict[str, 
     "scale": (scale.measure, scale.render),
     "gc": (purge.measure, purge.render),
     "memory": (rss.measure, rss.render),
+    "instructions": (run_instructions, lambda result, ctx: instructions.render(result)),
 }
 
 
@@ -195,6 +216,7 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "scale": scale.targets,
     "gc": purge.targets,
     "memory": rss.targets,
+    "instructions": lambda r: [],  # attribution of 14.1 and 14.2, judged on time elsewhere
 }
 
 
@@ -252,6 +274,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, help="seconds per load run (default 5 quick, 15 full)")
     args = parser.parse_args()
     chosen = [m.strip() for m in args.only.split(",")] if args.only else list(MEASUREMENTS)
+    if args.quick and not args.only:
+        chosen = [m for m in chosen if m not in QUICK_SKIPS]
     unknown = set(chosen) - set(MEASUREMENTS)
     if unknown:
         parser.error(f"unknown measurement(s): {', '.join(sorted(unknown))}")
