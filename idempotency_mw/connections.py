@@ -188,8 +188,9 @@ class ConnectionPool:
             self._size -= 1
             self._hand_over(None)  # a waiter may open a connection in its place
             return
-        if not self._hand_over(connection):
-            self._idle.append(connection)
+        if (self._urgent or self._normal) and self._hand_over(connection):
+            return
+        self._idle.append(connection)  # the common case: nobody waits
 
     async def close(self) -> None:
         """Close the idle connections now, the others as they come back; waiting checkouts fail."""

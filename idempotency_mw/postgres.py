@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, cast
 
@@ -276,7 +276,8 @@ class PostgresStore:
         that saw an error is not reused. ``urgent``: the statement finishes a request (renew, complete, release)
         and goes before new claims for a connection.
 
-        Every request takes this path twice, so it is written for speed (benchmarks/storepath.py measures it): an
+        Every request takes this path twice, so it is written for speed (benchmarks/storepath.py times it,
+        benchmarks/instructions.py counts its instructions; claim, complete and release call it directly): an
         idle connection is taken without a coroutine, the statement runs as a prepared-statement object kept on the
         connection (no lookup in asyncpg's statement cache), and its deadline is kept by the pool's one timer
         (``connections.Deadlines``) rather than by a timer per statement.
@@ -289,7 +290,7 @@ class PostgresStore:
         try:
             if self._prepare:  # the store's own connection, with prepared statements
                 assert own is not None
-                statements = cast(StoreConnection, connection).statements
+                statements = connection.statements  # type: ignore[attr-defined]  # a StoreConnection (no cast(): a call)
                 statement = statements.get(name)
                 if statement is None:
                     statement = statements[name] = await connection.prepare(self._sql[name])
@@ -329,10 +330,10 @@ class PostgresStore:
             raise StoreUnavailable("the idempotency store is closing: it takes no new claims")
         # max: a record never expires under a live lease (sql/queries.sql, renew)
         args = (tenant, key, fingerprint, float(lease), float(max(ttl, lease)), new_fence())
-        row = await self._fetchrow("claim", *args)
+        row = await self._run("claim", args, False, False)
         if row is None:  # lost a race with a concurrent claim of the key (see sql/queries.sql): lock and look again
             self.claim_races += 1
-            row = await self._fetchrow("claim_locked", *args)
+            row = await self._run("claim_locked", args, False, False)
             assert row is not None  # INSERT … ON CONFLICT DO UPDATE … RETURNING always returns the row
         claim = claim_from_row(row)
         if claim.outcome is ClaimOutcome.OWNED:
@@ -344,16 +345,17 @@ class PostgresStore:
 
     async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
         try:
-            status = await self._execute("complete", *completion(tenant, key, fence, response), urgent=True)
+            status: str = await self._run("complete", completion(tenant, key, fence, response), True, True)
         finally:
             self.settled(tenant, key, fence)
         return status == "UPDATE 1"
 
     async def release(self, tenant: str, key: str, fence: int) -> bool:
         try:
-            return await self._execute("release", tenant, key, fence, urgent=True) == "DELETE 1"
+            status: str = await self._run("release", (tenant, key, fence), True, True)
         finally:
             self.settled(tenant, key, fence)
+        return status == "DELETE 1"
 
     async def forget(self, tenant: str, key: str, *, connection: asyncpg.Connection | None = None) -> bool:
         """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names."""
@@ -441,8 +443,9 @@ def _reachable(schema: str | None = None) -> Iterator[None]:
 
 def new_fence() -> int:
     """A claim's fence: a random positive 63-bit token. Only equality is ever asked of fences, so what they need is
-    to be unique per claim of a key, also across a restore or a failover, which a sequence cannot promise."""
-    return secrets.randbits(63) or 1
+    to be unique per claim of a key, also across a restore or a failover, which a sequence cannot promise. The
+    bits are the operating system's (what ``secrets.randbits`` reads, without its two Python-level calls)."""
+    return int.from_bytes(os.urandom(8)) >> 1 or 1
 
 
 def claim_from_row(row: asyncpg.Record) -> Claim:
