@@ -116,7 +116,6 @@ class IdempotencyMiddleware:
         self.app = app
         self.store = store
         self.tenant = tenant
-        self.tenant_is_async = inspect.iscoroutinefunction(tenant)
         self.tenant_unknown_logged = False  # the operator hears of unscoped keyed requests once, not per request
         self.policies = PolicyResolver.build(default, routes or {})
         self.failures = FailureLog(logger)  # store failures: the first in full, then a summary now and then
@@ -505,8 +504,8 @@ class IdempotentRequest:
 
     async def _resolve_tenant(self) -> str | None:
         tenant = self.middleware.tenant(self.scope)
-        if self.middleware.tenant_is_async or inspect.isawaitable(tenant):
-            tenant = await tenant  # type: ignore[misc]
+        if tenant is not None and not isinstance(tenant, str) and inspect.isawaitable(tenant):  # async resolvers
+            tenant = await tenant
         if tenant is None and not self.middleware.tenant_unknown_logged:
             self.middleware.tenant_unknown_logged = True
             logger.warning(
