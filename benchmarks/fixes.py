@@ -187,14 +187,16 @@ async def settle_cost(dsn: str, rounds: int, requests: int) -> dict[str, Any]:
     settlement directly."""
     shipped = IdempotentRequest._settle
 
-    async def direct(self: IdempotentRequest, recorder: Any) -> None:  # no task, no shield: the guarantee is gone
-        if self.settling is None:
-            await self._record_or_release(recorder)
+    async def direct(self: IdempotentRequest) -> None:  # no task, no shield: the guarantee is gone
+        # Settled once, as the final body passes; the call after the handler returns only reports (as shipped).
+        if not getattr(self, "settled_directly", False):
+            setattr(self, "settled_directly", True)  # noqa: B010  # not an attribute the class declares
+            await self._record_or_release()
         self._emit()
 
-    async def from_the_start(self: IdempotentRequest, recorder: Any) -> None:  # the settle task as first written
+    async def from_the_start(self: IdempotentRequest) -> None:  # the settle task as first written
         if self.settling is None:
-            self.settling = asyncio.ensure_future(self._record_or_release(recorder))
+            self.settling = asyncio.ensure_future(self._record_or_release())
         await asyncio.shield(self.settling)
         self._emit()
 
