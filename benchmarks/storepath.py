@@ -19,7 +19,7 @@ completed. Other processes on a shared machine do not count, the database's CPU 
 client. The ratio is store over raw, per round, and the result is the median over rounds with the spread.
 
 ``components`` times pieces of the store path alone (µs per call), to show where a difference comes from: the
-fence a claim draws (``secrets.randbits``), the headers' JSON, turning a row into a ``Claim``.
+fence a claim draws (63 bits of ``os.urandom``), the headers' JSON, turning a row into a ``Claim``.
 
 ``replays`` (issue 14, target 4): WAL bytes per replay of a completed key, from the server's WAL position before
 and after a batch of replays through ``PostgresStore.claim``, side by side with the same batch through
@@ -133,7 +133,7 @@ def components(n: int = 100_000) -> dict[str, float]:
         "body_size": None,
     }
     return {
-        "new_fence() (secrets.randbits(63))": each(new_fence),
+        "new_fence() (63 bits of os.urandom)": each(new_fence),
         "for comparison: a counter's next value": each(iter(range(10**9)).__next__),
         "headers to JSON (encode_headers)": each(lambda: encode_headers(HEADER_LIST)),
         "completion() arguments": each(lambda: completion(TENANT, "k", 1, RESPONSE)),
