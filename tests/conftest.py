@@ -10,6 +10,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import httpx
@@ -21,6 +22,34 @@ from idempotency_mw import AuthorizationTenant, MemoryStore, PostgresStore, Stor
 # The default tenant resolver's secret, set before any app is built; child processes (fault workers) inherit it.
 TEST_TENANT_SECRET = "test-tenant-secret-0123456789abcdef0123456789abcdef"
 os.environ["IDEMPOTENCY_TENANT_SECRET"] = TEST_TENANT_SECRET
+
+
+def with_database(url: str, name: str) -> str:
+    """The same server and credentials, another database."""
+    return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
+
+
+@pytest.fixture
+async def fresh_url(idempotency_database_url: str) -> AsyncIterator[str]:
+    """A database of its own, created empty on the suite's server (nothing migrated, no schema), dropped afterwards:
+    for tests that need a database nobody else touches."""
+    name = f"imw_test_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(idempotency_database_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        yield with_database(idempotency_database_url, name)
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
+@pytest.fixture
+async def migrated_url(fresh_url: str) -> str:
+    """A database of its own with the store's tables in schema public."""
+    store = PostgresStore(fresh_url, min_size=0, max_size=1)
+    await store.migrate()
+    await store.close()
+    return fresh_url
 
 
 # The stores behind PgBouncer keep their records in schemas of their own: some conformance tests use fixed keys, and

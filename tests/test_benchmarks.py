@@ -17,7 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 async def test_fixes_py_settles_every_request_in_each_of_its_variants(
-    idempotency_database_url: str, monkeypatch: pytest.MonkeyPatch
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import fixes
@@ -25,7 +25,7 @@ async def test_fixes_py_settles_every_request_in_each_of_its_variants(
     from idempotency_mw.middleware import IdempotentRequest
 
     shipped = IdempotentRequest._settle
-    result = await fixes.settle_cost(idempotency_database_url, rounds=1, requests=20)  # asserts 20 answers of 201
+    result = await fixes.settle_cost(migrated_url, rounds=1, requests=20)  # asserts 20 answers of 201
     assert IdempotentRequest._settle is shipped  # put back
     for store in ("MemoryStore", "PostgresStore"):
         assert {fixes.SHIPPED, fixes.FROM_THE_START, fixes.DIRECT} <= set(result[store])
@@ -41,9 +41,7 @@ async def test_fixes_py_settles_every_request_in_each_of_its_variants(
         ("pairs", "store", "32"),
     ],
 )
-def test_instructions_py_drives_each_variant(
-    idempotency_database_url: str, kind: str, variant: str, count: str
-) -> None:
+def test_instructions_py_drives_each_variant(migrated_url: str, kind: str, variant: str, count: str) -> None:
     """The driver valgrind counts, run without valgrind: every request answered 201 and, for the ablations, the
     part taken out really was (the ``tasks`` ablation checks that it replaced a task)."""
     done = subprocess.run(
@@ -51,7 +49,7 @@ def test_instructions_py_drives_each_variant(
             sys.executable,
             str(BENCHMARKS / "instructions.py"),
             "--dsn",
-            idempotency_database_url,
+            migrated_url,
             "--drive",
             kind,
             variant,

@@ -25,7 +25,7 @@ import pytest
 from idempotency_mw import PostgresStore, StoredResponse
 from idempotency_mw.cli import EXIT_NOT_FOUND, build_parser, main
 from tests.apps import Probe, build_app
-from tests.conftest import client_for, tenant_of
+from tests.conftest import client_for, tenant_of, with_database
 
 T = TypeVar("T")
 TENANT = "a" * 64
@@ -68,10 +68,6 @@ def sql(url: str, statement: str, *args: Any, fetch: bool = False) -> str:
             await connection.close()
 
     return asyncio.run(run())
-
-
-def with_database(url: str, name: str) -> str:
-    return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """PostgresStore on its own, against a real PostgreSQL: migrations, schemas, and what its errors say.
 
-Tests that need a database nobody else touches create one on the test server (``fresh_url``) and drop it after.
+Tests that need a database nobody else touches get one of their own (``fresh_url`` in conftest.py).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import asyncio
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -24,36 +24,11 @@ FINGERPRINT = bytes(range(32))
 RESPONSE = StoredResponse(201, [(b"content-type", b"application/json")], b'{"id": 1}', 9)
 
 
-def with_database(url: str, name: str) -> str:
-    return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
-
-
 def with_setting(url: str, name: str, value: str) -> str:
     """The same database, with a server setting for every session (asyncpg passes unknown URL parameters on as
     server settings): ``search_path``, or ``role`` to run as another role, like ``SET ROLE``."""
     parts = urlsplit(url)
     return urlunsplit(parts._replace(query=urlencode([*parse_qsl(parts.query), (name, value)])))
-
-
-@pytest.fixture
-async def fresh_url(idempotency_database_url: str) -> AsyncIterator[str]:
-    """A database of its own, created empty on the test server, dropped afterwards."""
-    name = f"imw_test_{uuid.uuid4().hex[:12]}"
-    admin = await asyncpg.connect(idempotency_database_url)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        yield with_database(idempotency_database_url, name)
-    finally:
-        await admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
-        await admin.close()
-
-
-@pytest.fixture
-async def migrated_url(fresh_url: str) -> str:
-    store = PostgresStore(fresh_url, min_size=0, max_size=1)
-    await store.migrate()
-    await store.close()
-    return fresh_url
 
 
 async def fetch(url: str, query: str, *args: object) -> list[asyncpg.Record]:

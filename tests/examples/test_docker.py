@@ -236,7 +236,7 @@ def as_role(url: str, role: str, password: str) -> str:
 
 @pytest.mark.slow
 async def test_the_init_script_gives_migrate_the_ddl_and_the_app_only_rows(
-    fresh_database_url: str, idempotency_database_url: str
+    fresh_url: str, idempotency_database_url: str
 ) -> None:
     """Run examples/payments/postgres-init.sh as the image would, then migrate as the owner and serve as the app."""
     client = psql()
@@ -246,7 +246,7 @@ async def test_the_init_script_gives_migrate_the_ddl_and_the_app_only_rows(
     try:
         if not await admin.fetchval("SELECT rolsuper FROM pg_roles WHERE rolname = current_user"):
             pytest.skip("the suite's database user is not a superuser: it cannot create roles")
-        parts = urlsplit(fresh_database_url)
+        parts = urlsplit(fresh_url)
         query = parse_qs(parts.query)
         suffix = uuid.uuid4().hex[:10]
         owner, app_role = f"imw_owner_{suffix}", f"imw_app_{suffix}"
@@ -273,8 +273,8 @@ async def test_the_init_script_gives_migrate_the_ddl_and_the_app_only_rows(
                 timeout=60,
             )
             assert init.returncode == 0, init.stderr
-            owner_url = as_role(fresh_database_url, owner, "owner-secret")
-            app_url = as_role(fresh_database_url, app_role, "app-secret")
+            owner_url = as_role(fresh_url, owner, "owner-secret")
+            app_url = as_role(fresh_url, app_role, "app-secret")
 
             migrated = await asyncio.to_thread(
                 subprocess.run,

@@ -487,23 +487,23 @@ async def test_openapi_documents_form_bodies_keys_and_envelopes(client: httpx.As
 TABLES = "SELECT to_regclass('idempotency_records') IS NOT NULL, to_regclass('payments.ledger') IS NOT NULL"
 
 
-async def test_startup_without_migrate_runs_no_ddl(fresh_database_url: str) -> None:
+async def test_startup_without_migrate_runs_no_ddl(fresh_url: str) -> None:
     """docker-compose.yml serves the app as a role that cannot create tables: its startup must not try."""
-    app = create_app(fresh_database_url, migrate=False)
+    app = create_app(fresh_url, migrate=False)
     async with app.router.lifespan_context(app), client_for(app, None) as client:
         assert (await client.get("/healthz")).json() == {"status": "ok"}
-    connection = await asyncpg.connect(fresh_database_url)
+    connection = await asyncpg.connect(fresh_url)
     try:
         assert tuple(await connection.fetchrow(TABLES)) == (False, False)
     finally:
         await connection.close()
 
 
-async def test_startup_migrates_by_default(fresh_database_url: str) -> None:
-    app = create_app(fresh_database_url)
+async def test_startup_migrates_by_default(fresh_url: str) -> None:
+    app = create_app(fresh_url)
     async with app.router.lifespan_context(app), client_for(app, f"sk_test_{uuid.uuid4().hex}") as client:
         assert (await pay(client))["status"] == "succeeded"
-    connection = await asyncpg.connect(fresh_database_url)
+    connection = await asyncpg.connect(fresh_url)
     try:
         assert tuple(await connection.fetchrow(TABLES)) == (True, True)
     finally:
@@ -511,7 +511,7 @@ async def test_startup_migrates_by_default(fresh_database_url: str) -> None:
 
 
 @pytest.mark.slow
-def test_the_migrate_command_creates_the_tables_then_is_up_to_date(fresh_database_url: str) -> None:
+def test_the_migrate_command_creates_the_tables_then_is_up_to_date(fresh_url: str) -> None:
     def migrate(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "examples.payments.migrate"],
@@ -522,11 +522,11 @@ def test_the_migrate_command_creates_the_tables_then_is_up_to_date(fresh_databas
             timeout=120,
         )
 
-    first = migrate({"DATABASE_URL": fresh_database_url})
+    first = migrate({"DATABASE_URL": fresh_url})
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith("idempotency tables: applied 0001_initial.sql")
     assert first.stdout.endswith("\npayments schema: up to date\n")
-    again = migrate({"DATABASE_URL": fresh_database_url})
+    again = migrate({"DATABASE_URL": fresh_url})
     assert again.stdout == "idempotency tables: up to date\npayments schema: up to date\n"
     missing = migrate({"DATABASE_URL": ""})
     assert missing.returncode == 2
