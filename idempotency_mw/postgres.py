@@ -330,10 +330,10 @@ class PostgresStore:
             raise StoreUnavailable("the idempotency store is closing: it takes no new claims")
         # max: a record never expires under a live lease (sql/queries.sql, renew)
         args = (tenant, key, fingerprint, float(lease), float(max(ttl, lease)), new_fence())
-        row = await self._run("claim", args, False, False)
+        row = await self._run("claim", args, urgent=False, status=False)
         if row is None:  # lost a race with a concurrent claim of the key (see sql/queries.sql): lock and look again
             self.claim_races += 1
-            row = await self._run("claim_locked", args, False, False)
+            row = await self._run("claim_locked", args, urgent=False, status=False)
             assert row is not None  # INSERT … ON CONFLICT DO UPDATE … RETURNING always returns the row
         claim = claim_from_row(row)
         if claim.outcome is ClaimOutcome.OWNED:
@@ -345,14 +345,15 @@ class PostgresStore:
 
     async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
         try:
-            status: str = await self._run("complete", completion(tenant, key, fence, response), True, True)
+            args = completion(tenant, key, fence, response)
+            status: str = await self._run("complete", args, urgent=True, status=True)
         finally:
             self.settled(tenant, key, fence)
         return status == "UPDATE 1"
 
     async def release(self, tenant: str, key: str, fence: int) -> bool:
         try:
-            status: str = await self._run("release", (tenant, key, fence), True, True)
+            status: str = await self._run("release", (tenant, key, fence), urgent=True, status=True)
         finally:
             self.settled(tenant, key, fence)
         return status == "DELETE 1"
