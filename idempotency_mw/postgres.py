@@ -499,11 +499,7 @@ class PostgresTransaction:
         if not self.connection.is_in_transaction():
             # The handler ran COMMIT or ROLLBACK itself. Completing now would write the record on its own: after a
             # ROLLBACK, a retry would be told of an effect that never happened.
-            raise TransactionEnded(
-                "the handler ended the idempotency transaction itself (COMMIT or ROLLBACK on the lent connection), "
-                "so its effect and the record cannot land together; the record was refused and the key is free "
-                "again. Run statements that may need undoing in a savepoint: async with connection.transaction(): ..."
-            )
+            raise TransactionEnded.by_the_handler("connection", "async with connection.transaction(): ...")
         args = completion(tenant, key, fence, response)
         with self._reachable(self._schema):
             status = await self.connection.execute(self._complete_sql, *args, timeout=self._timeout)

@@ -30,7 +30,14 @@ from starlette.requests import HTTPConnection
 from idempotency_mw.context import idempotency_context
 from idempotency_mw.postgres import NOT_MIGRATED, UNAVAILABLE, PostgresStore, Settlement, completion
 from idempotency_mw.sql import reset_session
-from idempotency_mw.store import Claim, RecordInfo, StoredResponse, StoreNotMigrated, StoreUnavailable
+from idempotency_mw.store import (
+    Claim,
+    RecordInfo,
+    StoredResponse,
+    StoreNotMigrated,
+    StoreUnavailable,
+    TransactionEnded,
+)
 
 
 class SQLAlchemyStore:
@@ -201,6 +208,7 @@ class SQLAlchemyTransaction:
 
     async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
         await self._end_session()
+        await self._refuse_if_ended()
         with self._reachable(self._schema):
             async with asyncio.timeout(self._timeout):
                 result = await self.connection.exec_driver_sql(
@@ -225,6 +233,16 @@ class SQLAlchemyTransaction:
                 raise StoreUnavailable("the connection of the handler's transaction was lost")
             async with asyncio.timeout(self._timeout):
                 await self._transaction.rollback()
+
+    async def _refuse_if_ended(self) -> None:
+        """A raw COMMIT or ROLLBACK through the session or connection (``text("ROLLBACK")``) ends the transaction on
+        the server while SQLAlchemy, which does not read the SQL it passes on, still counts it open; the completion
+        would then run on its own and, after a ROLLBACK, record an effect that never happened. asyncpg knows the
+        server's transaction state from every answer: no round trip."""
+        raw = await self.connection.get_raw_connection()
+        driver: Any = raw.driver_connection  # asyncpg's Connection
+        if not driver.is_in_transaction():
+            raise TransactionEnded.by_the_handler("session or connection", "async with session.begin_nested(): ...")
 
     async def _end_session(self) -> None:
         """Flush the session's pending changes into the transaction: the handler is done with it.

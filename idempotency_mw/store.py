@@ -80,7 +80,17 @@ class PoolExhausted(StoreUnavailable):
 class TransactionEnded(RuntimeError):
     """A transactional handler ended the transaction it was lent (a COMMIT or ROLLBACK of its own): its effect and
     the record can no longer land together, so the record is refused and the request fails like a handler error.
-    Statements that may need undoing belong in a savepoint (asyncpg: ``async with connection.transaction():``)."""
+    Statements that may need undoing belong in a savepoint (asyncpg: ``async with connection.transaction():``;
+    SQLAlchemy: ``async with session.begin_nested():``)."""
+
+    @classmethod
+    def by_the_handler(cls, lent: str, savepoint: str) -> TransactionEnded:
+        """The error for a handler that ended the transaction through ``lent``; ``savepoint`` shows the way instead."""
+        return cls(
+            f"the handler ended the idempotency transaction itself (COMMIT or ROLLBACK on the lent {lent}), so its "
+            "effect and the record cannot land together; the record was refused and the key is free again. Run "
+            f"statements that may need undoing in a savepoint: {savepoint}"
+        )
 
 
 class StoreNotMigrated(StoreUnavailable):

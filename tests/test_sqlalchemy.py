@@ -29,7 +29,7 @@ from starlette.routing import Route
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotency_context, idempotent
 from idempotency_mw.fastapi import IdempotencyConnection, setup
 from idempotency_mw.sqlalchemy import IdempotencySession, SQLAlchemyStore, idempotency_session
-from idempotency_mw.store import TransactionalStore
+from idempotency_mw.store import TransactionalStore, TransactionEnded
 from tests.conftest import client_for, tenant_of
 from tests.test_transactional import SESSION_LEAKS, SESSION_STATE
 
@@ -260,6 +260,31 @@ async def test_the_sessions_own_commit_and_rollback_do_not_end_the_transaction(
     assert (await client_for(app).post("/write", headers={"Idempotency-Key": key})).status_code == 201
     notes = await db.fetchval(f"SELECT array_agg(note ORDER BY id) FROM {SCHEMA}.effects WHERE key = $1", key)
     assert notes == ["kept", "after its commit"]
+
+
+@pytest.mark.parametrize("statement", ["ROLLBACK", "COMMIT"])
+async def test_a_handler_that_ends_its_transaction_gets_no_record(
+    store: SQLAlchemyStore, db: asyncpg.Connection, key: str, statement: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The handler runs a raw COMMIT or ROLLBACK through its session, which SQLAlchemy passes on without knowing
+    that it ends the transaction. The completion then ran on its own and recorded a 201: after a ROLLBACK, every
+    retry was told of an effect that never happened. As with asyncpg (tests/test_transactional.py), the record is
+    refused, the request fails like a handler error, and the key is free."""
+
+    async def write(request: Request) -> Response:
+        session = idempotency_session(request)
+        session.add(Effect(key=key, note=statement))
+        await session.flush()
+        await session.execute(text(statement))
+        return JSONResponse({"ok": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+    with pytest.raises(TransactionEnded):
+        await client_for(app).post("/write", headers={"Idempotency-Key": key})
+    assert await store.inspect(tenant_of(), key) is None
+    assert await effects(db, key) == (1 if statement == "COMMIT" else 0)
+    assert "savepoint" in caplog.text
 
 
 def build_refusing(store: SQLAlchemyStore) -> Starlette:
