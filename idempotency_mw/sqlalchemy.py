@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 try:
     from sqlalchemy import exc as sa_exc
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, AsyncTransaction
+    from sqlalchemy.pool import QueuePool
 except ImportError as error:  # sqlalchemy is an optional dependency of the package
     raise ImportError("idempotency_mw.sqlalchemy needs sqlalchemy: pip install 'idempotency-mw[sqlalchemy]'") from error
 from starlette.requests import HTTPConnection
@@ -32,6 +33,7 @@ from idempotency_mw.postgres import NOT_MIGRATED, UNAVAILABLE, PostgresStore, Se
 from idempotency_mw.sql import reset_session
 from idempotency_mw.store import (
     Claim,
+    PoolExhausted,
     RecordInfo,
     StoredResponse,
     StoreNotMigrated,
@@ -102,6 +104,22 @@ class SQLAlchemyStore:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
+    def _no_connection(self, timeout: float) -> StoreUnavailable:
+        """Why no connection of the engine came in time: :class:`PoolExhausted` when every one its pool may open is
+        checked out (the fix is the pool's size), else the database did not answer."""
+        pool = self.engine.pool
+        overflow = getattr(pool, "_max_overflow", -1)  # QueuePool's, since 2007; -1: no limit, never exhausted
+        if isinstance(pool, QueuePool) and overflow >= 0 and pool.checkedout() >= pool.size() + overflow:
+            return PoolExhausted(
+                "the SQLAlchemy engine's pool",
+                max_size=pool.size() + overflow,
+                timeout=timeout,
+                knob="pool_size or max_overflow of create_async_engine",
+            )
+        return StoreUnavailable(
+            f"no connection of the SQLAlchemy engine within {timeout:g}s: the database does not answer"
+        )
+
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[SQLAlchemyTransaction]:
         """A transaction on a connection of the engine, with a session bound to it, for a transactional handler
@@ -112,11 +130,12 @@ class SQLAlchemyStore:
             async with asyncio.timeout(timeout):
                 with _reachable(timeout):
                     connection = await self.engine.connect()
-        except TimeoutError as error:
-            raise StoreUnavailable(
-                f"no connection of the SQLAlchemy engine within {timeout:g}s: every one of its pool is in use, or "
-                "the database does not answer"
-            ) from error
+        except TimeoutError as error:  # the store's deadline
+            raise self._no_connection(timeout) from error
+        except StoreUnavailable as error:
+            if isinstance(error.__cause__, sa_exc.TimeoutError):  # the pool's own pool_timeout, when shorter
+                raise self._no_connection(timeout) from error
+            raise
         try:
             await _refuse_autocommit(connection)
         except BaseException:

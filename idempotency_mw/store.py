@@ -65,12 +65,13 @@ class StoreUnavailable(Exception):
 class PoolExhausted(StoreUnavailable):
     """No connection of the store's pool came free within ``timeout``: every one was busy. Unlike a database that
     cannot be reached, the usual fix is on the app's side: raise the pool's ``max_size`` (or hold connections for
-    less time). ``pool`` says which pool: the store's own, or an asyncpg pool the app passed in."""
+    less time). ``pool`` says which pool: the store's own, an asyncpg pool the app passed in, or the SQLAlchemy
+    engine's; ``knob`` names the setting that sizes it."""
 
-    def __init__(self, pool: str, *, max_size: int, timeout: float) -> None:
+    def __init__(self, pool: str, *, max_size: int, timeout: float, knob: str = "max_size") -> None:
         super().__init__(
             f"{pool} is exhausted: no connection came free within {timeout:g}s (max_size={max_size}). "
-            "If the database answers promptly, the pool is too small for the load: raise max_size"
+            f"If the database answers promptly, the pool is too small for the load: raise {knob}"
         )
         self.pool = pool
         self.max_size = max_size

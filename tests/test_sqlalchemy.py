@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotency_context, idempotent
+from idempotency_mw.events import Outcome
 from idempotency_mw.fastapi import IdempotencyConnection, setup
 from idempotency_mw.sqlalchemy import IdempotencySession, SQLAlchemyStore, idempotency_session
 from idempotency_mw.store import TransactionalStore, TransactionEnded
@@ -404,21 +405,30 @@ async def test_an_engine_that_cannot_reach_the_database_is_503(idempotency_datab
         await dead.dispose()
 
 
+@pytest.mark.parametrize("pool_timeout", [30.0, 0.2], ids=["store-timeout-first", "pool-timeout-first"])
 async def test_an_exhausted_engine_pool_is_503_within_the_store_timeout(
-    idempotency_database_url: str, tables: None, caplog: pytest.LogCaptureFixture
+    idempotency_database_url: str, tables: None, caplog: pytest.LogCaptureFixture, pool_timeout: float
 ) -> None:
-    engine = create_async_engine(sqlalchemy_url(idempotency_database_url), pool_size=1, max_overflow=0)
+    """Every connection of the engine's pool is busy: 503 within the store's timeout (or the pool's own, if
+    shorter), reported as pool_exhausted with the engine's settings to raise, not as a database that is down."""
+    engine = create_async_engine(
+        sqlalchemy_url(idempotency_database_url), pool_size=1, max_overflow=0, pool_timeout=pool_timeout
+    )
     gate = Gate()
     gate.go.clear()
+    outcomes: list[Outcome] = []
     try:
         async with SQLAlchemyStore(PostgresStore(idempotency_database_url, timeout=0.5), engine) as store:
-            client = client_for(build(store, gate))
+            client = client_for(build(store, gate, on_event=lambda event: outcomes.append(event.outcome)))
             holder = asyncio.create_task(client.post("/write", headers={"Idempotency-Key": str(uuid.uuid4())}))
             await asyncio.wait_for(gate.entered.wait(), 5)
             key = str(uuid.uuid4())
             waiting = await asyncio.wait_for(client.post("/write", headers={"Idempotency-Key": key}), 10)
             assert waiting.status_code == 503
-            assert "no connection of the SQLAlchemy engine within 0.5s" in caplog.text
+            assert outcomes == [Outcome.POOL_EXHAUSTED]
+            assert "the SQLAlchemy engine's pool is exhausted" in caplog.text
+            assert "(max_size=1)" in caplog.text
+            assert "raise pool_size or max_overflow" in caplog.text
             assert await store.inspect(tenant_of(), key) is None
             gate.go.set()
             assert (await holder).status_code == 201
