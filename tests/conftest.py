@@ -138,12 +138,17 @@ def client_for(app: object, *, token: str = "sk_test_alice") -> httpx.AsyncClien
 
 
 def http_scope(
-    path: str, key: str | None, *, spec_version: str = "2.3", extensions: dict[str, Any] | None = None
+    path: str,
+    key: str | None,
+    *,
+    spec_version: str = "2.3",
+    extensions: dict[str, Any] | None = None,
+    headers: list[tuple[bytes, bytes]] | None = None,
 ) -> dict[str, Any]:
-    """A JSON POST (keyed unless ``key`` is None) as uvicorn 0.54 builds it, for tests that call the ASGI app
-    directly (``spec_version`` 2.3: Starlette's StreamingResponse then listens for ``http.disconnect`` while it
-    streams)."""
-    headers = [(b"content-type", b"application/json")]
+    """A POST (keyed unless ``key`` is None) as uvicorn 0.54 builds it, for tests that call the ASGI app directly
+    (``spec_version`` 2.3: Starlette's StreamingResponse then listens for ``http.disconnect`` while it streams).
+    ``headers``: the request's headers besides the key; by default a JSON content type."""
+    headers = list(headers) if headers is not None else [(b"content-type", b"application/json")]
     if key is not None:
         headers.insert(0, (b"idempotency-key", key.encode()))
     return {

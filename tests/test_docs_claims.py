@@ -19,7 +19,7 @@ from idempotency_mw import IdempotencyMiddleware, PostgresStore, StoredResponse
 from idempotency_mw.context import mark_not_executed
 from idempotency_mw.events import Event, Outcome
 from tests.apps import Probe, build_app
-from tests.conftest import client_for, tenant_of
+from tests.conftest import client_for, http_scope, tenant_of
 
 ALICE = tenant_of()  # the default tenant of tests.conftest.client_for
 
@@ -94,20 +94,7 @@ async def test_plain_mode_zombie_is_fenced_out_of_the_record_but_its_effect_ran(
 
 async def _call(app: Starlette, key: str, send: Any, *, path: str = "/charge", body: bytes = b"a") -> None:
     """One raw ASGI request whose client never disconnects, so the test controls what ``send`` does."""
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"authorization", b"Bearer sk_test_alice"), (b"idempotency-key", key.encode())],
-        "client": ("127.0.0.1", 1),
-        "server": ("test", 80),
-    }
+    scope = http_scope(path, key, headers=[(b"authorization", b"Bearer sk_test_alice")])  # as client_for sends it
     delivered = False
 
     async def receive() -> dict[str, Any]:
