@@ -86,7 +86,7 @@ class _Inline:
 
     used = 0
 
-    def __init__(self, coroutine: Any) -> None:
+    def __init__(self, coroutine: Any, name: str = "") -> None:
         self.coroutine, self.finished, self.result = coroutine, False, None
         _Inline.used += 1
 
@@ -101,10 +101,12 @@ class _Inline:
 
 
 def _inline_tasks(middleware: Any) -> None:
-    """The middleware's tasks (``start_eagerly``) and shields (``asyncio.shield``) become plain awaits."""
+    """The middleware's tasks (``start_eagerly``) and the waits that outlast a cancellation (``outlasting``,
+    ``asyncio.shield``) become plain awaits."""
     import types
 
     middleware.start_eagerly = _Inline
+    middleware.outlasting = lambda task: task
     shieldless = types.SimpleNamespace(**{name: getattr(asyncio, name) for name in dir(asyncio) if name[0] != "_"})
     shieldless.shield = lambda awaitable: awaitable
     middleware.asyncio = shieldless

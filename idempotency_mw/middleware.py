@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from idempotency_mw import problems
 from idempotency_mw.capture import ResponseRecorder, replay
 from idempotency_mw.context import NOT_EXECUTED_KEY, STATE_KEY, IdempotencyContext
-from idempotency_mw.eager import start_eagerly
+from idempotency_mw.eager import outlasting, start_eagerly
 from idempotency_mw.events import Event, EventHook, Outcome, hash_key, log_event, log_level, logger
 from idempotency_mw.failures import FailureLog
 from idempotency_mw.fingerprint import fingerprint
@@ -260,10 +260,11 @@ class IdempotentRequest:
         self._notify_started()
         started = time.perf_counter()
         claiming = start_eagerly(  # a task of its own: a cancellation must not lose a claim that landed
-            self.store.claim(self.tenant, self.key, digest, lease=self.policy.lease, ttl=self.policy.ttl)
+            self.store.claim(self.tenant, self.key, digest, lease=self.policy.lease, ttl=self.policy.ttl),
+            "idempotency claim",
         )
         try:
-            claim = await asyncio.shield(claiming)
+            claim = await outlasting(claiming)
         except asyncio.CancelledError:
             # Cancelled (a server shutting down, an outer timeout) while the claim was on its way: it may have
             # landed. A claim that turns out to be ours is released, so the key is not left to its lease.
@@ -357,7 +358,7 @@ class IdempotentRequest:
 
     def _start_settling(self) -> asyncio.Future[None]:
         if self.settling is None:
-            self.settling = start_eagerly(self._record_or_release())
+            self.settling = start_eagerly(self._record_or_release(), "idempotency settlement")
         return self.settling
 
     async def _settle(self) -> None:
@@ -369,7 +370,7 @@ class IdempotentRequest:
         mid-stream, or the handler failed mid-stream): its effect has happened, so the retry must not run it again.
         Such a record has no body, and a retry is told that the response cannot be replayed.
         """
-        await asyncio.shield(self._start_settling())
+        await outlasting(self._start_settling())
         self._emit()  # before the final body goes out, while a server span still records
 
     async def _record_or_release(self) -> None:

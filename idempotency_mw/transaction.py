@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idempotency_mw.capture import ResponseRecorder
+from idempotency_mw.eager import outlasting
 from idempotency_mw.store import StoreUnavailable, Transaction, TransactionalStore
 
 
@@ -156,7 +157,7 @@ class TransactionalRun:
         """
         if self._settling is None:
             self._settling = asyncio.ensure_future(self._commit_or_roll_back())
-        await asyncio.shield(self._settling)
+        await outlasting(self._settling)
         if self.state in DID_NOT_COMMIT:
             raise NotCommitted(f"the handler's transaction did not commit ({self.state.value})")
         if not self._reported:  # once: a response over the cap settles before its final body message
@@ -210,7 +211,7 @@ async def _wait_through_cancellation(task: asyncio.Task[None]) -> None:
     cancelled = False
     while not task.done():
         try:
-            await asyncio.shield(task)
+            await outlasting(task)
         except asyncio.CancelledError:
             cancelled = True
     if cancelled:
