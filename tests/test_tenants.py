@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import logging
 import time
 from typing import Any
@@ -154,6 +155,15 @@ def test_an_empty_environment_variable_counts_as_unset(monkeypatch: pytest.Monke
 def test_a_secret_that_is_not_text_or_bytes_is_refused() -> None:
     with pytest.raises(TypeError, match="secret"):
         AuthorizationTenant(12345678901234567890123456789012345)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("length", [32, 63, 64, 65, 200])  # a secret longer than SHA-256's block is hashed first
+@pytest.mark.parametrize("credentials", [b"sk_live_AbC", b"bearer " + b"t" * 500, b"basic \xff\x00"])
+def test_the_tenant_is_the_standard_hmac_sha256_of_the_credentials(length: int, credentials: bytes) -> None:
+    """Records written under one release must be found by the next: the tenant stays HMAC-SHA256 (RFC 2104), hex."""
+    secret = bytes(range(length))
+    expected = "hmac-sha256:" + hmac.new(secret, credentials, hashlib.sha256).hexdigest()
+    assert AuthorizationTenant(secret)(scope_with(credentials)) == expected
 
 
 def test_the_resolver_does_not_show_its_secret() -> None:
