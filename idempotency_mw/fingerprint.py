@@ -28,9 +28,12 @@ import orjson
 def fingerprint(method: str, path: str, query_string: bytes, content_type: bytes, body: bytes) -> bytes:
     """Return the 32-byte SHA-256 digest that identifies this request's payload."""
     kind, canonical = canonical_body(content_type, body)
-    parts = (method.encode(), path.encode(), canonical_query(query_string), kind, canonical)
-    lengths = _LENGTHS.pack(*map(len, parts))  # all lengths first, then the parts: one way to read it back
-    return hashlib.sha256(lengths + b"".join(parts)).digest()
+    method_bytes, path_bytes, query = method.encode(), path.encode(), canonical_query(query_string)
+    # All lengths first, then the parts: one way to read it back. Counted one by one: ``pack(*map(len, parts))``
+    # builds a tuple by guessing its size and shrinking it, which leaves the cycle collector's count of new objects
+    # one higher in five calls, and under load makes it collect more often (benchmarks/README.md).
+    lengths = _LENGTHS.pack(len(method_bytes), len(path_bytes), len(query), len(kind), len(canonical))
+    return hashlib.sha256(b"".join((lengths, method_bytes, path_bytes, query, kind, canonical))).digest()
 
 
 _LENGTHS = struct.Struct(">5Q")

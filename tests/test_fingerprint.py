@@ -22,6 +22,37 @@ def fp(body: bytes, content_type: bytes = JSON, method: str = "POST", path: str 
     return fingerprint(method, path, query, content_type, body)
 
 
+@pytest.mark.parametrize(
+    ("request_parts", "digest"),
+    [
+        (
+            ("POST", "/v1/charges", b"", b"application/json", b'{"amount": 1250, "currency": "usd"}'),
+            "91f001445fa8772ee0aae94c5e2d1c2e1aaad68c20a0a1b00570e3bc88accccb",
+        ),
+        (
+            (
+                "PATCH",
+                "/v1/customers/cus_1",
+                b"expand=a&expand=b",
+                b"application/x-www-form-urlencoded",
+                b"name=Jo+Doe&email=jo%40x.io",
+            ),
+            "031c273d71e4028d1b579701c03995d426429df7063b28ed89d274ec67392944",
+        ),
+        (
+            ("POST", "/v1/files", b"", b"application/octet-stream", b"\x00\x01raw"),
+            "54b52ca24720c9d1750020b85108565e28d20d42d3ebc93922bc773821d8d036",
+        ),
+    ],
+)
+def test_the_fingerprint_of_a_request_is_the_same_in_every_release(
+    request_parts: tuple[str, str, bytes, bytes, bytes], digest: str
+) -> None:
+    """A retry after an upgrade must still match the record its first attempt wrote: any change to how the
+    fingerprint is computed that changes a digest turns that retry into a 422."""
+    assert fingerprint(*request_parts).hex() == digest
+
+
 def test_json_is_canonical() -> None:
     assert fp(b'{"a":1,"b":{"d":2,"c":3}}') == fp(b'{ "b": {"c": 3, "d": 2},\n "a": 1 }')
     assert fp(b'{"a":1}', b"application/vnd.api+json; charset=utf-8") == fp(b'{ "a" : 1 }', b"application/vnd.api+json")
