@@ -21,6 +21,10 @@ and storepath.py do, 16 requests at a time, under uvloop, against the same Postg
 - pairs: ``raw`` (prepared asyncpg statements on a connection per task) and ``store`` (``PostgresStore.claim`` +
   ``complete``), the two variants of target 14.2.
 
+The cycle collector is off in the driver runs, so that two counts of the same code agree (a collection of the whole
+heap inside one run and not the other would move a count by tens of thousands); ours and the hand-written app are
+counted again with it on, for its share.
+
 Needs valgrind (``apt install valgrind``); without it the measurement says so and measures nothing.
 """
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hashlib
 import json
 import os
@@ -44,8 +49,8 @@ from common import table
 CONCURRENCY = 16
 REQUESTS = ("bare", "handwritten", "ours")
 ABLATIONS = {
-    "tasks": "the claim and the settlement awaited in the request's own task, without a task and a shield each "
-    "(unsafe: a cancellation would lose them)",
+    "tasks": "the claim and the settlement awaited in the request's own task, without a task each and a wait that "
+    "outlasts a cancellation (unsafe: a cancellation would lose them)",
     "fingerprint": "the fingerprint a SHA-256 of the body, without canonical JSON",
     "tenant": "a fixed tenant, without the HMAC of the Authorization header",
     "events": "no on_event hook (the default one logs nothing at the default level, but is asked)",
@@ -196,8 +201,8 @@ async def _pairs(dsn: str, variant: str, count: int) -> None:
 IR = re.compile(r"I\s+refs:\s+([\d,]+)")
 
 
-def count(dsn: str, kind: str, variant: str, n: int) -> int:
-    """Instructions of one driver run of ``n`` requests or pairs."""
+def count(dsn: str, kind: str, variant: str, n: int, collector: bool = False) -> int:
+    """Instructions of one driver run of ``n`` requests or pairs, with the cycle collector off unless asked for."""
     done = subprocess.run(
         [
             "valgrind",
@@ -212,6 +217,7 @@ def count(dsn: str, kind: str, variant: str, n: int) -> int:
             kind,
             variant,
             str(n),
+            *([] if collector else ["--collector-off"]),
         ],
         capture_output=True,
         text=True,
@@ -225,8 +231,8 @@ def count(dsn: str, kind: str, variant: str, n: int) -> int:
     return int(found.group(1).replace(",", ""))
 
 
-def per_unit(dsn: str, kind: str, variant: str, low: int, high: int) -> float:
-    return (count(dsn, kind, variant, high) - count(dsn, kind, variant, low)) / (high - low)
+def per_unit(dsn: str, kind: str, variant: str, low: int, high: int, collector: bool = False) -> float:
+    return (count(dsn, kind, variant, high, collector) - count(dsn, kind, variant, low, collector)) / (high - low)
 
 
 def measure(dsn: str, quick: bool) -> dict[str, Any]:
@@ -234,21 +240,31 @@ def measure(dsn: str, quick: bool) -> dict[str, Any]:
         return {"missing": "valgrind is not installed (apt install valgrind)"}
     requests = (100, 600) if quick else (200, 1600)
     pairs = (320, 1920) if quick else (640, 4800)
-    jobs: list[tuple[str, str, tuple[int, int]]] = [
-        *(("requests", v, requests) for v in (*REQUESTS, *ABLATIONS)),
-        ("requests", "ours", requests),  # again: how far two counts of the same code differ (collections, timing)
-        *(("pairs", v, pairs) for v in PAIRS),
+    # With the cycle collector off, a count is the same from run to run; whether a collection of the whole heap
+    # falls inside one run or not would otherwise move it by tens of thousands. The collector's own share is
+    # counted apart: ours and the hand-written app again, with it on.
+    jobs: list[tuple[str, str, tuple[int, int], bool]] = [
+        *(("requests", v, requests, False) for v in (*REQUESTS, *ABLATIONS)),
+        ("requests", "ours", requests, False),  # again: how far two counts of the same code differ
+        *(("collector", v, requests, True) for v in ("handwritten", "ours")),
+        *(("pairs", v, pairs, False) for v in PAIRS),
     ]
     # Counts do not depend on what else runs, so two at a time: one per core.
     with ThreadPoolExecutor(2) as pool:
-        counted = list(pool.map(lambda job: per_unit(dsn, job[0], job[1], *job[2]), jobs))
+        counted = list(
+            pool.map(
+                lambda job: per_unit(dsn, "pairs" if job[0] == "pairs" else "requests", job[1], *job[2], job[3]),
+                jobs,
+            )
+        )
     result: dict[str, Any] = {
         "requests": {},
+        "collector": {},
         "pairs": {},
         "ours_twice": [],
         "counts": {"requests": requests, "pairs": pairs},
     }
-    for (kind, variant, _), value in zip(jobs, counted, strict=True):
+    for (kind, variant, _, _), value in zip(jobs, counted, strict=True):
         result[kind][variant] = value
         if kind == "requests" and variant == "ours":
             result["ours_twice"].append(value)
@@ -276,6 +292,11 @@ def render(result: dict[str, Any]) -> str:
     ]
     gap = ours - hand
     first, second = result["ours_twice"]
+    collector = result["collector"]
+    collected = [
+        [name, k(collector[variant]), k(collector[variant] - r[variant])]
+        for name, variant in (("hand-written", "handwritten"), ("idempotency_mw", "ours"))
+    ]
     parts = [
         [f"`{name}`: {what}", k(r[name]), k(ours - r[name]), f"{(ours - r[name]) / gap:.0%}"]
         for name, what in ABLATIONS.items()
@@ -291,13 +312,18 @@ def render(result: dict[str, Any]) -> str:
             "larger than the same ratios of CPU time in endtoend.md and storepath.md. Each figure is the "
             f"difference between two runs of the same in-process driver ({low} and {high} requests, {plow} and "
             f"{phigh} pairs; {CONCURRENCY} at a time, uvloop, the same PostgreSQL), over the difference in "
-            "requests. Attribution, not a target: targets 14.1 and 14.2 are judged on time.",
+            "requests. The cycle collector is off in these runs (a collection of the whole heap, inside one run "
+            "and not the other, would move a count by tens of thousands); its share is counted apart below. "
+            "Attribution, not a target: targets 14.1 and 14.2 are judged on time.",
             table(["per fresh request", "instructions", "over the app alone", "vs hand-written"], rows),
             f"Where ours spends the {k(gap)} instructions a request costs over the hand-written app: ours again "
             "with one part taken out at a time (never a way to run it: see instructions.py). Two counts of ours "
-            f"itself, in this run, came out {k(first)} and {k(second)}; one count now and then strays further "
-            "(when the cycle collector happens to run), so read a part under about 10k as noise.",
+            f"itself, in this run, came out {k(first)} and {k(second)}.",
             table(["taken out", "instructions", "that part costs", "of the gap"], parts),
+            "The cycle collector: the same requests with it on (as a server runs them). How often it runs depends "
+            "on how many tracked objects each request keeps alive while it waits (tasks, coroutines, futures), and "
+            "whether a collection of the whole heap falls inside a run moves these by up to tens of thousands.",
+            table(["per fresh request, collector on", "instructions", "the collector's share"], collected),
             table(
                 ["per claim+complete pair", "instructions", "vs raw"],
                 [
@@ -314,8 +340,11 @@ def main() -> None:
     parser.add_argument("--dsn", required=True)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--drive", nargs=3, metavar=("KIND", "VARIANT", "COUNT"), help=argparse.SUPPRESS)
+    parser.add_argument("--collector-off", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.drive:
+        if args.collector_off:
+            gc.disable()
         kind, variant, n = args.drive
         drive = _requests if kind == "requests" else _pairs
         try:

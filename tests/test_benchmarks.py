@@ -54,6 +54,7 @@ def test_instructions_py_drives_each_variant(migrated_url: str, kind: str, varia
             kind,
             variant,
             count,
+            "--collector-off",
         ],
         capture_output=True,
         text=True,
