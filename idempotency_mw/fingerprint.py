@@ -31,7 +31,7 @@ def fingerprint(method: str, path: str, query_string: bytes, content_type: bytes
     method_bytes, path_bytes, query = method.encode(), path.encode(), canonical_query(query_string)
     # All lengths first, then the parts: one way to read it back. Counted one by one: ``pack(*map(len, parts))``
     # builds a tuple by guessing its size and shrinking it, which leaves the cycle collector's count of new objects
-    # one higher in five calls, and under load makes it collect more often (benchmarks/README.md).
+    # one higher in five calls, so that it starts collecting sooner (benchmarks/README.md).
     lengths = _LENGTHS.pack(len(method_bytes), len(path_bytes), len(query), len(kind), len(canonical))
     return hashlib.sha256(b"".join((lengths, method_bytes, path_bytes, query, kind, canonical))).digest()
 
