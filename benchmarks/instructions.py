@@ -106,15 +106,10 @@ class _Inline:
 
 
 def _inline_tasks(middleware: Any) -> None:
-    """The middleware's tasks (``start_eagerly``) and the waits that outlast a cancellation (``outlasting``,
-    ``asyncio.shield``) become plain awaits."""
-    import types
-
+    """The middleware's tasks (``start_eagerly``) and the waits that outlast a cancellation (``outlasting``) become
+    plain awaits."""
     middleware.start_eagerly = _Inline
     middleware.outlasting = lambda task: task
-    shieldless = types.SimpleNamespace(**{name: getattr(asyncio, name) for name in dir(asyncio) if name[0] != "_"})
-    shieldless.shield = lambda awaitable: awaitable
-    middleware.asyncio = shieldless
 
 
 async def _requests(dsn: str, variant: str, count: int) -> None:

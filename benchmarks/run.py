@@ -1,6 +1,6 @@
 """Run every benchmark of issue 5 in one go and write the tables to ``benchmarks/results/``.
 
-    ./dev bench --quick                             # about 10 minutes on 2 cores (9.1 in the published run)
+    ./dev bench --quick                             # about 10 minutes on 2 cores (10.1 in the published run)
     .venv/bin/python benchmarks/run.py --quick      # the same
     .venv/bin/python benchmarks/run.py              # the full run: 15 s load runs, more repetitions
 
@@ -60,7 +60,7 @@ MEASUREMENTS = (
     "memory",
     "instructions",
 )  # the order they run in
-QUICK_SKIPS = ("instructions",)  # about 2 minutes: in the full run, or the quick one with --only instructions
+QUICK_SKIPS = ("instructions",)  # about 3 minutes: in the full run, or the quick one with --only instructions
 # issue 5's, then 10's and 14's
 ISSUE_ORDER = (
     "roundtrips",
