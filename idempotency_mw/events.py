@@ -57,12 +57,10 @@ def hash_key(key: str | None) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12] if key else ""
 
 
-# Store failures are logged once per outage, not per request (failures.py); a fenced-out worker is worth a line each.
-WARNING_OUTCOMES = frozenset({Outcome.FENCED_OUT})
-
-
 def log_level(outcome: Outcome) -> int:
-    return logging.WARNING if outcome in WARNING_OUTCOMES else logging.DEBUG
+    """Store failures are logged once per outage, not per request (failures.py); a fenced-out worker is worth a line
+    each. Compared by identity: an Enum member's hash is a Python-level call, and every request asks."""
+    return logging.WARNING if outcome is Outcome.FENCED_OUT else logging.DEBUG
 
 
 def log_event(event: Event) -> None:

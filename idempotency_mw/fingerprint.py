@@ -89,7 +89,9 @@ _EXACT_BYTES_PER_VALUE = 8
 
 def _canonical_json(body: bytes) -> bytes | None:
     zeros = body.translate(_AS_ZEROS, b".")
-    if _LONG_MANTISSA not in zeros and b"0e000" not in zeros and b"0e-000" not in zeros:
+    # find(), not "in": bytes.__contains__ first tries its argument as an integer and clears the TypeError, a
+    # third of the cost of each test.
+    if zeros.find(_LONG_MANTISSA) < 0 and zeros.find(b"0e000") < 0 and zeros.find(b"0e-000") < 0:
         return orjson.dumps(orjson.loads(body), option=orjson.OPT_SORT_KEYS)
     if body.count(b",") + body.count(b":") > _EXACT_VALUES_FREE + len(body) // _EXACT_BYTES_PER_VALUE:
         return None

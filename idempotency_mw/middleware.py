@@ -346,7 +346,8 @@ class IdempotentRequest:
         except BaseException:
             await self._settle()
             raise
-        await self._settle()
+        if self.settling is None or not self.settling.done():  # settled already, as its final body passed
+            await self._settle()
 
     async def _send_recorded(self, message: Message) -> None:
         """The handler's ``send``: copy each message, and settle before the final body message goes on."""
