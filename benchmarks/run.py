@@ -1,6 +1,6 @@
 """Run every benchmark of issue 5 in one go and write the tables to ``benchmarks/results/``.
 
-    ./dev bench --quick                             # about 10 minutes on 2 cores (10.1 in the published run)
+    ./dev bench --quick                             # about 10 minutes on 2 cores (8.6 in the published run)
     .venv/bin/python benchmarks/run.py --quick      # the same
     .venv/bin/python benchmarks/run.py              # the full run: 15 s load runs, more repetitions
 
