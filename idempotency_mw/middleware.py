@@ -365,11 +365,11 @@ class IdempotentRequest:
     async def _settle(self) -> None:
         """Record a final answer, release anything else: once, in a task of its own (eager.py).
 
-        Shielded: a request cancelled while its outcome is being written (a server shutting down, an outer timeout)
-        still finishes writing it, or the key would stay in progress and the handler run again once the lease
-        lapsed. A final answer that started going out is recorded even when it was cut short (the client hung up
-        mid-stream, or the handler failed mid-stream): its effect has happened, so the retry must not run it again.
-        Such a record has no body, and a retry is told that the response cannot be replayed.
+        Waited for through ``outlasting``: a request cancelled while its outcome is being written (a server shutting
+        down, an outer timeout) still finishes writing it, or the key would stay in progress and the handler run
+        again once the lease lapsed. A final answer that started going out is recorded even when it was cut short
+        (the client hung up mid-stream, or the handler failed mid-stream): its effect has happened, so the retry must
+        not run it again. Such a record has no body, and a retry is told that the response cannot be replayed.
         """
         await outlasting(self._start_settling())
         self._emit()  # before the final body goes out, while a server span still records

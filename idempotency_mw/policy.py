@@ -127,7 +127,6 @@ class PolicyResolver:
     patterns: list[tuple[re.Pattern[str], Policy]] = field(default_factory=list)
     _routes: list[tuple[RouteEntry, re.Pattern[str], Policy]] | None = None
     methods: frozenset[str] = frozenset()  # every method any policy covers: the cheap first test of a request
-    scanned: bool = False  # the app's routes were read (a field, not a property: every request asks)
 
     def __post_init__(self) -> None:
         self._collect_methods()
@@ -158,7 +157,6 @@ class PolicyResolver:
         if check is not None:
             check([policy for _, _, policy in routes])
         self._routes = routes
-        self.scanned = True
         self._collect_methods()
 
     def for_endpoint(self, endpoint: Any, path: str) -> Policy:
@@ -167,6 +165,10 @@ class PolicyResolver:
         if changes is not None:
             return self.default.override(changes)
         return self._by_pattern(path)
+
+    @property
+    def scanned(self) -> bool:
+        return self._routes is not None
 
     def resolve(self, scope: Scope) -> Policy:
         path = scope["path"]
