@@ -185,8 +185,24 @@ async def reset_cost(dsn: str, pid: int | None, rounds: int, requests: int) -> d
 
 async def settle_cost(dsn: str, rounds: int, requests: int) -> dict[str, Any]:
     """Fresh requests on MemoryStore and on PostgresStore: the settle task (as shipped) against awaiting the
-    settlement directly."""
+    settlement directly.
+
+    The shipped ``_send_recorded`` settles inline, without calling ``_settle``; here every variant, the shipped
+    settlement included, is called from the same stand-in ``_send_recorded``, so they differ only in how they
+    settle."""
     shipped = IdempotentRequest._settle
+    shipped_send = IdempotentRequest._send_recorded
+
+    def sending(settle: Callable[[IdempotentRequest], Any]) -> Callable[..., Any]:
+        async def send_recorded(self: IdempotentRequest, message: Any) -> None:
+            assert self.recorder is not None
+            going, decide = self.recorder.record(message)
+            if decide:
+                await settle(self)
+            if going is not None:
+                await self.recorder.forward(going)
+
+        return send_recorded
 
     async def direct(self: IdempotentRequest) -> None:  # no task, no shield: the guarantee is gone
         # Settled once, as the final body passes; the call after the handler returns only reports (as shipped).
@@ -224,6 +240,7 @@ async def settle_cost(dsn: str, rounds: int, requests: int) -> dict[str, Any]:
             for s, (store_name, make) in enumerate(stores.items()):
                 for n, name in enumerate(settles if r % 2 == 0 else list(settles)[::-1]):
                     IdempotentRequest._settle = settles[name]  # type: ignore[method-assign]
+                    IdempotentRequest._send_recorded = sending(settles[name])  # type: ignore[method-assign]
                     target = app(make())
                     await drive(target, 100, f"{run}-warm-{r}-{s}-{n}")
                     started = time.process_time()
@@ -232,6 +249,7 @@ async def settle_cost(dsn: str, rounds: int, requests: int) -> dict[str, Any]:
                     assert created == requests
     finally:
         IdempotentRequest._settle = shipped  # type: ignore[method-assign]
+        IdempotentRequest._send_recorded = shipped_send  # type: ignore[method-assign]
         await postgres.close()
     out: dict[str, Any] = {}
     for store_name, runs in per.items():

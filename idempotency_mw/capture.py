@@ -24,11 +24,15 @@ BODY_ELSEWHERE = frozenset({"http.response.pathsend", "http.response.zerocopysen
 class ResponseRecorder:
     """Copy a response as it passes through ``send``, in two steps per message, so the owner can decide in between.
 
-    :meth:`record` copies a message and says whether the answer must be decided before it goes on: the final body
-    message (the record is written, or the transaction commits, while the client has not yet seen its end, and
-    before anything the app runs after its response: background tasks). :meth:`forward` then sends it on. The owner
-    decides between the two (``IdempotentRequest._send_recorded``, ``TransactionalRun._send``); if deciding raises,
-    the message is not sent.
+    :meth:`record` copies a message, keeps it back if it must wait, and says whether the answer must be decided
+    before it goes on: the final body message (the record is written, or the transaction commits, while the client
+    has not yet seen its end, and before anything the app runs after its response: background tasks).
+    :meth:`forward` then sends it on, after what waited. The owner decides between the two
+    (``IdempotentRequest._send_recorded``, ``TransactionalRun._send``); if deciding raises, the message is not sent.
+
+    The response start always waits for the message after it, as PEP 3333 asks of WSGI servers: status line,
+    headers and the first body chunk then reach the server back to back, which writes them together and wakes the
+    client once.
 
     With ``hold``, messages are kept back until the answer is decided (transactional mode: nothing reaches the
     client before the commit). A held response that outgrows ``max_body`` must be decided early (the record then
@@ -54,9 +58,9 @@ class ResponseRecorder:
     def overflowed(self) -> bool:
         return self.body_size > self._max_body
 
-    def record(self, message: Message) -> tuple[Message, bool]:
-        """Copy ``message``; return it as it must go on (a buffer view becomes bytes) and whether the answer must be
-        decided before it does."""
+    def record(self, message: Message) -> tuple[Message | None, bool]:
+        """Copy ``message``; return it as it must go on now (a buffer view becomes bytes), or None when it waits for
+        a later message, and whether the answer must be decided before anything goes on."""
         kind = message["type"]
         final = False
         if kind == "http.response.start":
@@ -81,15 +85,14 @@ class ResponseRecorder:
         # Anything else (trailers, a test client's http.response.debug) carries no body: it passes as it is.
         if final:
             self.finished = True
-        return message, final or (self._hold and self.overflowed)
+        decide = final or (self._hold and self.overflowed)
+        if kind == "http.response.start" or (self._hold and not (self.finished or self.overflowed)):
+            self._held.append(message)  # while holding, everything waits until the answer is decided
+            return None, decide
+        return message, decide
 
     async def forward(self, message: Message) -> None:
-        """Send ``message`` on. The response start waits for the message after it, as PEP 3333 asks of WSGI servers:
-        status line, headers and the first body chunk then reach the server back to back, which writes them
-        together and wakes the client once. While holding, everything waits until the answer is decided."""
-        if message["type"] == "http.response.start" or (self._hold and not (self.finished or self.overflowed)):
-            self._held.append(message)
-            return
+        """Send what waited, then ``message``."""
         self._hold = False  # decided, or never held: what waits goes first
         if self._held:
             for waiting in self._held:

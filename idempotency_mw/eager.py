@@ -2,7 +2,7 @@
 stop, started eagerly where Python can.
 
 Both must outlive a cancellation of the request (a server shutting down, an outer timeout), so whatever waits goes
-on in a task of its own (``IdempotentRequest._run`` and ``_settle``), and the request waits for it through
+on in a task of its own (``IdempotentRequest.run`` and ``_settle``), and the request waits for it through
 :func:`outlasting`. On Python 3.12 and later the task starts eagerly: it runs in the caller's turn of the event
 loop up to its first wait, so one that never waits (``MemoryStore``) is done at once and costs no turn of the loop,
 and one that waits for the database has already sent its statement. Python 3.11 has no eager tasks; there the task

@@ -215,71 +215,94 @@ class IdempotentRequest:
         self.reached_store = False
 
     async def run(self) -> None:
+        """Steps 1 to 5 in one method, read top to bottom. Each coroutine level between the server and the handler
+        is passed through at every wait of every request, so the fresh path keeps them few: here, ``_execute`` and
+        the app's own."""
         try:
-            await self._run()
+            # 1. The key, validated before anything touches the store.
+            try:
+                self.key = key_from_headers(self.scope["headers"])
+            except MissingKey:
+                if self.policy.required:
+                    return await self._refuse(problems.key_missing(), Outcome.KEY_MISSING)
+                if self.policy.transactional:
+                    self.body_delivered = True  # nothing was buffered: the handler reads the real channel
+                    return await self._execute_in_transaction()
+                return await self.middleware.app(self.scope, self.receive, self.send)  # not ours: untouched
+            except InvalidKey as error:
+                return await self._refuse(problems.key_invalid(str(error)), Outcome.KEY_INVALID)
+
+            # 2. The tenant: none means the key cannot be scoped, and an unscoped key must never meet another's.
+            tenant = self.middleware.tenant(self.scope)
+            if tenant is not None and not isinstance(tenant, str):
+                tenant = await self._awaited_tenant(tenant)
+            if tenant is None:
+                self._tenant_unknown()
+                return await self._refuse(problems.tenant_unknown(), Outcome.TENANT_UNKNOWN)
+            self.tenant = tenant
+
+            # 3. The body, capped, and the fingerprint.
+            if not await self._read_body():
+                return
+            digest = fingerprint(
+                self.scope["method"],
+                self.scope["path"],
+                self.scope.get("query_string", b""),
+                self._header(b"content-type"),
+                self.body,
+            )
+
+            # 4. The claim: one store call decides what happens next.
+            self.outcome = Outcome.STORE_ERROR  # until something better is known: every started request ends
+            self._notify_started()
+            started = time.perf_counter()
+            claiming = start_eagerly(  # a task of its own: a cancellation must not lose a claim that landed
+                self.store.claim(self.tenant, self.key, digest, lease=self.policy.lease, ttl=self.policy.ttl),
+                "idempotency claim",
+            )
+            try:
+                claim = await outlasting(claiming)
+            except asyncio.CancelledError:
+                # Cancelled (a server shutting down, an outer timeout) while the claim was on its way: it may have
+                # landed. A claim that turns out to be ours is released, so the key is not left to its lease.
+                self.settling = asyncio.ensure_future(self._abandon(claiming))
+                raise
+            except Exception as error:
+                self.store_seconds += time.perf_counter() - started
+                self.middleware.failures.failed("claim a key", error)
+                if self.policy.fail_open:
+                    self.outcome = Outcome.UNPROTECTED
+                    return await self.middleware.app(self.scope, self._receive_buffered, self._send_tracked)
+                return await self._refuse(
+                    problems.store_unavailable(self.middleware.retry_after), _store_failure(error)
+                )
+            del claiming  # finished: not kept alive through the handler's run
+            self.store_seconds += time.perf_counter() - started
+            self.middleware.failures.succeeded()
+            self.attempts = claim.attempts
+            if claim.outcome is not ClaimOutcome.OWNED:
+                return await self._answer(claim)
+            if self.policy.check_uuid7_age and self._key_outlived_retention():
+                # No record is left to compare with: running now could repeat an operation whose record was purged.
+                await self._release(claim.fence)
+                return await self._refuse(problems.key_expired(int(self.policy.ttl)), Outcome.KEY_EXPIRED)
+
+            # 5. The key is ours: run the handler while its lease is renewed.
+            self.fence = claim.fence
+            self.lease = self.middleware.leases.hold(self.tenant, self.key, claim.fence, self.policy.lease)
+            try:
+                if self.policy.transactional:
+                    await self._execute_in_transaction()
+                else:
+                    await self._execute()
+            finally:
+                self._drop_lease()
         finally:
             if self.settling is not None and not self.settling.done():
                 # Cancelled while settling: report the outcome once the settlement (which goes on) knows it.
                 self.settling.add_done_callback(lambda _: self._emit())
             else:
                 self._emit()  # unless the outcome was already reported when it was decided
-
-    async def _run(self) -> None:
-        # 1. The key, validated before anything touches the store.
-        try:
-            self.key = key_from_headers(self.scope["headers"])
-        except MissingKey:
-            if self.policy.required:
-                return await self._refuse(problems.key_missing(), Outcome.KEY_MISSING)
-            if self.policy.transactional:
-                self.body_delivered = True  # nothing was buffered: the handler reads the real channel
-                return await self._execute_in_transaction()
-            return await self.middleware.app(self.scope, self.receive, self.send)  # not ours: untouched
-        except InvalidKey as error:
-            return await self._refuse(problems.key_invalid(str(error)), Outcome.KEY_INVALID)
-
-        # 2. The tenant: none means the key cannot be scoped, and an unscoped key must never meet another client's.
-        tenant = await self._resolve_tenant()
-        if tenant is None:
-            return await self._refuse(problems.tenant_unknown(), Outcome.TENANT_UNKNOWN)
-        self.tenant = tenant
-
-        # 3. The body, capped, and the fingerprint.
-        if not await self._read_body():
-            return
-        digest = fingerprint(
-            self.scope["method"],
-            self.scope["path"],
-            self.scope.get("query_string", b""),
-            self._header(b"content-type"),
-            self.body,
-        )
-
-        # 4. The claim: one store call decides what happens next.
-        self.outcome = Outcome.STORE_ERROR  # until something better is known: every started request ends
-        self._notify_started()
-        started = time.perf_counter()
-        claiming = start_eagerly(  # a task of its own: a cancellation must not lose a claim that landed
-            self.store.claim(self.tenant, self.key, digest, lease=self.policy.lease, ttl=self.policy.ttl),
-            "idempotency claim",
-        )
-        try:
-            claim = await outlasting(claiming)
-        except asyncio.CancelledError:
-            # Cancelled (a server shutting down, an outer timeout) while the claim was on its way: it may have
-            # landed. A claim that turns out to be ours is released, so the key is not left to its lease.
-            self.settling = asyncio.ensure_future(self._abandon(claiming))
-            raise
-        except Exception as error:
-            self.store_seconds += time.perf_counter() - started
-            self.middleware.failures.failed("claim a key", error)
-            if self.policy.fail_open:
-                self.outcome = Outcome.UNPROTECTED
-                return await self.middleware.app(self.scope, self._receive_buffered, self._send_tracked)
-            return await self._refuse(problems.store_unavailable(self.middleware.retry_after), _store_failure(error))
-        self.store_seconds += time.perf_counter() - started
-        self.middleware.failures.succeeded()
-        await self._act_on(claim)
 
     async def _abandon(self, claiming: asyncio.Future[Claim]) -> None:
         """The claim of a request that was cancelled: release it once it is known to be ours."""
@@ -292,14 +315,14 @@ class IdempotentRequest:
         if claim.outcome is ClaimOutcome.OWNED:
             await self._release(claim.fence)
 
-    async def _act_on(self, claim: Claim) -> None:
-        self.attempts = claim.attempts
+    async def _answer(self, claim: Claim) -> None:
+        """A claim that is not ours: a different request (422), one still running (409), or one completed (7.)."""
         if claim.outcome is ClaimOutcome.MISMATCH:
             await self._refuse(problems.key_reused(), Outcome.KEY_REUSED)
         elif claim.outcome is ClaimOutcome.IN_PROGRESS:
             await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.IN_PROGRESS)
-        elif claim.outcome is ClaimOutcome.COMPLETED:
-            assert claim.response is not None
+        else:
+            assert claim.response is not None  # COMPLETED: the other outcome, OWNED, runs the handler
             if claim.response.body is None:  # completed, but not stored in full (over the cap, or cut short)
                 response = claim.response
                 await self._refuse(
@@ -312,21 +335,6 @@ class IdempotentRequest:
                 # 7. Replay.
                 self._decide(Outcome.REPLAYED, claim.response.status)
                 await replay(claim.response, self.send)
-        elif self.policy.check_uuid7_age and self._key_outlived_retention():
-            # No record is left to compare with: running now could repeat an operation whose record was purged.
-            await self._release(claim.fence)
-            await self._refuse(problems.key_expired(int(self.policy.ttl)), Outcome.KEY_EXPIRED)
-        else:
-            self.fence = claim.fence
-            assert self.key is not None
-            self.lease = self.middleware.leases.hold(self.tenant, self.key, claim.fence, self.policy.lease)
-            try:
-                if self.policy.transactional:
-                    await self._execute_in_transaction()
-                else:
-                    await self._execute()
-            finally:
-                self._drop_lease()
 
     # -- 5 and 6: running the handler, then recording or releasing -------------------------------------------
 
@@ -350,12 +358,15 @@ class IdempotentRequest:
             await self._settle()
 
     async def _send_recorded(self, message: Message) -> None:
-        """The handler's ``send``: copy each message, and settle before the final body message goes on."""
+        """The handler's ``send``: copy each message, and settle before the final body message goes on (what
+        ``_settle`` does, written out: this wait is on every fresh request's path, one coroutine level fewer)."""
         assert self.recorder is not None
-        message, decide = self.recorder.record(message)
+        going, decide = self.recorder.record(message)
         if decide:
-            await self._settle()
-        await self.recorder.forward(message)
+            await outlasting(self._start_settling())
+            self._emit()  # before the final body goes out, while a server span still records
+        if going is not None:
+            await self.recorder.forward(going)
 
     def _start_settling(self) -> asyncio.Future[None]:
         if self.settling is None:
@@ -380,16 +391,12 @@ class IdempotentRequest:
         assert self.fence is not None
         self._drop_lease()
         self.status = recorder.status
-        if self._is_final(recorder.status):
-            await self._complete(self.fence, recorder)
-        else:
-            await self._release(self.fence)
-
-    async def _complete(self, fence: int, recorder: ResponseRecorder) -> None:
+        if not self._is_final(recorder.status):
+            return await self._release(self.fence)
         assert self.key is not None
         started = time.perf_counter()
         try:
-            completed = await self.store.complete(self.tenant, self.key, fence, recorder.stored_response())
+            completed = await self.store.complete(self.tenant, self.key, self.fence, recorder.stored_response())
         except Exception as error:
             # The client has its response; the claim stays until its lease lapses, then a retry runs again.
             self.middleware.failures.failed("record a completed response", error)
@@ -504,11 +511,16 @@ class IdempotentRequest:
 
     # -- helpers --------------------------------------------------------------------------------------------
 
-    async def _resolve_tenant(self) -> str | None:
-        tenant = self.middleware.tenant(self.scope)
-        if tenant is not None and not isinstance(tenant, str) and inspect.isawaitable(tenant):  # async resolvers
+    async def _awaited_tenant(self, tenant: object) -> str | None:
+        """What an async tenant resolver gives (a sync one's ``str`` or None needs no coroutine), checked."""
+        if inspect.isawaitable(tenant):
             tenant = await tenant
-        if tenant is None and not self.middleware.tenant_unknown_logged:
+        if tenant is not None and not isinstance(tenant, str):
+            raise TypeError(f"the tenant resolver must return a str or None, not {type(tenant).__name__}")
+        return tenant
+
+    def _tenant_unknown(self) -> None:
+        if not self.middleware.tenant_unknown_logged:
             self.middleware.tenant_unknown_logged = True
             logger.warning(
                 "idempotency: a request with an Idempotency-Key got 400 idempotency_tenant_unknown because the "
@@ -517,9 +529,6 @@ class IdempotentRequest:
                 "resolver that returns their account; to let requests without credentials share one namespace, "
                 'pass tenant=AuthorizationTenant(anonymous="public"). Logged once per middleware.'
             )
-        if tenant is not None and not isinstance(tenant, str):
-            raise TypeError(f"the tenant resolver must return a str or None, not {type(tenant).__name__}")
-        return tenant
 
     async def _read_body(self) -> bool:
         """Buffer the request body; False when the request ended here (413, or the client left)."""

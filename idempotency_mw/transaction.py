@@ -144,10 +144,11 @@ class TransactionalRun:
     async def _send(self, message: Message) -> None:
         if self.state in DID_NOT_COMMIT:
             raise NotCommitted(f"the handler's transaction did not commit ({self.state.value})")
-        message, decide = self.recorder.record(message)
+        going, decide = self.recorder.record(message)
         if decide:
             await self._settle()
-        await self.recorder.forward(message)
+        if going is not None:
+            await self.recorder.forward(going)
 
     async def _settle(self) -> None:
         """The response is complete (or outgrew what may be held): decide, once, whether it may go out.

@@ -204,7 +204,7 @@ class ClaimLandsThenStallsStore(PostgresStore):
 async def test_request_cancelled_during_its_claim_releases_the_key(idempotency_database_url: str) -> None:
     """docs/design.md §2.6: "a request cancelled before its response started is released". A request cancelled while
     its claim is in flight (the server cancels it at shutdown, or because the client hung up; an outer timeout)
-    loses the claim's answer: ``IdempotentRequest._run`` awaits ``store.claim`` unshielded, and its ``except
+    loses the claim's answer: ``IdempotentRequest.run`` awaited ``store.claim`` unshielded, and its ``except
     Exception`` does not see the CancelledError. When the claim had landed, the key stays ``in_progress`` under a
     fence nobody holds, and the client's retry gets 409 until the lease lapses (30 s by default). The request's
     event also says ``store_error`` (the placeholder set before the claim), though the store never failed, so
