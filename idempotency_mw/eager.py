@@ -2,11 +2,11 @@
 stop, started eagerly where Python can.
 
 Both must outlive a cancellation of the request (a server shutting down, an outer timeout), so whatever waits goes
-on in a task of its own (``IdempotentRequest.run`` and ``_settle``), and the request waits for it through
-:func:`outlasting`. On Python 3.12 and later the task starts eagerly: it runs in the caller's turn of the event
-loop up to its first wait, so one that never waits (``MemoryStore``) is done at once and costs no turn of the loop,
-and one that waits for the database has already sent its statement. Python 3.11 has no eager tasks; there the task
-starts at the loop's next turn.
+on in a task of its own (started in ``IdempotentRequest.run`` and ``_start_settling``), and the request waits for it
+through :func:`outlasting`. On Python 3.12 and later the task starts eagerly: it runs in the caller's turn of the
+event loop up to its first wait, so one that never waits (``MemoryStore``) is done at once and costs no turn of the
+loop, and one that waits for the database has already sent its statement. Python 3.11 has no eager tasks; there the
+task starts at the loop's next turn.
 
 Why not emulate eager start on 3.11 by driving the coroutine by hand until it first waits: code that captures the
 current task before that wait (``asyncio.timeout``, which the store's pool uses while waiting for a connection)

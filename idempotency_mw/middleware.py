@@ -217,7 +217,7 @@ class IdempotentRequest:
     async def run(self) -> None:
         """Steps 1 to 5 in one method, read top to bottom. Each coroutine level between the server and the handler
         is passed through at every wait of every request, so the fresh path keeps them few: here, ``_execute`` and
-        the app's own."""
+        the app's own (in a transaction, ``_execute_in_transaction`` and ``TransactionalRun.run``)."""
         try:
             # 1. The key, validated before anything touches the store.
             try:
@@ -316,7 +316,8 @@ class IdempotentRequest:
             await self._release(claim.fence)
 
     async def _answer(self, claim: Claim) -> None:
-        """A claim that is not ours: a different request (422), one still running (409), or one completed (7.)."""
+        """A claim that is not ours: a different request (422), one still running (409), or one completed: replayed
+        (7.), or a 409 when its response was not stored in full."""
         if claim.outcome is ClaimOutcome.MISMATCH:
             await self._refuse(problems.key_reused(), Outcome.KEY_REUSED)
         elif claim.outcome is ClaimOutcome.IN_PROGRESS:
@@ -512,7 +513,8 @@ class IdempotentRequest:
     # -- helpers --------------------------------------------------------------------------------------------
 
     async def _awaited_tenant(self, tenant: object) -> str | None:
-        """What an async tenant resolver gives (a sync one's ``str`` or None needs no coroutine), checked."""
+        """What a tenant resolver gave, awaited if it is awaitable and checked: a ``str`` or None. A sync resolver's
+        ``str`` or None needs no coroutine and skips this; anything else it returns comes here to be refused."""
         if inspect.isawaitable(tenant):
             tenant = await tenant
         if tenant is not None and not isinstance(tenant, str):

@@ -24,9 +24,9 @@ async def test_fixes_py_settles_every_request_in_each_of_its_variants(
 
     from idempotency_mw.middleware import IdempotentRequest
 
-    shipped = IdempotentRequest._settle
+    shipped = IdempotentRequest._settle, IdempotentRequest._send_recorded
     result = await fixes.settle_cost(migrated_url, rounds=1, requests=20)  # asserts 20 answers of 201
-    assert IdempotentRequest._settle is shipped  # put back
+    assert (IdempotentRequest._settle, IdempotentRequest._send_recorded) == shipped  # both put back
     for store in ("MemoryStore", "PostgresStore"):
         assert {fixes.SHIPPED, fixes.FROM_THE_START, fixes.DIRECT} <= set(result[store])
         assert all(result[store][name] > 0 for name in (fixes.SHIPPED, fixes.FROM_THE_START, fixes.DIRECT))
