@@ -13,7 +13,8 @@ issue 14's question of why PostgreSQL spends more per request under HTTP traffic
 Target 14.1 (ours against the hand-written app) is judged on a paired measurement of its own (:func:`run_paired`):
 both servers up at once, short fresh-key slices alternating between them, the median of the per-round ratios. On a
 shared machine whose speed drifts by tens of percent within a minute, two runs a minute apart can differ more than
-the two apps do; two slices seconds apart cannot.
+the two apps do; two slices seconds apart cannot. The median comes with a distribution-free 95% interval, so a
+verdict within it of the goal reads as the coin toss it is.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from common import (
     Context,
     Target,
     median,
+    median_interval,
     ratio,
     reset,
     statements,
@@ -41,6 +43,7 @@ from servers import CpuMeter, Server
 
 POOL = 1000  # keys primed for the replay runs
 PAIRED_SLICE = 2.0  # seconds per slice of the paired measurement (target 14.1)
+PAIRED_GOAL = 0.9  # target 14.1: ours at least this share of the hand-written app's fresh-key requests/s
 CPU_PARTS = ("app", "postgres", "client")
 CONNECTIONS = 32
 LABELS = {
@@ -299,17 +302,15 @@ def targets(result: dict[str, Any]) -> list[Target]:
             return Target(what, goal, f"n/a (no valid {against} runs)", None)
         return Target(what, goal, f"{value:.2f}x {against}", value >= least)
 
+    paired_goal = "14.1 fresh-key throughput vs the hand-written app (inline asyncpg; paired slices, median ratio)"
+    paired = judged(paired_goal, "≥ 0.90x", h["paired_vs_handwritten"], PAIRED_GOAL, "hand-written")
+    if h["paired_vs_handwritten"] is not None:  # three digits: a median of 0.899 is not shown as the 0.90 it misses
+        paired = Target(paired_goal, "≥ 0.90x", paired_summary(result["paired"]), paired.ok)
     return [
         judged(
             "3. fresh-key throughput vs the best peer", "≥ 2x", h["fresh_vs_peer"], 2, h["best_fresh_peer"] or "peer"
         ),
-        judged(
-            "14.1 fresh-key throughput vs the hand-written app (inline asyncpg; paired slices, median ratio)",
-            "≥ 0.90x",
-            h["paired_vs_handwritten"],
-            0.9,
-            "hand-written",
-        ),
+        paired,
         judged("3. fresh-key throughput vs the database floor", "≥ 0.60x", h["fresh_vs_floor"], 0.6, "floor"),
         judged(
             "3. replay throughput vs the best peer", "≥ 2x", h["replay_vs_peer"], 2, h["best_replay_peer"] or "peer"
@@ -447,6 +448,13 @@ def collector_section(s: dict[str, Any]) -> list[str]:
     ]
 
 
+def paired_summary(paired: dict[str, Any]) -> str:
+    """The paired median with its 95% interval, e.g. ``0.899x hand-written (95% interval 0.87 to 0.97x, 20 rounds)``."""
+    interval = median_interval(paired["ratios"])
+    spread = f"95% interval {interval[0]:.2f} to {interval[1]:.2f}x, " if interval else ""
+    return f"{paired['median_ratio']:.3f}x hand-written ({spread}{len(paired['ratios'])} rounds)"
+
+
 def paired_section(paired: dict[str, Any] | None) -> list[str]:
     """Target 14.1's own measurement: the paired slices, every round shown."""
     if not paired:
@@ -457,12 +465,26 @@ def paired_section(paired: dict[str, Any] | None) -> list[str]:
         for n, (h, o) in enumerate(zip(rps["handwritten"], rps["ours"], strict=True))
     ]
     ratios = paired["ratios"]
-    verdict = (
-        f"Median of the per-round ratios: **{paired['median_ratio']:.2f}x** (rounds {min(ratios):.2f} to "
-        f"{max(ratios):.2f}x)."
-        if paired["median_ratio"] is not None
-        else "No verdict: " + "; ".join(paired["invalid"])
-    )
+    if paired["median_ratio"] is None:
+        verdict = "No verdict: " + "; ".join(paired["invalid"])
+    else:
+        verdict = (
+            f"Median of the per-round ratios: **{paired['median_ratio']:.3f}x** (rounds {min(ratios):.2f} to "
+            f"{max(ratios):.2f}x)."
+        )
+        interval = median_interval(ratios)
+        if interval:
+            low, high = interval
+            verdict += (
+                f" A 95% confidence interval for the median, from the order of the rounds alone, runs from "
+                f"{low:.3f} to {high:.3f}x"
+                + (
+                    ": the goal of 0.90x lies inside it, so this run can neither confirm nor rule out that the "
+                    "goal is met."
+                    if low <= PAIRED_GOAL <= high
+                    else "."
+                )
+            )
     return [
         "## Ours against the hand-written app, paired (target 14.1)",
         f"Both servers up at once on the same PostgreSQL; {paired['rounds']} rounds, each one "

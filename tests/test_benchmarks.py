@@ -62,3 +62,28 @@ def test_instructions_py_drives_each_variant(migrated_url: str, kind: str, varia
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_paired_median_comes_with_an_order_statistic_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Target 14.1's interval: the 6th smallest and 6th largest of 20 rounds (P(fewer than 6 of 20 below the median)
+    is 21,700 / 2^20, about 2.1%, at most the 2.5% a tail may have; 7 would be 5.8%), and none for 5 rounds, which
+    cannot give 95% (the extremes hold the median with probability 1 - 2/32)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from common import median_interval
+
+    rounds = [float(n) for n in range(20, 0, -1)]  # unordered on purpose
+    assert median_interval(rounds) == (6.0, 15.0)
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]) == (1.0, 6.0)
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
+
+
+def test_the_paired_verdict_is_shown_to_the_digit_it_is_judged_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A median of 0.8988 misses 0.90: shown as "0.90x" it read as a pass beside "missed"."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import endtoend
+
+    ratios = [0.85, 0.86, 0.87, 0.88, 0.89, 0.8976, 0.9, 0.91, 0.92, 0.93, 0.95, 0.97]
+    paired = {"rounds": 12, "slice_seconds": 2.0, "ratios": ratios, "median_ratio": 0.8988, "invalid": []}
+    target = endtoend.targets({"summary": {}, "paired": paired})[1]
+    assert target.measured == "0.899x hand-written (95% interval 0.87 to 0.93x, 12 rounds)"
+    assert target.verdict == "**missed**"
