@@ -452,8 +452,9 @@ class IdempotentRequest:
             return False  # what the app raised after the commit (a background task) undoes nothing
         if run.state is State.ROLLED_BACK and raised is None:
             return False  # a transient answer: released and reported when it settled
-        # Nothing committed: free the key for the retry, then answer as the transaction ended.
-        if self.fence is not None and run.state is not State.FENCED_OUT:
+        # Nothing committed: free the key for the retry (unless the rollback's settling freed it already), then
+        # answer as the transaction ended.
+        if self.fence is not None and run.state is not State.FENCED_OUT and self.outcome is not Outcome.RELEASED:
             await self._release(self.fence)
         if run.state is State.FENCED_OUT:
             # A newer claim owns the key: our writes were rolled back, and the client hears what a retry would.

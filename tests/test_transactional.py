@@ -570,3 +570,27 @@ async def test_a_backend_terminated_while_the_handler_runs_is_503_and_frees_the_
     retry = await client.post("/write", headers={"Idempotency-Key": key})
     assert retry.status_code == 201
     assert runs == [1, 1]
+
+
+async def test_a_handler_that_never_finishes_its_response_frees_the_key_once(
+    pg_store: PostgresStore, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The transaction rolls back and the key is released as the rollback settles; answering the error that follows
+    must not release it a second time (a round trip for nothing)."""
+    releases: list[str] = []
+    release = pg_store.release
+
+    async def counted(tenant: str, key: str, fence: int) -> None:
+        releases.append(key)
+        await release(tenant, key, fence)
+
+    monkeypatch.setattr(pg_store, "release", counted)
+
+    async def start_only(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+
+    app = IdempotencyMiddleware(start_only, store=pg_store, transactional=True)
+    with pytest.raises(RuntimeError, match="without finishing its response"):
+        await client_for(app).post("/write", headers={"Idempotency-Key": key})
+    assert releases == [key]
+    assert await pg_store.inspect(tenant_of(), key) is None
