@@ -1,11 +1,14 @@
 """An in-process store with the PostgreSQL store's semantics, for tests and single-process development.
 
 Records live in a dict; expired ones are swept as new claims arrive, so memory follows the live records, not
-every key ever seen. It shares nothing between processes: do not use it behind several workers.
+every key ever seen. Expiry times wait in a heap beside it, so a claim looks only at records whose time has come
+(O(log n)), never at the live ones; the expiry of a record released or forgotten early waits there until its time.
+It shares nothing between processes: do not use it behind several workers.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections.abc import Callable
@@ -26,20 +29,21 @@ class _Record:
 
 
 class MemoryStore:
-    SWEEP_EVERY = 1024  # claims between sweeps of expired records
-
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self._records: dict[tuple[str, str], _Record] = {}
+        # (expires_at, key) for every expiry a record was given; one that a record has outlived (its lease moved it
+        # on, or the key was forgotten and claimed again) is passed over when its time comes.
+        self._expiries: list[tuple[float, tuple[str, str]]] = []
         self._fences = itertools.count(1)
         self._clock = clock
-        self._claims_since_sweep = 0
 
     def __len__(self) -> int:
         return len(self._records)
 
     async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
         now = self._clock()
-        self._sweep(now)
+        if self._expiries and self._expiries[0][0] <= now:
+            self._expire(now)
         record = self._records.get((tenant, key))
         if record is None or record.expires_at <= now:
             fence = next(self._fences)
@@ -47,6 +51,7 @@ class MemoryStore:
             # A record never expires under a live lease: renew and a takeover move expires_at past the lease.
             expires = now + max(ttl, lease)
             self._records[(tenant, key)] = _Record(fingerprint, fence, now, expires, now + lease, attempts=attempts)
+            heapq.heappush(self._expiries, (expires, (tenant, key)))
             return Claim(ClaimOutcome.OWNED, fence=fence, attempts=attempts)
         if record.fingerprint == fingerprint and record.response is not None:
             # A replay only reads the record (PostgreSQL: no write at all), so it is not counted.
@@ -59,7 +64,7 @@ class MemoryStore:
         if record.lease_expires_at <= now:
             record.fence = next(self._fences)
             record.lease_expires_at = now + lease
-            record.expires_at = max(record.expires_at, record.lease_expires_at)
+            self._extend(tenant, key, record)
             return Claim(ClaimOutcome.OWNED, fence=record.fence, attempts=attempts)
         return Claim(ClaimOutcome.IN_PROGRESS, attempts=attempts)
 
@@ -74,7 +79,7 @@ class MemoryStore:
         if record is None:
             return False
         record.lease_expires_at = self._clock() + lease
-        record.expires_at = max(record.expires_at, record.lease_expires_at)
+        self._extend(tenant, key, record)
         return True
 
     async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
@@ -112,18 +117,27 @@ class MemoryStore:
         )
 
     async def purge_expired(self, *, batch_size: int = 1000) -> int:
-        now = self._clock()
-        expired = [k for k, r in self._records.items() if r.expires_at <= now][:batch_size]
-        for k in expired:
-            del self._records[k]
-        return len(expired)
+        return self._expire(self._clock(), batch_size)
 
     async def close(self) -> None:
         self._records.clear()
+        self._expiries.clear()
 
-    def _sweep(self, now: float) -> None:
-        self._claims_since_sweep += 1
-        if self._claims_since_sweep >= self.SWEEP_EVERY:
-            self._claims_since_sweep = 0
-            for k in [k for k, r in self._records.items() if r.expires_at <= now]:
-                del self._records[k]
+    def _extend(self, tenant: str, key: str, record: _Record) -> None:
+        """A record never expires under a live lease: a renewal or a takeover moves expires_at past the lease."""
+        assert record.lease_expires_at is not None
+        if record.lease_expires_at > record.expires_at:
+            record.expires_at = record.lease_expires_at
+            heapq.heappush(self._expiries, (record.expires_at, (tenant, key)))
+
+    def _expire(self, now: float, limit: int | None = None) -> int:
+        """Delete the records expired by ``now``, oldest first, at most ``limit``; how many were deleted."""
+        expiries, records = self._expiries, self._records
+        deleted = 0
+        while expiries and expiries[0][0] <= now and (limit is None or deleted < limit):
+            _, key = heapq.heappop(expiries)
+            record = records.get(key)
+            if record is not None and record.expires_at <= now:
+                del records[key]
+                deleted += 1
+        return deleted

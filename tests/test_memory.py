@@ -1,0 +1,67 @@
+"""MemoryStore's expiry: memory follows the live records, and no claim pays for the records that are not expiring."""
+
+from __future__ import annotations
+
+from idempotency_mw import MemoryStore, StoredResponse
+
+FP = b"f" * 32
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_an_expired_record_is_gone_by_the_next_claim() -> None:
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    first = await store.claim("t", "old", FP, lease=5, ttl=10)
+    assert await store.complete("t", "old", first.fence, StoredResponse(201, [], b"done", 4))
+    clock.now += 11
+    await store.claim("t", "new", FP, lease=5, ttl=10)
+    assert len(store) == 1
+    assert await store.inspect("t", "old") is None
+
+
+async def test_a_record_kept_past_its_first_expiry_by_its_lease_stays() -> None:
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    held = await store.claim("t", "slow", FP, lease=5, ttl=10)
+    clock.now += 4
+    assert await store.renew("t", "slow", held.fence, lease=20)  # now expires at +24, not +10
+    clock.now += 7  # +11: past the first expiry
+    await store.claim("t", "other", FP, lease=5, ttl=10)
+    assert len(store) == 2
+    clock.now += 14  # +25: past the renewed expiry too
+    await store.claim("t", "another", FP, lease=5, ttl=10)
+    assert await store.inspect("t", "slow") is None
+    assert len(store) == 1
+
+
+async def test_a_key_forgotten_and_claimed_again_lives_by_its_new_expiry() -> None:
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    await store.claim("t", "k", FP, lease=5, ttl=10)
+    assert await store.forget("t", "k")
+    clock.now += 5
+    again = await store.claim("t", "k", FP, lease=5, ttl=10)  # expires at +15
+    clock.now += 6  # +11: the first claim's expiry has passed, not this one's
+    assert await store.purge_expired() == 0
+    info = await store.inspect("t", "k")
+    assert info is not None
+    assert info.fence == again.fence
+
+
+async def test_purge_takes_at_most_a_batch_and_the_oldest_first() -> None:
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    for n in range(5):
+        await store.claim("t", f"k{n}", FP, lease=1, ttl=10 + n)
+    clock.now += 100
+    assert await store.purge_expired(batch_size=2) == 2
+    assert [await store.inspect("t", f"k{n}") is None for n in range(5)] == [True, True, False, False, False]
+    assert await store.purge_expired(batch_size=10) == 3
+    assert len(store) == 0
