@@ -42,8 +42,7 @@ class MemoryStore:
 
     async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
         now = self._clock()
-        if self._expiries and self._expiries[0][0] <= now:
-            self._expire(now)
+        self._expire(now)
         record = self._records.get((tenant, key))
         if record is None or record.expires_at <= now:
             fence = next(self._fences)
