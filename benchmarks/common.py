@@ -11,7 +11,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,8 @@ class Context:
     seconds: float  # one measured load run
     repetitions: int  # interleaved repetitions of the end-to-end runs
     peers: dict[str, str | None]  # peer -> None if usable, else why not
-    notes: list[str] = field(default_factory=list)
+    eager_python: str | None = None  # the same runtime on Python 3.12+, for target 14.1 with eager tasks
+    eager_about: str = ""  # that interpreter's version, or why there is none
 
     def usable_peers(self) -> list[str]:
         return [name for name, problem in self.peers.items() if problem is None]

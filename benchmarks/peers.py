@@ -1,4 +1,5 @@
-"""The benchmark venv (``benchmarks/.work/venv``, git-ignored): the servers' runtime and the peer libraries.
+"""The benchmark venvs (``benchmarks/.work``, git-ignored): the servers' runtime and the peer libraries, and the same
+runtime on Python 3.12 or later for target 14.1 with eager tasks.
 
 Nothing of the peers is committed: they are installed from PyPI at run time, pinned to the versions compared in
 docs/semantics.md ("Compared with the other Python libraries"). The server stack (Starlette, uvicorn, asyncpg,
@@ -7,14 +8,23 @@ code; uvloop and httptools are added (the usual production uvicorn). A peer that
 reported with its error, not hidden. Known pitfalls, handled here: ``fastidempotent[postgres]`` needs
 ``sqlalchemy[asyncio]`` (greenlet) as well; Tortoise ORM 1.x needs ``Tortoise.init(_enable_global_fallback=True)``
 (in ``benchapp.py``).
+
+Target 14.1 is measured on a second interpreter as well, Python 3.12 or later, where asyncio starts a task eagerly
+and the middleware's two tasks per fresh request cost no turn of the event loop (``idempotency_mw/eager.py``). Its
+venv (``venv-eager``) has the same pinned server stack and no peers. The interpreter is ``$BENCH_EAGER_PYTHON``, or
+else the first ``python3.12`` or ``python3.13`` that runs, on the PATH or under pyenv; without one, the run says so
+and measures the benchmark's own interpreter alone.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from servers import WORK
 
@@ -22,6 +32,9 @@ VENV = WORK / "venv"
 PYTHON = VENV / "bin" / "python"
 SAME_AS_PROJECT = ("starlette", "uvicorn", "asyncpg", "orjson", "httpx", "psutil")
 RUNTIME = ("uvloop", "httptools", "py-spy")
+EAGER_VENV = WORK / "venv-eager"
+EAGER_VARIABLE = "BENCH_EAGER_PYTHON"
+EAGER_SINCE = (3, 12)  # asyncio.Task(..., eager_start=True)
 PEERS = {
     "fastidempotent": (["fastidempotent[postgres]==0.1.0", "sqlalchemy[asyncio]"], "fastidempotent.backends.postgres"),
     "fastapi-idempotency": (
@@ -38,9 +51,9 @@ def _pinned(name: str) -> str:
         return name
 
 
-def _pip(*requirements: str) -> str | None:
+def _pip(*requirements: str, python: Path = PYTHON) -> str | None:
     done = subprocess.run(
-        [str(PYTHON), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *requirements],
+        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *requirements],
         capture_output=True,
         text=True,
         timeout=900,
@@ -59,7 +72,7 @@ def _imports(module: str) -> str | None:
 
 def ensure() -> tuple[str, dict[str, str | None], dict[str, str]]:
     """(venv python, {peer: None or why it cannot run}, {package: version}), installing what is missing."""
-    core = [*(_pinned(name) for name in SAME_AS_PROJECT), *RUNTIME]
+    core = _core()
     wanted = {"core": core, "peers": {name: reqs for name, (reqs, _) in PEERS.items()}}
     stamp = VENV / "bench-requirements.json"
     if not PYTHON.exists():
@@ -82,3 +95,59 @@ def ensure() -> tuple[str, dict[str, str | None], dict[str, str]]:
     )
     versions = {p["name"].lower(): p["version"] for p in json.loads(freeze.stdout or "[]")}
     return str(PYTHON), status, versions
+
+
+def ensure_eager() -> tuple[str | None, str]:
+    """(venv python, its Python version) for target 14.1 on Python 3.12 or later, installing what is missing; or
+    (None, why there is none)."""
+    found = _eager_interpreter()
+    if found[0] is None:
+        return found
+    interpreter, found_version = found
+    python = EAGER_VENV / "bin" / "python"
+    wanted = {"interpreter": interpreter, "version": found_version, "core": _core()}
+    stamp = EAGER_VENV / "bench-requirements.json"
+    if not python.exists() or not stamp.exists() or json.loads(stamp.read_text()) != wanted:
+        subprocess.run([interpreter, "-m", "venv", "--clear", str(EAGER_VENV)], check=True, timeout=300)
+        problem = _pip(*wanted["core"], python=python)
+        if problem:
+            return None, f"could not install the benchmark runtime for Python {found_version}: {problem}"
+        stamp.write_text(json.dumps(wanted))
+    return str(python), found_version
+
+
+def _core() -> list[str]:
+    return [*(_pinned(name) for name in SAME_AS_PROJECT), *RUNTIME]
+
+
+def _eager_interpreter() -> tuple[str, str] | tuple[None, str]:
+    """The interpreter for the eager venv and its version, or (None, why not)."""
+    named = os.environ.get(EAGER_VARIABLE)
+    if named:
+        candidates = [named]
+    else:
+        on_path = (shutil.which(f"python3.{minor}") for minor in (12, 13))
+        pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
+        candidates = [*(path for path in on_path if path), *sorted(str(p) for p in pyenv.glob("3.1[2-9]*/bin/python3"))]
+    for candidate in candidates:
+        found = _version_of(candidate)
+        if found is not None and found >= EAGER_SINCE:
+            return candidate, ".".join(map(str, found))
+    if named:
+        return None, f"{EAGER_VARIABLE}={named} is not a Python 3.12 or later that runs"
+    return None, f"no Python 3.12 or later found (set {EAGER_VARIABLE} to one)"
+
+
+def _version_of(python: str) -> tuple[int, ...] | None:
+    """The version of an interpreter that runs (a pyenv shim of a version that is not selected does not)."""
+    try:
+        done = subprocess.run(
+            [python, "-c", "import sys; print(*sys.version_info[:3])"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except OSError:
+        return None
+    return tuple(int(part) for part in done.stdout.split()) if done.returncode == 0 else None

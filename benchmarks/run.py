@@ -285,6 +285,8 @@ def main() -> None:
     python, peer_status, versions = peers.ensure()
     for name, problem in peer_status.items():
         log(f"  {name}: {'ok' if problem is None else problem}")
+    eager_python, eager_about = peers.ensure_eager() if "endtoend" in chosen else (None, "")
+    log(f"  Python 3.12+ for target 14.1 with eager tasks: {eager_about}")
     mode = "quick" if args.quick else "full"
     seconds = args.seconds or (5.0 if args.quick else 15.0)
     failed: list[str] = []
@@ -292,7 +294,7 @@ def main() -> None:
         stats, postgres = asyncio.run(prepare_database(db.url))
         if not stats:
             log("pg_stat_statements is not available on this server: round trips cannot be counted")
-        ctx = Context(db, python, args.quick, seconds, 2 if args.quick else 3, peer_status)
+        ctx = Context(db, python, args.quick, seconds, 2 if args.quick else 3, peer_status, eager_python, eager_about)
         for name in chosen:
             if name == "roundtrips" and not stats:
                 continue

@@ -87,3 +87,42 @@ def test_the_paired_verdict_is_shown_to_the_digit_it_is_judged_on(monkeypatch: p
     target = endtoend.targets({"summary": {}, "paired": paired})[1]
     assert target.measured == "0.899x hand-written (95% interval 0.87 to 0.93x, 12 rounds)"
     assert target.verdict == "**missed**"
+
+
+def test_target_14_1_is_judged_again_on_the_eager_interpreter_when_one_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Python 3.12+ pair is a row of its own beside the main verdict, never in its place; a run without one says
+    why instead of leaving the row out."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import endtoend
+
+    def measured(ratios: list[float]) -> dict[str, object]:
+        return {
+            "rps": {"handwritten": [1000.0] * len(ratios), "ours": [1000.0 * r for r in ratios]},
+            "ratios": ratios,
+            "median_ratio": sorted(ratios)[len(ratios) // 2],
+            "invalid": [],
+        }
+
+    main, eager = measured([0.8, 0.85, 0.86, 0.88, 0.89, 0.9, 0.91]), measured([0.9, 0.93, 0.94, 0.95, 0.96, 0.97, 1.0])
+    paired = {"rounds": 7, "slice_seconds": 2.0, **main, "eager": {"python": "3.12.1", **eager}}
+    found = endtoend.targets({"summary": {}, "paired": paired})
+    assert [t.verdict for t in found[1:3]] == ["**missed**", "met"]
+    assert found[2].what.startswith("14.1 on Python 3.12.1")
+    section = "\n".join(endtoend.paired_section(paired))
+    assert "ours / hand-written, Python 3.12.1" in section
+    assert "| 7 | 1000 | 910 | 0.91x | 1000 | 1000 | 1.00x |" in section
+
+    paired["eager"] = {"missing": "no Python 3.12 or later found"}
+    found = endtoend.targets({"summary": {}, "paired": paired})
+    assert found[2].measured == "not measured: no Python 3.12 or later found" and found[2].ok is None
+    assert "Python 3.12 or later was not measured: no Python 3.12 or later found." in endtoend.paired_section(paired)
+
+
+def test_an_eager_interpreter_older_than_3_12_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import peers
+
+    monkeypatch.setenv(peers.EAGER_VARIABLE, sys.executable if sys.version_info < (3, 12) else "/nonexistent/python")
+    python, why = peers.ensure_eager()
+    assert python is None
+    assert why.endswith("is not a Python 3.12 or later that runs")
