@@ -285,8 +285,10 @@ def main() -> None:
     python, peer_status, versions = peers.ensure()
     for name, problem in peer_status.items():
         log(f"  {name}: {'ok' if problem is None else problem}")
-    eager_python, eager_about = peers.ensure_eager() if "endtoend" in chosen else (None, "")
-    log(f"  Python 3.12+ for target 14.1 with eager tasks: {eager_about}")
+    eager_python, eager_about = None, ""
+    if "endtoend" in chosen:
+        eager_python, eager_about = peers.ensure_eager()
+        log(f"  Python 3.12+ for target 14.1 with eager tasks: {eager_about}")
     mode = "quick" if args.quick else "full"
     seconds = args.seconds or (5.0 if args.quick else 15.0)
     failed: list[str] = []
