@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+from peers import EagerVenv
 from pgserver import Database
 from servers import HERE, bench_env
 
@@ -30,8 +31,7 @@ class Context:
     seconds: float  # one measured load run
     repetitions: int  # interleaved repetitions of the end-to-end runs
     peers: dict[str, str | None]  # peer -> None if usable, else why not
-    eager_python: str | None = None  # the same runtime on Python 3.12+, for target 14.1 with eager tasks
-    eager_about: str = ""  # that interpreter's version, or why there is none
+    eager: EagerVenv | None = None  # the same runtime on Python 3.12+, for target 14.1 (end to end only)
 
     def usable_peers(self) -> list[str]:
         return [name for name, problem in self.peers.items() if problem is None]

@@ -11,18 +11,20 @@ reported with its error, not hidden. Known pitfalls, handled here: ``fastidempot
 
 Target 14.1 is measured on a second interpreter as well, Python 3.12 or later, where asyncio starts a task eagerly
 and the middleware's two tasks per fresh request cost no turn of the event loop (``idempotency_mw/eager.py``). Its
-venv (``venv-eager``) has the same pinned server stack and no peers. The interpreter is ``$BENCH_EAGER_PYTHON``, or
-else the first ``python3.12`` or ``python3.13`` that runs, on the PATH or under pyenv; without one, the run says so
-and measures the benchmark's own interpreter alone.
+venv (``venv-eager``) has the same packages at the same versions, and no peers. The interpreter is
+``$BENCH_EAGER_PYTHON``, or else the first ``python3.12`` or ``python3.13`` that runs, on the PATH or under pyenv;
+without one, the run says so and measures the benchmark's own interpreter alone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -35,6 +37,7 @@ RUNTIME = ("uvloop", "httptools", "py-spy")
 EAGER_VENV = WORK / "venv-eager"
 EAGER_VARIABLE = "BENCH_EAGER_PYTHON"
 EAGER_SINCE = (3, 12)  # asyncio.Task(..., eager_start=True)
+EAGER_MINORS = (12, 13)  # the releases searched for, in this order
 PEERS = {
     "fastidempotent": (["fastidempotent[postgres]==0.1.0", "sqlalchemy[asyncio]"], "fastidempotent.backends.postgres"),
     "fastapi-idempotency": (
@@ -72,7 +75,7 @@ def _imports(module: str) -> str | None:
 
 def ensure() -> tuple[str, dict[str, str | None], dict[str, str]]:
     """(venv python, {peer: None or why it cannot run}, {package: version}), installing what is missing."""
-    core = _core()
+    core = [*(_pinned(name) for name in SAME_AS_PROJECT), *RUNTIME]
     wanted = {"core": core, "peers": {name: reqs for name, (reqs, _) in PEERS.items()}}
     stamp = VENV / "bench-requirements.json"
     if not PYTHON.exists():
@@ -97,45 +100,69 @@ def ensure() -> tuple[str, dict[str, str | None], dict[str, str]]:
     return str(PYTHON), status, versions
 
 
-def ensure_eager() -> tuple[str | None, str]:
-    """(venv python, its Python version) for target 14.1 on Python 3.12 or later, installing what is missing; or
-    (None, why there is none)."""
-    found = _eager_interpreter()
-    if found[0] is None:
-        return found
-    interpreter, found_version = found
+@dataclass(frozen=True)
+class EagerVenv:
+    """The benchmark runtime on Python 3.12 or later, for target 14.1 with eager tasks, or why there is none."""
+
+    python: str | None  # the venv's interpreter; None when there is none
+    version: str = ""  # its Python version
+    missing: str = ""  # why there is none
+
+
+def ensure_eager(versions: dict[str, str]) -> EagerVenv:
+    """The eager venv, made or brought up to date: the project's pins of the server stack, and the main benchmark
+    venv's ``versions`` of uvloop, httptools and py-spy, so both interpreters run the same packages."""
+    interpreter, found = _eager_interpreter()
+    if interpreter is None:
+        return EagerVenv(None, missing=found)
     python = EAGER_VENV / "bin" / "python"
-    wanted = {"interpreter": interpreter, "version": found_version, "core": _core()}
+    core = [
+        *(_pinned(name) for name in SAME_AS_PROJECT),
+        *(f"{name}=={versions[name]}" if name in versions else name for name in RUNTIME),
+    ]
+    wanted = {"interpreter": interpreter, "version": found, "core": core}
     stamp = EAGER_VENV / "bench-requirements.json"
     if not python.exists() or not stamp.exists() or json.loads(stamp.read_text()) != wanted:
-        subprocess.run([interpreter, "-m", "venv", "--clear", str(EAGER_VENV)], check=True, timeout=300)
-        problem = _pip(*wanted["core"], python=python)
+        made = subprocess.run(
+            [interpreter, "-m", "venv", "--clear", str(EAGER_VENV)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if made.returncode != 0:
+            why = (made.stderr.strip().splitlines() or [f"exit status {made.returncode}"])[-1]
+            return EagerVenv(None, missing=f"could not make a venv with {interpreter} (Python {found}): {why}")
+        problem = _pip(*core, python=python)
         if problem:
-            return None, f"could not install the benchmark runtime for Python {found_version}: {problem}"
+            return EagerVenv(None, missing=f"could not install the benchmark runtime for Python {found}: {problem}")
         stamp.write_text(json.dumps(wanted))
-    return str(python), found_version
-
-
-def _core() -> list[str]:
-    return [*(_pinned(name) for name in SAME_AS_PROJECT), *RUNTIME]
+    return EagerVenv(str(python), version=found)
 
 
 def _eager_interpreter() -> tuple[str, str] | tuple[None, str]:
-    """The interpreter for the eager venv and its version, or (None, why not)."""
+    """(interpreter, its version) for the eager venv, or (None, why there is none)."""
     named = os.environ.get(EAGER_VARIABLE)
-    if named:
-        candidates = [named]
-    else:
-        on_path = (shutil.which(f"python3.{minor}") for minor in (12, 13))
-        pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
-        candidates = [*(path for path in on_path if path), *sorted(str(p) for p in pyenv.glob("3.1[2-9]*/bin/python3"))]
-    for candidate in candidates:
+    for candidate in [named] if named else _eager_candidates():
         found = _version_of(candidate)
         if found is not None and found >= EAGER_SINCE:
             return candidate, ".".join(map(str, found))
     if named:
         return None, f"{EAGER_VARIABLE}={named} is not a Python 3.12 or later that runs"
-    return None, f"no Python 3.12 or later found (set {EAGER_VARIABLE} to one)"
+    return None, f"no Python {' or '.join(f'3.{minor}' for minor in EAGER_MINORS)} found (set {EAGER_VARIABLE} to one)"
+
+
+def _eager_candidates() -> list[str]:
+    """``python3.12`` and ``python3.13`` on the PATH, then pyenv's builds of them: 3.12 first, the newest patch
+    release first, and only default builds (a free-threaded ``3.13.0t`` would measure another interpreter)."""
+    on_path = [path for minor in EAGER_MINORS if (path := shutil.which(f"python3.{minor}"))]
+    versions = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
+    builds: list[str] = []
+    for minor in EAGER_MINORS:
+        found = [build for build in versions.glob(f"3.{minor}.*") if re.fullmatch(r"3\.\d+\.\d+", build.name)]
+        found.sort(key=lambda build: int(build.name.rsplit(".", 1)[1]), reverse=True)
+        builds += [str(build / "bin" / "python3") for build in found]
+    return [*on_path, *builds]
 
 
 def _version_of(python: str) -> tuple[int, ...] | None:
@@ -148,6 +175,12 @@ def _version_of(python: str) -> tuple[int, ...] | None:
             timeout=60,
             check=False,
         )
-    except OSError:
+    except (OSError, subprocess.TimeoutExpired):
         return None
-    return tuple(int(part) for part in done.stdout.split()) if done.returncode == 0 else None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return None
+    try:
+        return tuple(int(part) for part in lines[-1].split())
+    except ValueError:
+        return None

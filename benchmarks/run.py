@@ -285,10 +285,9 @@ def main() -> None:
     python, peer_status, versions = peers.ensure()
     for name, problem in peer_status.items():
         log(f"  {name}: {'ok' if problem is None else problem}")
-    eager_python, eager_about = None, ""
-    if "endtoend" in chosen:
-        eager_python, eager_about = peers.ensure_eager()
-        log(f"  Python 3.12+ for target 14.1 with eager tasks: {eager_about}")
+    eager = peers.ensure_eager(versions) if "endtoend" in chosen else None
+    if eager is not None:
+        log(f"  Python 3.12+ for target 14.1 with eager tasks: {eager.version or eager.missing}")
     mode = "quick" if args.quick else "full"
     seconds = args.seconds or (5.0 if args.quick else 15.0)
     failed: list[str] = []
@@ -296,7 +295,15 @@ def main() -> None:
         stats, postgres = asyncio.run(prepare_database(db.url))
         if not stats:
             log("pg_stat_statements is not available on this server: round trips cannot be counted")
-        ctx = Context(db, python, args.quick, seconds, 2 if args.quick else 3, peer_status, eager_python, eager_about)
+        ctx = Context(
+            db=db,
+            python=python,
+            quick=args.quick,
+            seconds=seconds,
+            repetitions=2 if args.quick else 3,
+            peers=peer_status,
+            eager=eager,
+        )
         for name in chosen:
             if name == "roundtrips" and not stats:
                 continue

@@ -112,6 +112,10 @@ def test_target_14_1_is_judged_again_on_the_eager_interpreter_when_one_ran(monke
     assert "ours / hand-written, Python 3.12.1" in section
     assert "| 7 | 1000 | 910 | 0.91x | 1000 | 1000 | 1.00x |" in section
 
+    del paired["eager"]  # a result from before the Python 3.12 pair renders as it did
+    assert len(endtoend.targets({"summary": {}, "paired": paired})) == 4
+    assert "3.12" not in "\n".join(endtoend.paired_section(paired))
+
     paired["eager"] = {"missing": "no Python 3.12 or later found"}
     found = endtoend.targets({"summary": {}, "paired": paired})
     assert found[2].measured == "not measured: no Python 3.12 or later found"
@@ -119,11 +123,52 @@ def test_target_14_1_is_judged_again_on_the_eager_interpreter_when_one_ran(monke
     assert "Python 3.12 or later was not measured: no Python 3.12 or later found." in endtoend.paired_section(paired)
 
 
-def test_an_eager_interpreter_older_than_3_12_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fake_python(directory: Path, version: str, venv_error: str = "") -> str:
+    """A stand-in interpreter: prints ``version`` (after a line of noise, as a sitecustomize might) when asked for it,
+    and fails to make a venv with ``venv_error``."""
+    script = directory / f"python-{version.replace(' ', '.')}"
+    script.write_text(
+        f'#!/bin/sh\nif [ "$1" = "-c" ]; then echo "noise"; echo "{version}"; exit 0; fi\n'
+        f'echo "{venv_error}" >&2; exit 1\n'
+    )
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_the_eager_interpreter_is_3_12_or_later_and_a_failed_venv_is_a_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``$BENCH_EAGER_PYTHON`` names is checked for its version, and a venv that cannot be made (a Debian
+    Python without ensurepip) ends in a reason, not in an exception that stops the whole benchmark."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import peers
 
-    monkeypatch.setenv(peers.EAGER_VARIABLE, sys.executable if sys.version_info < (3, 12) else "/nonexistent/python")
-    python, why = peers.ensure_eager()
-    assert python is None
-    assert why.endswith("is not a Python 3.12 or later that runs")
+    monkeypatch.setattr(peers, "EAGER_VENV", tmp_path / "venv-eager")
+    monkeypatch.setenv(peers.EAGER_VARIABLE, _fake_python(tmp_path, "3 11 9"))
+    eager = peers.ensure_eager({})
+    assert eager.python is None
+    assert eager.missing.endswith("is not a Python 3.12 or later that runs")
+
+    monkeypatch.setenv(peers.EAGER_VARIABLE, _fake_python(tmp_path, "3 13 2", "Error: ensurepip is not available"))
+    eager = peers.ensure_eager({})
+    assert eager.python is None
+    assert eager.missing.startswith("could not make a venv with ")
+    assert eager.missing.endswith("(Python 3.13.2): Error: ensurepip is not available")
+
+    monkeypatch.setenv(peers.EAGER_VARIABLE, str(tmp_path / "absent"))
+    assert peers.ensure_eager({}).missing.endswith("is not a Python 3.12 or later that runs")
+
+
+def test_the_eager_search_takes_pyenv_default_builds_newest_patch_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import peers
+
+    for build in ("3.12.2", "3.12.10", "3.13.0t", "3.13.1", "3.14.0", "3.11.7"):
+        (tmp_path / "versions" / build / "bin").mkdir(parents=True)
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert peers._eager_candidates() == [
+        str(tmp_path / "versions" / build / "bin" / "python3") for build in ("3.12.10", "3.12.2", "3.13.1")
+    ]
