@@ -2,7 +2,8 @@
 
 Records live in a dict; expired ones are swept as new claims arrive, so memory follows the live records, not
 every key ever seen. Expiry times wait in a heap beside it, so a claim looks only at records whose time has come
-(O(log n)), never at the live ones; the expiry of a record released or forgotten early waits there until its time.
+(O(log n)), never at the live ones. The expiry of a record released or forgotten early waits there until its time,
+unless such leftovers come to outnumber the live records: then the heap is rebuilt from the live records alone.
 It shares nothing between processes: do not use it behind several workers.
 """
 
@@ -29,6 +30,8 @@ class _Record:
 
 
 class MemoryStore:
+    SPARE_EXPIRIES = 1024  # leftover expiries tolerated beyond two per live record before the heap is rebuilt
+
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self._records: dict[tuple[str, str], _Record] = {}
         # (expires_at, key) for every expiry a record was given; one that a record has outlived (its lease moved it
@@ -50,7 +53,7 @@ class MemoryStore:
             # A record never expires under a live lease: renew and a takeover move expires_at past the lease.
             expires = now + max(ttl, lease)
             self._records[(tenant, key)] = _Record(fingerprint, fence, now, expires, now + lease, attempts=attempts)
-            heapq.heappush(self._expiries, (expires, (tenant, key)))
+            self._push(expires, (tenant, key))
             return Claim(ClaimOutcome.OWNED, fence=fence, attempts=attempts)
         if record.fingerprint == fingerprint and record.response is not None:
             # A replay only reads the record (PostgreSQL: no write at all), so it is not counted.
@@ -127,7 +130,17 @@ class MemoryStore:
         assert record.lease_expires_at is not None
         if record.lease_expires_at > record.expires_at:
             record.expires_at = record.lease_expires_at
-            heapq.heappush(self._expiries, (record.expires_at, (tenant, key)))
+            self._push(record.expires_at, (tenant, key))
+
+    def _push(self, expires_at: float, key: tuple[str, str]) -> None:
+        """Note the expiry just given to the record at ``key``. Once leftovers (of records released, forgotten or
+        extended) outnumber the live records, the heap is rebuilt from the live records instead, this one's new
+        expiry included: memory follows the live records, at an amortised O(1) per claim."""
+        if len(self._expiries) < 2 * len(self._records) + self.SPARE_EXPIRIES:
+            heapq.heappush(self._expiries, (expires_at, key))
+            return
+        self._expiries = [(record.expires_at, live) for live, record in self._records.items()]
+        heapq.heapify(self._expiries)
 
     def _expire(self, now: float, limit: int | None = None) -> int:
         """Delete the records expired by ``now``, oldest first, at most ``limit``; how many were deleted."""

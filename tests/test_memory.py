@@ -65,3 +65,15 @@ async def test_purge_takes_at_most_a_batch_and_the_oldest_first() -> None:
     assert [await store.inspect("t", f"k{n}") is None for n in range(5)] == [True, True, False, False, False]
     assert await store.purge_expired(batch_size=10) == 3
     assert len(store) == 0
+
+
+async def test_keys_released_and_claimed_again_do_not_pile_up_expiries() -> None:
+    """A retry storm on a transient failure claims and releases one key over and over within its ttl: each claim
+    leaves an expiry behind, and memory must still follow the live records, not the claims of the last day."""
+    store = MemoryStore(clock=Clock())
+    for _ in range(10_000):
+        claim = await store.claim("t", "flaky", FP, lease=5, ttl=86_400)
+        assert await store.release("t", "flaky", claim.fence)
+    await store.claim("t", "live", FP, lease=5, ttl=86_400)
+    assert len(store) == 1
+    assert len(store._expiries) <= 2 * len(store) + MemoryStore.SPARE_EXPIRIES
