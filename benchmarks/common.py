@@ -20,7 +20,7 @@ from peers import EagerVenv
 from pgserver import Database
 from servers import HERE, bench_env
 
-TABLES = ("idempotency_records", "idempotency_keys", "fastapi_idempotency_requests")
+TABLES = ("idempotency_records", "idempotency_responses", "idempotency_keys", "fastapi_idempotency_requests")
 
 
 @dataclass
@@ -57,8 +57,8 @@ async def reset_tables(url: str) -> None:
     connection = await asyncpg.connect(url)
     try:
         existing = await connection.fetch("SELECT tablename FROM pg_tables WHERE tablename = ANY($1::text[])", TABLES)
-        for row in existing:
-            await connection.execute(f'TRUNCATE "{row["tablename"]}"')
+        if existing:  # together: the responses' foreign key refuses a truncation of the records alone
+            await connection.execute("TRUNCATE " + ", ".join(f'"{row["tablename"]}"' for row in existing))
         await connection.execute("CHECKPOINT")
     finally:
         await connection.close()
@@ -109,8 +109,9 @@ def statement_name(query: str) -> str:
     """Which of the store's statements (or the transaction's) a ``pg_stat_statements`` text is."""
     for marker, name in (  # pg_stat_statements shows constants as $n: the markers avoid them
         ("WITH inserted AS", "claim"),
-        ("idempotency_records AS r", "claim_locked"),
-        ("completed_at = now()", "complete"),
+        ("WITH cleared AS", "claim_locked"),
+        ("WITH owned AS", "complete"),
+        ("INSERT INTO idempotency_responses", "complete in the transaction"),
         ("SET lease_expires_at", "renew"),
         ("DELETE FROM", "release or purge"),
         ("COMMIT", "COMMIT"),

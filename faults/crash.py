@@ -77,8 +77,9 @@ async def run_crash(
                     "SELECT count(*) FROM faults_effects WHERE key = ANY($1::text[])", keys
                 )
                 leases = await connection.fetch(
-                    "SELECT extract(epoch FROM lease_expires_at)::float8 AS until FROM idempotency_records "
-                    "WHERE key = ANY($1::text[]) AND state = 'in_progress'",
+                    "SELECT extract(epoch FROM lease_expires_at)::float8 AS until FROM idempotency_records AS r "
+                    "WHERE key = ANY($1::text[]) AND NOT EXISTS "
+                    "(SELECT FROM idempotency_responses AS s WHERE s.tenant = r.tenant AND s.key = r.key)",
                     keys,
                 )
                 await worker.start()

@@ -45,6 +45,12 @@ CREATE INDEX IF NOT EXISTS faults_entries_key ON faults_entries (key);
 CREATE TABLE IF NOT EXISTS faults_violations (key text, pid integer NOT NULL, what text NOT NULL);
 """
 SCHEMA_LOCK = 0x1DE4_F001
+# The state of a record as the middleware sees it: completed once its response exists (idempotency_responses).
+RECORD_STATE = """
+SELECT CASE WHEN EXISTS (SELECT FROM idempotency_responses AS s WHERE s.tenant = r.tenant AND s.key = r.key)
+            THEN 'completed' ELSE 'in_progress' END
+FROM idempotency_records AS r WHERE r.tenant = $1 AND r.key = $2
+"""
 CHUNK = 64 * 1024
 
 
@@ -110,9 +116,7 @@ def create_app(
         await pools["app"].execute("INSERT INTO faults_entries (key, pid) VALUES ($1, $2)", key, pid)
         if key is not None and context is not None:
             connection: Any = context.connection or pools["app"]
-            state = await connection.fetchval(
-                "SELECT state FROM idempotency_records WHERE tenant = $1 AND key = $2", tenant, key
-            )
+            state = await connection.fetchval(RECORD_STATE, tenant, key)
             if state != "in_progress":
                 await pools["app"].execute(
                     "INSERT INTO faults_violations (key, pid, what) VALUES ($1, $2, $3)",

@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from faults.ledger_app import apply_schema, harness_tenant
+from faults.ledger_app import RECORD_STATE, apply_schema, harness_tenant
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, idempotency_context
 from idempotency_mw.sqlalchemy import SQLAlchemyStore, idempotency_session
 
@@ -85,7 +85,7 @@ def create_app() -> Starlette:
         await pools["app"].execute("INSERT INTO faults_entries (key, pid) VALUES ($1, $2)", context.key, pid)
         if context.key is not None:
             state = await session.scalar(
-                text("SELECT state FROM idempotency_records WHERE tenant = :tenant AND key = :key"),
+                text(RECORD_STATE.replace("$1", ":tenant").replace("$2", ":key")),
                 {"tenant": context.tenant, "key": context.key},
             )
             if state != "in_progress":

@@ -39,8 +39,7 @@ class ZombieFindings:
     effects: int  # effects of the key, all told
     effect_pids: list[int]  # which workers' effects survived
     worker_pids: tuple[int, int]  # (A, B)
-    record_state: str
-    record_body: bytes | None  # the response the record holds
+    record_body: bytes | None  # the response the completed record holds
     retry_body: bytes
     violations: list[str]
     paused_for: float
@@ -82,12 +81,10 @@ async def run_zombie(
             answer = await asyncio.wait_for(first, 60)
             # Plain mode settles the record after the answer has gone out: wait for the new owner's completion.
             await _until(
-                lambda: connection.fetchval(
-                    "SELECT state <> 'in_progress' FROM idempotency_records WHERE key = $1", key
-                ),
+                lambda: connection.fetchval("SELECT EXISTS (SELECT FROM idempotency_responses WHERE key = $1)", key),
                 patience=10.0,
             )
-            record = await connection.fetchrow("SELECT state, body FROM idempotency_records WHERE key = $1", key)
+            record = await connection.fetchrow("SELECT body FROM idempotency_responses WHERE key = $1", key)
             assert record is not None
             survivors = await connection.fetch("SELECT pid FROM faults_effects WHERE key = $1 ORDER BY id", key)
     finally:
@@ -101,7 +98,6 @@ async def run_zombie(
         effects=counts.get(key, 0),
         effect_pids=[row["pid"] for row in survivors],
         worker_pids=pids,
-        record_state=record["state"],
         record_body=None if record["body"] is None else bytes(record["body"]),
         retry_body=again.content,
         violations=await violations(dsn, [key]),

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import importlib
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -97,7 +98,8 @@ class ConnectionPool:
     handler a second time.
 
     ``prepared_statements=False`` opens connections without asyncpg's statement cache (``statement_cache_size=0``),
-    for a transaction-pooling proxy in front of the server; see ``_connect``.
+    for a transaction-pooling proxy in front of the server; see ``_connect``. ``setup`` runs on each connection as it
+    is opened, before anyone uses it.
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class ConnectionPool:
         timeout: float,
         connection_class: type[asyncpg.Connection] = asyncpg.Connection,
         prepared_statements: bool = True,
+        setup: Callable[[asyncpg.Connection], Awaitable[None]] | None = None,
     ) -> None:
         if not 0 <= min_size <= max_size or max_size < 1:
             raise ValueError(f"pool sizes must satisfy 0 <= min_size <= max_size >= 1, got {min_size}, {max_size}")
@@ -118,6 +121,7 @@ class ConnectionPool:
         self.timeout = timeout
         self.connection_class = connection_class
         self.prepared_statements = prepared_statements
+        self.setup = setup
         self._idle: list[asyncpg.Connection] = []
         self._urgent: collections.deque[asyncio.Future[asyncpg.Connection | None]] = collections.deque()
         self._normal: collections.deque[asyncio.Future[asyncpg.Connection | None]] = collections.deque()
@@ -293,6 +297,12 @@ class ConnectionPool:
             connection_class=self.connection_class,
             statement_cache_size=STATEMENT_CACHE_SIZE if self.prepared_statements else 0,
         )
+        if self.setup is not None:
+            try:
+                await self.setup(connection)
+            except BaseException:
+                connection.terminate()
+                raise
         return connection
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from idempotency_mw.postgres import PostgresTransaction
 from idempotency_mw.store import Transaction
@@ -33,7 +33,7 @@ class IdempotencyContext:
     def connection(self) -> asyncpg.Connection | None:
         """The asyncpg connection of a transactional route's transaction (``PostgresStore``); None elsewhere."""
         if isinstance(self.transaction, PostgresTransaction):
-            return self.transaction.connection
+            return cast("asyncpg.Connection", self.transaction.lent)
         return None
 
     def downstream_key(self, label: str) -> str:

@@ -17,7 +17,8 @@ import asyncpg
 
 from idempotency_mw.capture import decode_headers, encode_headers
 from idempotency_mw.connections import NO_TIMEOUT, ConnectionPool
-from idempotency_mw.sql import bookkeeping, check_schema, migrations, queries, reset_session
+from idempotency_mw.lending import LentConnection, remember, reset_sql, set_restore
+from idempotency_mw.sql import bookkeeping, check_schema, migrations, queries, session
 from idempotency_mw.store import (
     Claim,
     ClaimOutcome,
@@ -55,6 +56,23 @@ UNAVAILABLE = (
 # does not exist. The store's statements name nothing else, so this means "not migrated" (or the wrong schema).
 NOT_MIGRATED = (asyncpg.exceptions.UndefinedTableError, asyncpg.exceptions.InvalidSchemaNameError)
 
+# How a completion in a handler's transaction learns, under REPEATABLE READ or SERIALIZABLE, that another claim of
+# the key completed first (its response meets ours), or that the record was deleted meanwhile (the foreign key):
+# fenced out, like a completion that finds another fence under READ COMMITTED (sql/queries.sql).
+FENCED_OUT = (
+    asyncpg.exceptions.SerializationError,
+    asyncpg.exceptions.UniqueViolationError,
+    asyncpg.exceptions.ForeignKeyViolationError,
+)
+
+# asyncpg's names of the isolation levels, by PostgreSQL's.
+_ASYNCPG_ISOLATION = {
+    "read committed": "read_committed",
+    "repeatable read": "repeatable_read",
+    "serializable": "serializable",
+    "read uncommitted": "read_uncommitted",
+}
+
 
 class PostgresStore:
     """Records in one PostgreSQL table (see ``sql/migrations``).
@@ -69,6 +87,12 @@ class PostgresStore:
     1.21, or without ``max_prepared_statements``): the store's connections then keep no named prepared statements,
     which such a proxy would send to a server connection that never saw them (see docs/operations.md). It costs a
     round trip per statement. A pool passed in has its own setting: create it with ``statement_cache_size=0``.
+
+    The store's own statements run under READ COMMITTED whatever the database's default isolation level (see
+    ``sql/session.sql``); the transactions it lends to handlers keep the database's default. On the connections it
+    opens itself this costs nothing per statement. Where it cannot set its sessions (an app's pool, a
+    transaction-pooling proxy) and the default is not READ COMMITTED, each statement runs in a READ COMMITTED
+    transaction of its own: two more round trips (docs/operations.md).
     """
 
     def __init__(
@@ -95,6 +119,7 @@ class PostgresStore:
                 timeout=timeout,
                 connection_class=StoreConnection,
                 prepared_statements=prepared_statements,
+                setup=self._pin_read_committed if prepared_statements else None,
             )
         elif not prepared_statements:
             raise ValueError(
@@ -105,6 +130,11 @@ class PostgresStore:
             self._borrowed = dsn_or_pool
         self._sql = queries(self.schema)
         self._prepare = self._own is not None and prepared_statements  # statements as objects on its connections
+        # The default isolation level of the database's sessions, once a connection has told it.
+        self.database_isolation: str | None = None
+        # Whether each statement needs a READ COMMITTED transaction of its own (None: not known yet). Never on
+        # connections the store pins to READ COMMITTED as it opens them.
+        self._explicit_isolation: bool | None = False if self._prepare else None
         # Claims handed out and not yet completed or released: close() gives them time to settle.
         self._unsettled: set[tuple[str, str, int]] = set()
         self._all_settled: asyncio.Event | None = None  # set when the last one settles while close() waits
@@ -163,13 +193,20 @@ class PostgresStore:
         """A connection for code other than ours (the resource-deleted race in the guide), waited for no longer than
         ``timeout``. It comes back with a clean session, whatever the code did to it (see :meth:`_reset`)."""
         connection = await self._acquire()
+        lent = LentConnection(connection)
         lost = False
         try:
-            yield connection
+            await self._prepare_loan(connection)
+            if self._lent_isolation() is not None:
+                # Pinned for the store's statements; code of the app's gets the database's default back.
+                restore = "SELECT set_config('default_transaction_isolation', $1, false)"
+                await connection.execute(restore, self.database_isolation, timeout=self.timeout)
+            yield cast(asyncpg.Connection, lent)
         except BaseException as error:
             lost = isinstance(error, (*UNAVAILABLE, StoreUnavailable))  # no reset for a connection that is gone
             raise
         finally:
+            lent.end()
             await self._give_back_lent(connection, lost=lost)
 
     @contextlib.asynccontextmanager
@@ -178,12 +215,15 @@ class PostgresStore:
         committed or rolled back by the caller; the connection comes back with a clean session."""
         connection = await self._acquire()
         transaction = PostgresTransaction(
-            connection, self._sql["complete"], self.timeout, self.schema, on_settled=self.settled
+            connection, self._sql["complete_in_transaction"], self.timeout, self.schema, on_settled=self.settled
         )
         try:
-            await transaction.begin()
+            with _reachable():
+                await self._prepare_loan(connection)
+            await transaction.begin(self._lent_isolation())
             yield transaction
         finally:
+            transaction.lent.end()
             await self._give_back_lent(connection, lost=transaction.lost)
 
     def statement(self, name: str) -> str:
@@ -206,19 +246,24 @@ class PostgresStore:
                 connection.terminate()
             await self._give_back(connection, broken=not healthy)
 
+    async def _prepare_loan(self, connection: asyncpg.Connection) -> None:
+        """Before a connection of the app's pool is first lent, read the session state its pool gave it, which its
+        reset restores (``lending.py``). The store's own connections know theirs from the start."""
+        if self._own is None:
+            await remember(connection, time_limit=self.timeout)
+
     async def _reset(self, connection: asyncpg.Connection) -> bool:
-        """Give a lent connection the session of a fresh one: no transaction, the store's login role and session
-        authorization, default settings (search_path included), no temp tables, no SQL-level prepared statements,
-        no advisory locks, no LISTEN (``sql/reset_session.sql``; asyncpg's own reset leaves the role, the
-        session authorization, temp tables and prepared statements behind). False if the connection is unusable.
-        """
+        """Give a lent connection back the session its pool gave it, in one round trip (``lending.reset_sql``): no
+        transaction, no role, settings, temp tables, SQL-level prepared statements, advisory locks or LISTEN of the
+        handler's, then the pool's own role and settings again (asyncpg's own reset leaves the role, the session
+        authorization, temp tables and prepared statements behind). False if the connection is unusable."""
         try:
             if connection.is_closed():
                 return False
             if self._own is not None:
                 await connection.reset(timeout=self.timeout)  # StoreConnection: the full reset, one round trip
             else:  # an asyncpg pool's connection: ours first, then the pool runs asyncpg's on release
-                await connection.execute(reset_session(), timeout=self.timeout)
+                await connection.execute(reset_sql(connection), timeout=self.timeout)
         except Exception:  # lost, broken or busy: a fresh connection is cheaper than a doubtful one
             return False
         return True
@@ -288,7 +333,15 @@ class PostgresStore:
             connection = await self._acquire(urgent=urgent)
         result: Any
         try:
-            if self._prepare:  # the store's own connection, with prepared statements
+            if self._explicit_isolation is None:
+                await self._learn_isolation(connection)
+            if self._explicit_isolation:
+                async with connection.transaction(isolation="read_committed"):
+                    if status:
+                        result = await connection.execute(self._sql[name], *args, timeout=self.timeout)
+                    else:
+                        result = await connection.fetchrow(self._sql[name], *args, timeout=self.timeout)
+            elif self._prepare:  # the store's own connection, with prepared statements
                 assert own is not None
                 statements = connection.statements  # type: ignore[attr-defined]  # a StoreConnection (no cast(): a call)
                 statement = statements.get(name)
@@ -323,6 +376,25 @@ class PostgresStore:
             await self._give_back(connection)
         return result
 
+    async def _pin_read_committed(self, connection: asyncpg.Connection) -> None:
+        """Set up a connection the store opened: its statements run under READ COMMITTED (``sql/session.sql``)."""
+        pinned = session()["pin_read_committed"]
+        self.database_isolation = await connection.fetchval(pinned, timeout=self.timeout)
+        set_restore(connection, "SELECT set_config('default_transaction_isolation', 'read committed', false);")
+
+    def _lent_isolation(self) -> str | None:
+        """The isolation level to BEGIN a handler's transaction with: the database's default where the store pinned
+        its own connection to READ COMMITTED, else None (the session's default is the database's or the pool's)."""
+        if not self._prepare or self.database_isolation in (None, "read committed"):
+            return None
+        return _ASYNCPG_ISOLATION[self.database_isolation]
+
+    async def _learn_isolation(self, connection: asyncpg.Connection) -> None:
+        """On a session the store does not set up, ask once for its default isolation level."""
+        level = await connection.fetchval(session()["default_isolation"], timeout=self.timeout)
+        self.database_isolation = level
+        self._explicit_isolation = level != "read committed"
+
     # -- the Store protocol --------------------------------------------------------------------------------
 
     async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
@@ -349,11 +421,13 @@ class PostgresStore:
             status: str = await self._run("complete", args, urgent=True, status=True)
         finally:
             self.settled(tenant, key, fence)
-        return status == "UPDATE 1"
+        return status == "INSERT 0 1"
 
     async def release(self, tenant: str, key: str, fence: int) -> bool:
         try:
             status: str = await self._run("release", (tenant, key, fence), urgent=True, status=True)
+        except asyncpg.ForeignKeyViolationError:
+            return False  # its response committed while the release ran: completed, not released
         finally:
             self.settled(tenant, key, fence)
         return status == "DELETE 1"
@@ -455,7 +529,7 @@ def claim_from_row(row: asyncpg.Record) -> Claim:
         return Claim(ClaimOutcome.OWNED, fence=row["fence"], attempts=attempts)
     if not row["same_request"]:
         return Claim(ClaimOutcome.MISMATCH, attempts=attempts)
-    if row["state"] == "in_progress":
+    if not row["completed"]:
         return Claim(ClaimOutcome.IN_PROGRESS, attempts=attempts)
     response = StoredResponse(row["status"], decode_headers(row["headers"]), row["body"], row["body_size"])
     return Claim(ClaimOutcome.COMPLETED, response=response, attempts=attempts)
@@ -483,6 +557,7 @@ class PostgresTransaction:
         on_settled: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self.connection = connection
+        self.lent = LentConnection(connection)  # what the handler gets: refused once the request has ended
         self.lost = False
         self._transaction: asyncpg.transaction.Transaction | None = None
         self._complete_sql = complete_sql
@@ -490,9 +565,10 @@ class PostgresTransaction:
         self._schema = schema
         self.settlement = Settlement(on_settled)
 
-    async def begin(self) -> None:
+    async def begin(self, isolation: str | None = None) -> None:
+        """BEGIN, with ``isolation`` (asyncpg's spelling) or the session's default."""
         with self._reachable():
-            self._transaction = self.connection.transaction()
+            self._transaction = self.connection.transaction(isolation=isolation)  # type: ignore[arg-type]
             await self._transaction.start()
 
     async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
@@ -501,9 +577,12 @@ class PostgresTransaction:
             # ROLLBACK, a retry would be told of an effect that never happened.
             raise TransactionEnded.by_the_handler("connection", "async with connection.transaction(): ...")
         args = completion(tenant, key, fence, response)
-        with self._reachable(self._schema):
-            status = await self.connection.execute(self._complete_sql, *args, timeout=self._timeout)
-        return self.settlement.completed(tenant, key, fence, status == "UPDATE 1")
+        try:
+            with self._reachable(self._schema):
+                status = await self.connection.execute(self._complete_sql, *args, timeout=self._timeout)
+        except FENCED_OUT:
+            status = "INSERT 0 0"
+        return self.settlement.completed(tenant, key, fence, status == "INSERT 0 1")
 
     async def commit(self) -> None:
         assert self._transaction is not None
@@ -559,4 +638,4 @@ class StoreConnection(asyncpg.Connection):
         self.statements: dict[str, asyncpg.prepared_stmt.PreparedStatement] = {}
 
     def get_reset_query(self) -> str:
-        return reset_session()
+        return reset_sql(self)

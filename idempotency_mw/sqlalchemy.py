@@ -29,8 +29,8 @@ except ImportError as error:  # sqlalchemy is an optional dependency of the pack
 from starlette.requests import HTTPConnection
 
 from idempotency_mw.context import idempotency_context
-from idempotency_mw.postgres import NOT_MIGRATED, UNAVAILABLE, PostgresStore, Settlement, completion
-from idempotency_mw.sql import reset_session
+from idempotency_mw.lending import remember, reset_sql
+from idempotency_mw.postgres import FENCED_OUT, NOT_MIGRATED, UNAVAILABLE, PostgresStore, Settlement, completion
 from idempotency_mw.store import (
     Claim,
     PoolExhausted,
@@ -138,6 +138,9 @@ class SQLAlchemyStore:
             raise
         try:
             await _refuse_autocommit(connection)
+            raw = await connection.get_raw_connection()
+            with _reachable(timeout):
+                await remember(raw.driver_connection, time_limit=timeout)  # the pool's session state, to restore
         except BaseException:
             await connection.close()
             raise
@@ -146,7 +149,7 @@ class SQLAlchemyStore:
         transaction = SQLAlchemyTransaction(
             connection,
             session,
-            self.store.statement("complete"),
+            self.store.statement("complete_in_transaction"),
             timeout=timeout,
             schema=self.store.schema,
             on_settled=self.store.settled,
@@ -228,12 +231,18 @@ class SQLAlchemyTransaction:
     async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
         await self._end_session()
         await self._refuse_if_ended()
-        with self._reachable(self._schema):
-            async with asyncio.timeout(self._timeout):
-                result = await self.connection.exec_driver_sql(
-                    self._complete_sql, completion(tenant, key, fence, response)
-                )
-        return self.settlement.completed(tenant, key, fence, result.rowcount == 1)
+        try:
+            with self._reachable(self._schema):
+                async with asyncio.timeout(self._timeout):
+                    result = await self.connection.exec_driver_sql(
+                        self._complete_sql, completion(tenant, key, fence, response)
+                    )
+            done = result.rowcount == 1
+        except sa_exc.DBAPIError as error:
+            if not _caused_by(error, FENCED_OUT):
+                raise
+            done = False  # another claim's response, or a record deleted meanwhile (sql/queries.sql)
+        return self.settlement.completed(tenant, key, fence, done)
 
     async def commit(self) -> None:
         assert self._transaction is not None
@@ -318,7 +327,7 @@ class SQLAlchemyTransaction:
             if usable:
                 raw = await self.connection.get_raw_connection()
                 driver: Any = raw.driver_connection  # asyncpg's Connection
-                await driver.execute(reset_session(), timeout=self._timeout)
+                await driver.execute(reset_sql(driver), timeout=self._timeout)
         except Exception:  # lost, broken or busy: a fresh connection is cheaper than a doubtful one
             return False
         return usable
@@ -372,6 +381,16 @@ def _reachable(timeout: float, schema: str | None = None) -> Iterator[None]:
                 raise StoreNotMigrated(schema, str(cause)) from error
             cause = cause.__cause__
         raise
+
+
+def _caused_by(error: BaseException, types: tuple[type[BaseException], ...]) -> bool:
+    """Whether ``error`` or an error it was raised from is one of ``types`` (SQLAlchemy wraps the driver's)."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, types):
+            return True
+        cause = cause.__cause__
+    return False
 
 
 def idempotency_session(request: HTTPConnection) -> AsyncSession:

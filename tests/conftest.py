@@ -78,6 +78,60 @@ async def _migrate_through(url: str) -> None:
             await store.close()
 
 
+ISOLATION_LEVELS = ("read committed", "repeatable read", "serializable")
+
+
+@pytest.fixture(scope="session")
+def isolation_urls(idempotency_database_url: str) -> Iterator[dict[str, str]]:
+    """A migrated database for each default isolation level (``ALTER DATABASE ... SET
+    default_transaction_isolation``), for the session: what a store meets on a database, or for a role, whose
+    default is not PostgreSQL's READ COMMITTED."""
+    names = {level: f"imw_iso_{level.replace(' ', '_')}_{uuid.uuid4().hex[:6]}" for level in ISOLATION_LEVELS}
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        thread.submit(asyncio.run, _create_isolated(idempotency_database_url, names)).result()
+        try:
+            yield {level: with_database(idempotency_database_url, name) for level, name in names.items()}
+        finally:
+            thread.submit(asyncio.run, _drop(idempotency_database_url, list(names.values()))).result()
+
+
+async def _create_isolated(url: str, names: dict[str, str]) -> None:
+    admin = await asyncpg.connect(url)
+    try:
+        for level, name in names.items():
+            await admin.execute(f'CREATE DATABASE "{name}"')
+            await admin.execute(f"ALTER DATABASE \"{name}\" SET default_transaction_isolation = '{level}'")
+    finally:
+        await admin.close()
+    for level, name in names.items():
+        store = PostgresStore(with_database(url, name), min_size=0, max_size=1)
+        try:
+            await store.migrate()
+        finally:
+            await store.close()
+        connection = await asyncpg.connect(with_database(url, name))
+        try:
+            assert await connection.fetchval("SHOW transaction_isolation") == level
+        finally:
+            await connection.close()
+
+
+async def _drop(url: str, names: list[str]) -> None:
+    admin = await asyncpg.connect(url)
+    try:
+        for name in names:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()
+
+
+@pytest.fixture(params=ISOLATION_LEVELS)
+def isolated_url(request: pytest.FixtureRequest, isolation_urls: dict[str, str]) -> str:
+    """A migrated database whose default isolation level is each of PostgreSQL's three, in turn."""
+    level: str = request.param
+    return isolation_urls[level]
+
+
 @pytest.fixture(params=["memory", "postgres", "pgbouncer", "pgbouncer-pool"])
 async def store(request: pytest.FixtureRequest, idempotency_database_url: str) -> AsyncIterator[Store]:
     """Every conformance test runs once per store: in memory, on PostgreSQL, and on PostgreSQL behind a

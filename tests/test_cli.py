@@ -108,16 +108,17 @@ async def completed(store: PostgresStore, tenant: str, key: str, body: bytes, *,
 
 
 def test_migrate_creates_the_schema_then_is_up_to_date(capsys: pytest.CaptureFixture[str], empty_db: Database) -> None:
-    assert cli(capsys, *empty_db.options, "migrate") == (0, "applied 0001_initial.sql\n", "")
+    applied = "applied 0001_initial.sql\napplied 0002_responses.sql\n"
+    assert cli(capsys, *empty_db.options, "migrate") == (0, applied, "")
     assert cli(capsys, *empty_db.options, "migrate") == (0, "up to date\n", "")
     tables = sql(
         empty_db.url,
         "SELECT count(*) FROM pg_tables WHERE schemaname = $1 "
-        "AND tablename IN ('idempotency_records', 'idempotency_schema_migrations')",
+        "AND tablename IN ('idempotency_records', 'idempotency_responses', 'idempotency_schema_migrations')",
         empty_db.schema,
         fetch=True,
     )
-    assert tables == "2"
+    assert tables == "3"
 
 
 def test_unmigrated_schema_says_run_migrate_with_that_schema(

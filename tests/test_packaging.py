@@ -49,7 +49,9 @@ def test_the_wheel_holds_the_library_alone(wheel: zipfile.ZipFile) -> None:
     assert {
         "idempotency_mw/py.typed",
         "idempotency_mw/sql/queries.sql",
+        "idempotency_mw/sql/session.sql",
         "idempotency_mw/sql/migrations/0001_initial.sql",
+        "idempotency_mw/sql/migrations/0002_responses.sql",
     } <= set(names)
 
 

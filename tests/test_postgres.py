@@ -6,10 +6,11 @@ Tests that need a database nobody else touches get one of their own (``fresh_url
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -17,7 +18,7 @@ import asyncpg
 import pytest
 
 from idempotency_mw import PostgresStore, StoredResponse
-from idempotency_mw.sql import migrations
+from idempotency_mw.sql import bookkeeping, migrations
 from idempotency_mw.store import ClaimOutcome, PoolExhausted, StoreNotMigrated, StoreUnavailable
 
 FINGERPRINT = bytes(range(32))
@@ -254,15 +255,36 @@ async def test_every_statement_on_a_database_that_was_not_migrated_says_run_migr
     await store.close()
 
 
-async def test_the_old_fence_sequence_is_not_needed(migrated_url: str) -> None:
-    """Fences are random tokens now: the sequence that earlier versions drew them from can go."""
-    admin = await asyncpg.connect(migrated_url)
-    await admin.execute("DROP SEQUENCE public.idempotency_fence")
-    await admin.close()
-    async with PostgresStore(migrated_url, min_size=1, max_size=1) as store:
-        claim = await store.claim("t", "k", FINGERPRINT, lease=10, ttl=60)
-        assert claim.outcome is ClaimOutcome.OWNED
-        assert await store.release("t", "k", claim.fence)
+async def test_a_database_migrated_by_the_first_version_keeps_its_records(fresh_url: str) -> None:
+    """0002 moves completed responses to a table of their own: a record completed before the upgrade still
+    replays, one in progress is still in progress, and the fence sequence of the first version is gone."""
+    sql = bookkeeping("public")
+    version, name, first = migrations("public")[0]
+    admin = await asyncpg.connect(fresh_url)
+    try:
+        await admin.execute(sql["create_table"])
+        await admin.execute(first)
+        await admin.execute(sql["record"], version, name)
+        await admin.execute(
+            "INSERT INTO idempotency_records (tenant, key, fingerprint, state, fence, lease_expires_at, status, "
+            "headers, body, body_size, created_at, completed_at, expires_at) VALUES "
+            "('t', 'paid', $1, 'completed', 5, NULL, 201, $2, $3, 9, now(), now(), now() + interval '1 hour'), "
+            "('t', 'running', $1, 'in_progress', 6, now() + interval '1 hour', NULL, NULL, NULL, NULL, now(), NULL, "
+            "now() + interval '1 hour')",
+            FINGERPRINT,
+            '[["content-type", "application/json"]]',
+            b'{"id": 1}',
+        )
+    finally:
+        await admin.close()
+    store = PostgresStore(fresh_url, min_size=1, max_size=1)
+    assert await store.migrate() == [name for _, name, _ in migrations("public")[1:]]
+    async with store:
+        paid = await store.claim("t", "paid", FINGERPRINT, lease=10, ttl=60)
+        assert (paid.outcome, paid.response) == (ClaimOutcome.COMPLETED, RESPONSE)
+        running = await store.claim("t", "running", FINGERPRINT, lease=10, ttl=60)
+        assert running.outcome is ClaimOutcome.IN_PROGRESS
+    assert "idempotency_fence" not in await relations_in(fresh_url, "public")
 
 
 async def test_fences_are_random_tokens_unique_per_claim(migrated_url: str) -> None:
@@ -316,9 +338,8 @@ async def test_a_claim_that_meets_a_row_committed_after_its_snapshot_still_answe
             transaction = other.transaction()
             await transaction.start()
             await other.execute(
-                "INSERT INTO idempotency_records (tenant, key, fingerprint, state, fence, lease_expires_at, "
-                "created_at, expires_at) VALUES ('t', 'raced', $1, 'in_progress', 7, now() + interval '30 s', now(), "
-                "now() + interval '60 s')",
+                "INSERT INTO idempotency_records (tenant, key, fingerprint, fence, lease_expires_at, created_at, "
+                "expires_at) VALUES ('t', 'raced', $1, 7, now() + interval '30 s', now(), now() + interval '60 s')",
                 FINGERPRINT,
             )
             claiming = asyncio.create_task(store.claim("t", "raced", FINGERPRINT, lease=30, ttl=60))
@@ -474,3 +495,72 @@ async def test_checkouts_behind_connection_attempts_to_a_silent_database_are_not
         await store.close(grace=0)
     assert all(isinstance(result, StoreUnavailable) for result in results), results
     assert [result for result in results if isinstance(result, PoolExhausted)] == []
+
+
+# -- isolation levels -------------------------------------------------------------------------------------------
+
+
+async def wait_for_a_lock_wait(connection: asyncpg.Connection) -> None:
+    """Until some session of this database waits for a row lock (the statement under test, behind ``connection``)."""
+    for _ in range(250):
+        waiting = await connection.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        if waiting:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the statement under test never waited for the row lock")
+
+
+@contextlib.asynccontextmanager
+async def store_on(url: str, pool_kind: str) -> AsyncIterator[PostgresStore]:
+    """A store on its own connections, on the app's asyncpg pool, or without prepared statements (the way it runs
+    behind a transaction-pooling PgBouncer)."""
+    if pool_kind == "app pool":
+        pool = await asyncpg.create_pool(url, min_size=1, max_size=4)
+        try:
+            async with PostgresStore(pool) as store:
+                yield store
+        finally:
+            await pool.close()
+    else:
+        async with PostgresStore(url, min_size=1, max_size=4, prepared_statements=pool_kind == "own") as store:
+            yield store
+
+
+@pytest.mark.parametrize("pool_kind", ["own", "app pool", "unprepared"])
+@pytest.mark.parametrize("operation", ["renew", "complete", "release", "duplicate claim"])
+async def test_bookkeeping_that_waits_for_a_concurrent_update_of_its_row_lands(
+    isolated_url: str, pool_kind: str, operation: str
+) -> None:
+    """Under REPEATABLE READ or SERIALIZABLE as the database's default, a statement that waits for a concurrent
+    update of its row (here a duplicate's claim counting its attempt) fails with a serialization error once that
+    commits. A renewal that failed so would let the lease lapse, a completion would leave the key in progress: the
+    store's own statements behave as under READ COMMITTED whatever the default."""
+    key = str(uuid.uuid4())
+    other = await asyncpg.connect(isolated_url)
+    try:
+        async with store_on(isolated_url, pool_kind) as store:
+            claim = await store.claim("t", key, FINGERPRINT, lease=30, ttl=60)
+            duplicate = other.transaction(isolation="read_committed")
+            await duplicate.start()
+            await other.execute(
+                "UPDATE idempotency_records SET attempts = attempts + 1 WHERE tenant = 't' AND key = $1", key
+            )
+            pending: asyncio.Task[Any] = asyncio.create_task(
+                {
+                    "renew": lambda: store.renew("t", key, claim.fence, lease=30),
+                    "complete": lambda: store.complete("t", key, claim.fence, RESPONSE),
+                    "release": lambda: store.release("t", key, claim.fence),
+                    "duplicate claim": lambda: store.claim("t", key, FINGERPRINT, lease=30, ttl=60),
+                }[operation]()
+            )
+            await wait_for_a_lock_wait(other)
+            await duplicate.commit()
+            result = await pending
+            if operation == "duplicate claim":
+                assert result.outcome is ClaimOutcome.IN_PROGRESS
+            else:
+                assert result is True
+    finally:
+        await other.close()

@@ -189,10 +189,10 @@ async def test_response_is_sent_only_after_the_commit(store: SQLAlchemyStore, db
     async def send(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             seen["effects"] = await effects(db, key)
-            seen["state"] = await db.fetchval("SELECT state FROM idempotency_records WHERE key = $1", key)
+            seen["completed"] = await db.fetchval("SELECT count(*) FROM idempotency_responses WHERE key = $1", key)
 
     await build(store)(asgi_scope(key), receive, send)
-    assert seen == {"effects": 1, "state": "completed"}
+    assert seen == {"effects": 1, "completed": 1}
 
 
 @pytest.mark.parametrize("note", ["raise", "500", "committed-then-500"])
@@ -688,7 +688,7 @@ def test_bad_arguments_are_refused_with_what_is_needed(idempotency_database_url:
 
 
 def test_the_store_names_its_statements(pg_store: PostgresStore) -> None:
-    assert 'UPDATE "public".idempotency_records' in pg_store.statement("complete")
+    assert 'INSERT INTO "public".idempotency_responses' in pg_store.statement("complete_in_transaction")
     with pytest.raises(KeyError, match="no statement 'completion'; it has claim, claim_locked, complete"):
         pg_store.statement("completion")
 
@@ -703,3 +703,40 @@ async def test_asking_for_the_asyncpg_connection_under_sqlalchemy_names_the_sess
 
     with pytest.raises(RuntimeError, match="take IdempotencySession"):
         await client_for(app).post("/v1/raw", headers={"Idempotency-Key": str(uuid.uuid4())})
+
+
+# -- the engine's own session state ---------------------------------------------------------------------------
+
+
+async def test_the_engines_connect_time_session_comes_back_after_a_request(
+    idempotency_database_url: str, leak_role: str, db: asyncpg.Connection
+) -> None:
+    """An engine whose ``connect`` event sets a role and a search_path (what apps do for row-level security or a
+    schema per service): after a handler changed both, the next user of that connection finds the engine's."""
+    if not await db.fetchval("SELECT 1 FROM pg_roles WHERE rolname = 'imw_app_role'"):
+        with contextlib.suppress(asyncpg.DuplicateObjectError):
+            await db.execute("CREATE ROLE imw_app_role SUPERUSER")
+    engine = create_async_engine(sqlalchemy_url(idempotency_database_url), pool_size=1, max_overflow=0)
+
+    @event.listens_for(engine.sync_engine, "connect", insert=True)
+    def connect(dbapi_connection: Any, record: Any) -> None:  # SQLAlchemy's recipe for session settings
+        autocommit = dbapi_connection.autocommit
+        dbapi_connection.autocommit = True
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"SET search_path = {SCHEMA}, public")
+        cursor.execute("SET ROLE imw_app_role")
+        cursor.close()
+        dbapi_connection.autocommit = autocommit
+
+    try:
+        async with SQLAlchemyStore(PostgresStore(idempotency_database_url), engine) as store:
+            seen: list[dict[str, Any]] = []
+            client = client_for(build_leaky(store, seen))
+            for path in ("/look", "/leak/role", "/leak/search_path", "/look"):
+                assert (await client.post(path, headers={"Idempotency-Key": str(uuid.uuid4())})).status_code == 201
+            assert (seen[0]["current_user"], seen[0]["search_path"]) == ("imw_app_role", f"{SCHEMA}, public")
+            assert seen[1] == seen[0]
+            async with engine.connect() as connection:  # the app's own use of its engine
+                assert dict((await connection.execute(text(SESSION_STATE))).mappings().one()) == seen[0]
+    finally:
+        await engine.dispose()

@@ -88,7 +88,7 @@ async def test_response_is_sent_only_after_the_commit(pg_store: PostgresStore, d
     async def send(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             seen["effects"] = await effects(db, key)
-            seen["state"] = await db.fetchval("SELECT state FROM idempotency_records WHERE key = $1", key)
+            seen["completed"] = await db.fetchval("SELECT count(*) FROM idempotency_responses WHERE key = $1", key)
 
     scope = {
         "type": "http",
@@ -101,7 +101,7 @@ async def test_response_is_sent_only_after_the_commit(pg_store: PostgresStore, d
         "server": ("t", 80),
     }
     await app(scope, receive, send)
-    assert seen == {"effects": 1, "state": "completed"}
+    assert seen == {"effects": 1, "completed": 1}
 
 
 @pytest.mark.parametrize("note", ["raise", "500"])
@@ -594,3 +594,136 @@ async def test_a_handler_that_never_finishes_its_response_frees_the_key_once(
         await client_for(app).post("/write", headers={"Idempotency-Key": key})
     assert releases == [key]
     assert await pg_store.inspect(tenant_of(), key) is None
+
+
+# -- the database's default isolation level ---------------------------------------------------------------------
+
+
+@pytest.fixture
+async def isolated_store(isolated_url: str) -> AsyncIterator[PostgresStore]:
+    """A store on a database whose default isolation level is each of PostgreSQL's three in turn."""
+    connection = await asyncpg.connect(isolated_url)
+    try:
+        await connection.execute("CREATE TABLE IF NOT EXISTS tx_effects (key text, note text)")
+    finally:
+        await connection.close()
+    async with contextlib.AsyncExitStack() as stack:
+        store = PostgresStore(isolated_url)
+        await store.open()
+        stack.push_async_callback(store.close, grace=0)
+        yield store
+
+
+async def isolated_effects(store: PostgresStore, key: str) -> int:
+    async with store.connection() as connection:
+        return int(await connection.fetchval("SELECT count(*) FROM tx_effects WHERE key = $1", key))
+
+
+async def test_the_handlers_transaction_keeps_the_databases_isolation_level(
+    isolated_store: PostgresStore, isolated_url: str
+) -> None:
+    async def level(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        return JSONResponse({"level": await context.connection.fetchval("SHOW transaction_isolation")})
+
+    app = Starlette(routes=[Route("/level", level, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=isolated_store, transactional=True)
+    async with asyncpg.create_pool(isolated_url, min_size=1, max_size=1) as pool:
+        expected = await pool.fetchval("SHOW default_transaction_isolation")
+    answer = await client_for(app).post("/level", headers={"Idempotency-Key": str(uuid.uuid4())})
+    assert answer.json() == {"level": expected}
+
+
+async def test_a_duplicate_refused_while_the_original_runs_does_not_fail_it(isolated_store: PostgresStore) -> None:
+    """The duplicate's claim counts its attempt on the record; under REPEATABLE READ or SERIALIZABLE that must not
+    make the original's completion a serialization failure (500, nothing committed)."""
+    key = str(uuid.uuid4())
+    gate = Gate()
+    gate.go.clear()
+    client = client_for(build(isolated_store, gate))
+    original = asyncio.create_task(client.post("/write", headers={"Idempotency-Key": key}))
+    await asyncio.wait_for(gate.entered.wait(), 5)
+    for _ in range(3):
+        duplicate = await client.post("/write", headers={"Idempotency-Key": key})
+        assert duplicate.status_code == 409
+    gate.go.set()
+    assert (await original).status_code == 201
+    assert await isolated_effects(isolated_store, key) == 1
+    retry = await client.post("/write", headers={"Idempotency-Key": key})
+    assert retry.headers["idempotent-replayed"] == "true"
+
+
+async def test_a_handler_that_outlives_lease_renewals_completes(isolated_store: PostgresStore) -> None:
+    """Renewals write the record while the handler runs; under REPEATABLE READ that must not keep a handler that
+    runs longer than a third of its lease from ever completing."""
+    key = str(uuid.uuid4())
+    gate = Gate()
+    gate.go.clear()
+    client = client_for(build(isolated_store, gate, lease=0.3))
+    original = asyncio.create_task(client.post("/write", headers={"Idempotency-Key": key}))
+    await asyncio.wait_for(gate.entered.wait(), 5)
+    await asyncio.sleep(0.5)  # a renewal every 0.1 s
+    gate.go.set()
+    assert (await original).status_code == 201
+    assert await isolated_effects(isolated_store, key) == 1
+
+
+@pytest.fixture
+async def app_role(db: asyncpg.Connection) -> str:
+    """A role an app's pool switches to as it connects (SET ROLE in asyncpg's ``init``), like a least-privilege role
+    for the app; a superuser here, so that the store's statements run under it as well."""
+    if not await db.fetchval("SELECT 1 FROM pg_roles WHERE rolname = 'imw_app_role'"):
+        with contextlib.suppress(asyncpg.DuplicateObjectError):  # another test made it meanwhile
+            await db.execute("CREATE ROLE imw_app_role SUPERUSER")
+    return "imw_app_role"
+
+
+@pytest.mark.parametrize("what", ["role", "session_authorization", "search_path"])
+async def test_a_lent_connection_comes_back_as_the_apps_pool_made_it(
+    idempotency_database_url: str, leak_role: str, app_role: str, what: str
+) -> None:
+    """The reset of a lent connection restores what the app's pool set when it connected (its ``init`` ran SET
+    ROLE), not the login role: the app's next query on that connection runs with the rights it chose."""
+
+    async def init(connection: asyncpg.Connection) -> None:
+        await connection.execute(f"SET ROLE {app_role}")
+
+    app_pool = await asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=1, init=init)
+    try:
+        seen: list[dict[str, Any]] = []
+        client = client_for(build_leaky(PostgresStore(app_pool), seen))
+        for path in ("/look", f"/leak/{what}", "/look"):
+            assert (await client.post(path, headers={"Idempotency-Key": str(uuid.uuid4())})).status_code == 201
+        assert seen[0]["current_user"] == app_role
+        assert seen[1] == seen[0]
+        async with app_pool.acquire() as connection:  # the app's own use of its pool
+            assert await connection.fetchval("SELECT current_user") == app_role
+    finally:
+        await app_pool.close()
+
+
+async def test_a_lent_connection_refuses_use_after_its_request(pg_store: PostgresStore) -> None:
+    """A task that kept the request's connection (fire and forget) must not reach the next request's transaction
+    on that connection: like asyncpg's own pool after a release, every call is refused."""
+    kept: list[Any] = []
+
+    async def keep(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        kept.extend([context.connection, context.connection.fetchval])
+        return JSONResponse({"kept": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/keep", keep, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=pg_store, transactional=True)
+    response = await client_for(app).post("/keep", headers={"Idempotency-Key": str(uuid.uuid4())})
+    assert response.status_code == 201
+    connection, fetchval = kept
+    with pytest.raises(asyncpg.InterfaceError, match="request that has ended"):
+        await connection.fetchval("SELECT 1")
+    with pytest.raises(asyncpg.InterfaceError, match="request that has ended"):
+        await fetchval("SELECT 1")
+    with pytest.raises(asyncpg.InterfaceError, match="request that has ended"):
+        connection.is_in_transaction()

@@ -70,3 +70,9 @@ def migrations(schema: str) -> list[tuple[int, str, str]]:
 def reset_session() -> str:
     """``reset_session.sql``: the full reset of a connection lent to a handler (it names no table)."""
     return resources.files(__package__).joinpath("reset_session.sql").read_text()
+
+
+@cache
+def session() -> dict[str, str]:
+    """The statements of ``session.sql``: what the store asks of, and sets on, its connections' sessions."""
+    return _split(resources.files(__package__).joinpath("session.sql").read_text())

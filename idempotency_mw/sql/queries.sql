@@ -4,166 +4,226 @@
 -- depends on the session's search_path.
 
 -- name: claim
--- Insert a fresh in_progress record; or take over an expired record, or a lapsed lease of the same request; or
--- count the attempt on a record that is still running or was made by a different request (409, 422); or, for a
--- completed record of the same request, only read it: a replay writes nothing (no new row version, no WAL, no
--- transaction id), so a storm of retries stays a storm of reads.
+-- Insert a fresh record; or take over an expired record, or a lapsed lease of the same request; or count the
+-- attempt on a record that is still running or was made by a different request (409, 422); or, for a completed
+-- record of the same request, only read it and its response: a replay writes nothing (no new row version, no WAL,
+-- no transaction id), so a storm of retries stays a storm of reads.
+-- A record is completed when its response exists (idempotency_responses): a transactional handler's transaction
+-- inserts it and never writes the record row, which renewals and duplicates update meanwhile (migrations/0002).
 -- $6 is the fence of this claim: a random 63-bit token the store draws (see postgres.py, new_fence), not a
 -- sequence value, because a sequence can hand out a value again after a restore or the promotion of a standby
 -- that missed its last values, and a stale worker's fence would then own the newer claim.
 -- ON CONFLICT DO NOTHING sees a row committed after this statement's snapshot (it waits for a concurrent insert
--- to commit), but the UPDATE and the SELECT below see only the snapshot. So in a race with a concurrent claim the
--- statement can return no row, or the snapshot's version of a row another claim has just changed (a replayable
--- row that is no longer one): the store then runs claim_locked, which always answers (postgres.py, claim).
+-- to commit), but the rest of the statement sees only the snapshot. So in a race with a concurrent claim or a
+-- completion the statement can return no row: the store then runs claim_locked, which always answers
+-- (postgres.py, claim). A completion committed after the snapshot shows as a lease that ended (NULL) in the
+-- UPDATE, which re-reads the row it waited for; its response is not in the snapshot, so that case returns no row
+-- either.
+-- Every condition that a concurrent write can change is written on the row being updated (r), which the UPDATE
+-- re-reads after waiting for such a write; e is the snapshot's record and response.
 -- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds (at least $4, see renew), $6 fence
 WITH inserted AS (
     INSERT INTO {schema}.idempotency_records AS r
-        (tenant, key, fingerprint, state, fence, lease_expires_at, created_at, expires_at)
-    VALUES ($1, $2, $3, 'in_progress', $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5))
+        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at)
+    VALUES ($1, $2, $3, $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5))
     ON CONFLICT (tenant, key) DO NOTHING
-    RETURNING r.fence, r.state, r.fingerprint, r.attempts, r.status, r.headers, r.body, r.body_size
+    RETURNING r.fence, r.fingerprint, r.attempts
+), existing AS (
+    SELECT r.fence, r.fingerprint, r.attempts, r.expires_at <= now() AS expired, s.key IS NOT NULL AS completed,
+           s.status, s.headers, s.body, s.body_size
+    FROM {schema}.idempotency_records AS r
+    LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
+    WHERE r.tenant = $1 AND r.key = $2 AND NOT EXISTS (SELECT FROM inserted)
+), cleared AS (
+    -- An expired record starts afresh, without the response of its earlier life.
+    DELETE FROM {schema}.idempotency_responses AS s
+    WHERE s.tenant = $1 AND s.key = $2 AND EXISTS (SELECT FROM existing AS e WHERE e.expired)
 ), updated AS (
     UPDATE {schema}.idempotency_records AS r SET
-        fingerprint      = CASE WHEN r.expires_at <= now() OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = $3) THEN $3 ELSE r.fingerprint END,
-        state            = CASE WHEN r.expires_at <= now() OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = $3) THEN 'in_progress' ELSE r.state END,
-        fence            = CASE WHEN r.expires_at <= now() OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = $3) THEN $6 ELSE r.fence END,
-        lease_expires_at = CASE WHEN r.expires_at <= now() OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = $3) THEN now() + make_interval(secs => $4) ELSE r.lease_expires_at END,
-        status           = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.status END,
-        headers          = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.headers END,
-        body             = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.body END,
-        body_size        = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.body_size END,
-        completed_at     = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.completed_at END,
+        fingerprint      = CASE WHEN r.expires_at <= now() THEN $3 ELSE r.fingerprint END,
+        fence            = CASE WHEN r.expires_at <= now() OR (NOT e.completed AND r.lease_expires_at <= now() AND r.fingerprint = $3) THEN $6 ELSE r.fence END,
+        lease_expires_at = CASE WHEN r.expires_at <= now() OR (NOT e.completed AND r.lease_expires_at <= now() AND r.fingerprint = $3) THEN now() + make_interval(secs => $4) ELSE r.lease_expires_at END,
         created_at       = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
         expires_at       = CASE WHEN r.expires_at <= now() THEN now() + make_interval(secs => $5)
-                                WHEN r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = $3 THEN GREATEST(r.expires_at, now() + make_interval(secs => $4))
+                                WHEN NOT e.completed AND r.lease_expires_at <= now() AND r.fingerprint = $3 THEN GREATEST(r.expires_at, now() + make_interval(secs => $4))
                                 ELSE r.expires_at END,
         attempts         = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.attempts + 1 END
-    WHERE r.tenant = $1 AND r.key = $2 AND NOT EXISTS (SELECT FROM inserted)
-      AND NOT (r.state = 'completed' AND r.fingerprint = $3 AND r.expires_at > now())
-    RETURNING r.fence, r.state, r.fingerprint, r.attempts, r.status, r.headers, r.body, r.body_size
+    FROM existing AS e
+    WHERE r.tenant = $1 AND r.key = $2
+      AND NOT (e.completed AND r.fingerprint = $3 AND r.expires_at > now())
+    RETURNING r.fence, r.fingerprint, r.attempts, r.lease_expires_at IS NULL AS ended,
+              e.completed, e.status, e.headers, e.body, e.body_size
 ), found AS (
-    SELECT * FROM inserted
+    SELECT i.fence, i.fingerprint, i.attempts, false AS completed,
+           NULL::smallint AS status, NULL::jsonb AS headers, NULL::bytea AS body, NULL::bigint AS body_size
+    FROM inserted AS i
     UNION ALL
-    SELECT * FROM updated
+    SELECT u.fence, u.fingerprint, u.attempts, u.completed AND u.fence <> $6, u.status, u.headers, u.body, u.body_size
+    FROM updated AS u
+    WHERE u.fence = $6 OR u.completed OR NOT u.ended  -- ended, but not completed in the snapshot: a race
     UNION ALL
-    SELECT r.fence, r.state, r.fingerprint, r.attempts, r.status, r.headers, r.body, r.body_size
-    FROM {schema}.idempotency_records AS r
-    WHERE r.tenant = $1 AND r.key = $2 AND NOT EXISTS (SELECT FROM inserted) AND NOT EXISTS (SELECT FROM updated)
-      AND r.state = 'completed' AND r.fingerprint = $3 AND r.expires_at > now()
+    SELECT e.fence, e.fingerprint, e.attempts, true, e.status, e.headers, e.body, e.body_size
+    FROM existing AS e
+    WHERE NOT EXISTS (SELECT FROM updated) AND e.completed AND NOT e.expired AND e.fingerprint = $3
 )
 SELECT
-    -- Ours if it carries the fence just drawn. The state check is a second lock on the door: a completed record
-    -- whose fence equals the one drawn (one chance in 2^63) must replay, never run again.
-    f.fence = $6 AND f.state = 'in_progress' AS owned,
-    f.fence,
-    f.state,
+    -- Ours if it carries the fence just drawn and has no response: a completed record whose fence equals the one
+    -- drawn (one chance in 2^63) must replay, never run again.
+    f.fence = $6 AND NOT f.completed AS owned,
+    f.completed,
     f.fingerprint = $3 AS same_request,
     f.attempts,
-    CASE WHEN f.state = 'completed' AND f.fingerprint = $3 THEN f.status END AS status,
-    CASE WHEN f.state = 'completed' AND f.fingerprint = $3 THEN f.headers END AS headers,
-    CASE WHEN f.state = 'completed' AND f.fingerprint = $3 THEN f.body END AS body,
-    CASE WHEN f.state = 'completed' AND f.fingerprint = $3 THEN f.body_size END AS body_size
+    CASE WHEN f.completed AND f.fingerprint = $3 THEN f.status END AS status,
+    CASE WHEN f.completed AND f.fingerprint = $3 THEN f.headers END AS headers,
+    CASE WHEN f.completed AND f.fingerprint = $3 THEN f.body END AS body,
+    CASE WHEN f.completed AND f.fingerprint = $3 THEN f.body_size END AS body_size,
+    f.fence
 FROM found AS f;
 
 -- name: claim_locked
 -- The claim in one INSERT … ON CONFLICT DO UPDATE, for when ``claim`` returned nothing usable (a race with a
--- concurrent claim, see above): DO UPDATE locks and returns the current row even when it was committed after this
--- statement's snapshot, so it always answers. It writes the row in every case, a replay too (without counting it).
+-- concurrent claim or completion, see above): DO UPDATE locks and returns the current row even when it was
+-- committed after this statement's snapshot, so it always answers. It writes the record row in every case, a
+-- replay too (without counting it). A response is read from this statement's snapshot, taken after ``claim``'s.
 -- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds, $6 fence
-INSERT INTO {schema}.idempotency_records AS r
-    (tenant, key, fingerprint, state, fence, lease_expires_at, created_at, expires_at)
-VALUES ($1, $2, $3, 'in_progress', $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5))
-ON CONFLICT (tenant, key) DO UPDATE SET
-    fingerprint      = CASE WHEN r.expires_at <= now() OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = excluded.fingerprint) THEN excluded.fingerprint ELSE r.fingerprint END,
-    state            = CASE WHEN r.expires_at <= now() OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = excluded.fingerprint) THEN 'in_progress' ELSE r.state END,
-    fence            = CASE WHEN r.expires_at <= now() OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = excluded.fingerprint) THEN excluded.fence ELSE r.fence END,
-    lease_expires_at = CASE WHEN r.expires_at <= now() OR (r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = excluded.fingerprint) THEN excluded.lease_expires_at ELSE r.lease_expires_at END,
-    status           = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.status END,
-    headers          = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.headers END,
-    body             = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.body END,
-    body_size        = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.body_size END,
-    completed_at     = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.completed_at END,
-    created_at       = CASE WHEN r.expires_at <= now() THEN excluded.created_at ELSE r.created_at END,
-    expires_at       = CASE WHEN r.expires_at <= now() THEN excluded.expires_at
-                            WHEN r.state = 'in_progress' AND r.lease_expires_at <= now() AND r.fingerprint = excluded.fingerprint THEN GREATEST(r.expires_at, excluded.lease_expires_at)
-                            ELSE r.expires_at END,
-    attempts         = CASE WHEN r.expires_at <= now() THEN 0
-                            WHEN r.state = 'completed' AND r.fingerprint = excluded.fingerprint THEN r.attempts
-                            ELSE r.attempts + 1 END
-RETURNING
-    r.fence = $6 AND r.state = 'in_progress' AS owned,
-    r.fence,
-    r.state,
-    r.fingerprint = $3 AS same_request,
-    r.attempts,
-    CASE WHEN r.state = 'completed' AND r.fingerprint = $3 THEN r.status END AS status,
-    CASE WHEN r.state = 'completed' AND r.fingerprint = $3 THEN r.headers END AS headers,
-    CASE WHEN r.state = 'completed' AND r.fingerprint = $3 THEN r.body END AS body,
-    CASE WHEN r.state = 'completed' AND r.fingerprint = $3 THEN r.body_size END AS body_size;
+WITH cleared AS (
+    DELETE FROM {schema}.idempotency_responses AS s
+    USING {schema}.idempotency_records AS r
+    WHERE s.tenant = $1 AND s.key = $2 AND r.tenant = $1 AND r.key = $2 AND r.expires_at <= now()
+), response AS (
+    SELECT s.status, s.headers, s.body, s.body_size
+    FROM {schema}.idempotency_responses AS s
+    WHERE s.tenant = $1 AND s.key = $2
+), claimed AS (
+    INSERT INTO {schema}.idempotency_records AS r
+        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at)
+    VALUES ($1, $2, $3, $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5))
+    ON CONFLICT (tenant, key) DO UPDATE SET
+        fingerprint      = CASE WHEN r.expires_at <= now() THEN excluded.fingerprint ELSE r.fingerprint END,
+        fence            = CASE WHEN r.expires_at <= now() OR (NOT EXISTS (SELECT FROM response) AND r.lease_expires_at <= now() AND r.fingerprint = excluded.fingerprint) THEN excluded.fence ELSE r.fence END,
+        lease_expires_at = CASE WHEN r.expires_at <= now() OR (NOT EXISTS (SELECT FROM response) AND r.lease_expires_at <= now() AND r.fingerprint = excluded.fingerprint) THEN excluded.lease_expires_at ELSE r.lease_expires_at END,
+        created_at       = CASE WHEN r.expires_at <= now() THEN excluded.created_at ELSE r.created_at END,
+        expires_at       = CASE WHEN r.expires_at <= now() THEN excluded.expires_at
+                                WHEN NOT EXISTS (SELECT FROM response) AND r.lease_expires_at <= now() AND r.fingerprint = excluded.fingerprint THEN GREATEST(r.expires_at, excluded.lease_expires_at)
+                                ELSE r.expires_at END,
+        attempts         = CASE WHEN r.expires_at <= now() THEN 0
+                                WHEN EXISTS (SELECT FROM response) AND r.fingerprint = excluded.fingerprint THEN r.attempts
+                                ELSE r.attempts + 1 END
+    RETURNING r.fence, r.fingerprint, r.attempts
+)
+SELECT
+    c.fence = $6 AS owned,
+    c.fence <> $6 AND s.status IS NOT NULL AS completed,
+    c.fingerprint = $3 AS same_request,
+    c.attempts,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.status END AS status,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.headers END AS headers,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.body END AS body,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.body_size END AS body_size,
+    c.fence
+FROM claimed AS c LEFT JOIN response AS s ON true;
 
 -- name: renew
 -- A record never expires under a live lease: expires_at is moved to the new lease deadline when that is later
 -- (a handler running past its ttl), or the claim statement and the purge would treat a running request's record
 -- as expired, and a retry would run the handler a second time beside it. claim keeps the same rule ($5 is at
 -- least $4, and a takeover moves expires_at like this). Unchanged, the indexed column keeps the update HOT.
+-- A completion by the store ends the lease (NULL); one in a handler's transaction leaves it, and a renewal of a
+-- completed record changes nothing that matters.
 -- $1 tenant, $2 key, $3 fence, $4 lease seconds
 UPDATE {schema}.idempotency_records
 SET lease_expires_at = now() + make_interval(secs => $4),
     expires_at = GREATEST(expires_at, now() + make_interval(secs => $4))
-WHERE tenant = $1 AND key = $2 AND fence = $3 AND state = 'in_progress';
+WHERE tenant = $1 AND key = $2 AND fence = $3 AND lease_expires_at IS NOT NULL;
 
 -- name: complete
+-- The completion of a request whose effect is outside the database. It ends the lease on the record row in the
+-- same statement, so a concurrent claim that would take a lapsed lease over waits for it and then finds the lease
+-- ended; a response that exists already (a handler's transaction that completed the record first) is kept.
 -- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size
-UPDATE {schema}.idempotency_records
-SET state = 'completed', lease_expires_at = NULL, completed_at = now(),
-    status = $4, headers = $5, body = $6, body_size = $7
-WHERE tenant = $1 AND key = $2 AND fence = $3 AND state = 'in_progress';
+WITH owned AS (
+    UPDATE {schema}.idempotency_records
+    SET lease_expires_at = NULL
+    WHERE tenant = $1 AND key = $2 AND fence = $3 AND lease_expires_at IS NOT NULL
+    RETURNING tenant, key
+)
+INSERT INTO {schema}.idempotency_responses (tenant, key, fence, status, headers, body, body_size, completed_at)
+SELECT tenant, key, $3, $4, $5, $6, $7, now() FROM owned
+ON CONFLICT (tenant, key) DO NOTHING;
+
+-- name: complete_in_transaction
+-- The completion in a transactional handler's transaction, which commits it with the handler's writes. It reads
+-- the record row and inserts the response, and writes nothing that renewals or duplicates write meanwhile, so it
+-- holds under any isolation level. Under READ COMMITTED a claim that took the key over is seen (no row: fenced
+-- out); under REPEATABLE READ and SERIALIZABLE the snapshot may predate the takeover, and then of the two claims
+-- the first to commit its response wins: the other's insert meets the primary key, or its foreign key check meets
+-- a record deleted meanwhile, and its whole transaction rolls back.
+-- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size
+INSERT INTO {schema}.idempotency_responses (tenant, key, fence, status, headers, body, body_size, completed_at)
+SELECT r.tenant, r.key, $3, $4, $5, $6, $7, now()
+FROM {schema}.idempotency_records AS r
+WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
+ON CONFLICT (tenant, key) DO NOTHING;
 
 -- name: release
+-- A record with a response is never released: the foreign key refuses to delete one whose response committed
+-- while this statement ran (postgres.py answers False).
 -- $1 tenant, $2 key, $3 fence
-DELETE FROM {schema}.idempotency_records
-WHERE tenant = $1 AND key = $2 AND fence = $3 AND state = 'in_progress';
+DELETE FROM {schema}.idempotency_records AS r
+WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
+  AND NOT EXISTS (SELECT FROM {schema}.idempotency_responses AS s WHERE s.tenant = $1 AND s.key = $2);
 
 -- name: forget
 -- $1 tenant, $2 key
+WITH response AS (
+    DELETE FROM {schema}.idempotency_responses WHERE tenant = $1 AND key = $2
+)
 DELETE FROM {schema}.idempotency_records WHERE tenant = $1 AND key = $2;
 
 -- name: inspect
 -- $1 tenant, $2 key
-SELECT tenant, key, state, fence, fingerprint, attempts,
-       extract(epoch FROM created_at)::float8 AS created_at,
-       extract(epoch FROM expires_at)::float8 AS expires_at,
-       extract(epoch FROM lease_expires_at)::float8 AS lease_expires_at,
-       status, headers, body, body_size
-FROM {schema}.idempotency_records WHERE tenant = $1 AND key = $2;
+SELECT r.tenant, r.key, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'completed' END AS state, r.fence,
+       r.fingerprint, r.attempts,
+       extract(epoch FROM r.created_at)::float8 AS created_at,
+       extract(epoch FROM r.expires_at)::float8 AS expires_at,
+       extract(epoch FROM r.lease_expires_at)::float8 AS lease_expires_at,
+       s.status, s.headers, s.body, s.body_size
+FROM {schema}.idempotency_records AS r
+LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
+WHERE r.tenant = $1 AND r.key = $2;
 
 -- name: purge_expired
 -- Batched so that a large backlog never holds locks for long; the expires_at index finds the batch.
 -- $1 batch size
-DELETE FROM {schema}.idempotency_records
-WHERE ctid = ANY (ARRAY(
-    SELECT ctid FROM {schema}.idempotency_records WHERE expires_at <= now()
+WITH doomed AS MATERIALIZED (
+    SELECT ctid, tenant, key FROM {schema}.idempotency_records WHERE expires_at <= now()
     ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED
-));
+), responses AS (
+    DELETE FROM {schema}.idempotency_responses AS s
+    USING doomed AS d WHERE s.tenant = d.tenant AND s.key = d.key
+)
+DELETE FROM {schema}.idempotency_records
+WHERE ctid = ANY (ARRAY(SELECT ctid FROM doomed));
 
 -- name: count_expired
 SELECT count(*) FROM {schema}.idempotency_records WHERE expires_at <= now();
 
 -- name: stats
 SELECT
-    count(*) FILTER (WHERE state = 'in_progress' AND expires_at > now()) AS in_progress,
-    count(*) FILTER (WHERE state = 'completed' AND expires_at > now()) AS completed,
-    count(*) FILTER (WHERE expires_at <= now()) AS expired,
-    count(*) FILTER (WHERE state = 'in_progress' AND lease_expires_at <= now() AND expires_at > now()) AS past_lease,
-    extract(epoch FROM now() - min(created_at) FILTER (WHERE state = 'in_progress' AND expires_at > now()))::float8
+    count(*) FILTER (WHERE s.key IS NULL AND r.expires_at > now()) AS in_progress,
+    count(*) FILTER (WHERE s.key IS NOT NULL AND r.expires_at > now()) AS completed,
+    count(*) FILTER (WHERE r.expires_at <= now()) AS expired,
+    count(*) FILTER (WHERE s.key IS NULL AND r.lease_expires_at <= now() AND r.expires_at > now()) AS past_lease,
+    extract(epoch FROM now() - min(r.created_at) FILTER (WHERE s.key IS NULL AND r.expires_at > now()))::float8
         AS oldest_in_progress_seconds,
-    coalesce(sum(attempts), 0)::bigint AS attempts
-FROM {schema}.idempotency_records;
+    coalesce(sum(r.attempts), 0)::bigint AS attempts
+FROM {schema}.idempotency_records AS r
+LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key;
 
 -- name: migrated
 -- open() runs this once: a database that was never migrated (or a store pointed at the wrong schema) fails at
 -- startup with the command that fixes it, instead of at every request.
-SELECT to_regclass('{schema}.idempotency_records') IS NOT NULL;
+SELECT to_regclass('{schema}.idempotency_responses') IS NOT NULL;
 
 -- name: database_identity
 -- SQLAlchemyStore.open() compares this on the store's connection and on the app's engine: the handlers'

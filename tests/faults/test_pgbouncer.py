@@ -85,8 +85,9 @@ async def test_a_lent_connection_comes_back_healthy_through_pgbouncer(pgbouncer_
     async with PostgresStore(pgbouncer_url, prepared_statements=False, min_size=1, max_size=2) as store:
         async with store.connection() as connection:
             await connection.execute("SET application_name = 'lent'")
-        assert not connection.is_closed()
+            lent = connection.get_server_pid()  # PgBouncer's own key for this client connection
         async with store.transaction() as transaction:
+            assert transaction.connection.get_server_pid() == lent  # the same connection, kept
             assert await transaction.connection.fetchval("SELECT 1") == 1
             await transaction.commit()
         assert not transaction.connection.is_closed()

@@ -21,7 +21,6 @@ async def test_transactional_zombie_is_fenced_out_and_its_writes_roll_back(idemp
     assert zombie not in findings.effect_pids
     assert findings.zombie_status == 409
     assert json.loads(findings.zombie_body)["code"] == "idempotency_request_in_progress"
-    assert findings.record_state == "completed"
     assert findings.record_body == findings.retry_body
     assert findings.violations == []
     assert result.duplicates == 0
@@ -32,7 +31,6 @@ async def test_plain_zombie_cannot_overwrite_the_new_record(idempotency_database
     _, findings = await run_zombie(idempotency_database_url, transactional=False)
     _, successor = findings.worker_pids
     assert findings.retry_status == 201
-    assert findings.record_state == "completed"
     assert findings.record_body == findings.retry_body
     assert successor in findings.effect_pids
     assert findings.effects <= 2

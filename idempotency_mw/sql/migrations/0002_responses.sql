@@ -1,0 +1,35 @@
+-- The response of a completed request moves to a table of its own. A transactional handler's transaction writes
+-- it, while lease renewals and duplicates' attempts keep updating the record row: under REPEATABLE READ or
+-- SERIALIZABLE, an update of a row that changed after the transaction's snapshot is a serialization failure, so
+-- that transaction must not write the record row at all. It inserts the response instead, which nothing else
+-- writes: the primary key lets one completion per record land, the foreign key keeps a record from being deleted
+-- under a completion still on its way (every statement that deletes records deletes their responses first).
+-- Instances of an earlier version cannot run beside this one: stop them before migrating.
+CREATE TABLE {schema}.idempotency_responses (
+    tenant        text        NOT NULL,
+    key           text        NOT NULL,
+    fence         bigint      NOT NULL,  -- the claim that completed it
+    status        smallint    NOT NULL,
+    headers       jsonb       NOT NULL,
+    body          bytea,                 -- NULL when not stored in full: over the cap, or cut short
+    body_size     bigint      NOT NULL,
+    completed_at  timestamptz NOT NULL,
+    PRIMARY KEY (tenant, key),
+    FOREIGN KEY (tenant, key) REFERENCES {schema}.idempotency_records (tenant, key)
+);
+
+INSERT INTO {schema}.idempotency_responses (tenant, key, fence, status, headers, body, body_size, completed_at)
+SELECT tenant, key, fence, status, headers, body, body_size, completed_at
+FROM {schema}.idempotency_records
+WHERE state = 'completed';
+
+ALTER TABLE {schema}.idempotency_records
+    DROP COLUMN state,
+    DROP COLUMN status,
+    DROP COLUMN headers,
+    DROP COLUMN body,
+    DROP COLUMN body_size,
+    DROP COLUMN completed_at;
+
+-- Fences are random tokens drawn by the store (queries.sql, claim); no version draws them from it any more.
+DROP SEQUENCE IF EXISTS {schema}.idempotency_fence;

@@ -1,0 +1,25 @@
+-- What the store asks of, and sets on, the sessions of its connections; loaded by name like queries.sql. None of
+-- these names a table.
+
+-- name: pin_read_committed
+-- Run once on each connection the store opens itself (not behind a transaction-pooling proxy, where a session
+-- setting would land on whichever server connection the proxy picked). The store's own statements are
+-- single-statement transactions that update rows other sessions update too; under REPEATABLE READ or SERIALIZABLE
+-- such an update fails once the other commits ("could not serialize access"), and under SERIALIZABLE they would
+-- also take part in the handlers' conflict detection. READ COMMITTED waits and re-reads instead. It returns the
+-- default the session had, so that the transactions lent to handlers keep the database's level.
+SELECT current_setting('default_transaction_isolation') AS database_isolation,
+       set_config('default_transaction_isolation', 'read committed', false) AS pinned;
+
+-- name: default_isolation
+-- The default isolation level of a session the store does not own (an app's pool, a transaction-pooling proxy).
+SELECT current_setting('default_transaction_isolation');
+
+-- name: capture
+-- The session state a pool established when it opened a connection (an asyncpg pool's init, a SQLAlchemy
+-- "connect" event: SET ROLE, SET search_path, other SETs), as the SQL that restores it after reset_session.sql.
+-- Read once per connection, the first time it is lent to a handler.
+SELECT coalesce(string_agg(format('SELECT set_config(%L, %L, false);', name, setting), ' ' ORDER BY name), '')
+       || CASE WHEN current_setting('role') <> 'none' THEN format(' SET ROLE %I;', current_setting('role')) ELSE '' END
+FROM pg_settings
+WHERE source = 'session';
