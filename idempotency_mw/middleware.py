@@ -446,7 +446,7 @@ class IdempotentRequest:
         """Answer by how the transaction ended, ``raised`` being what the app raised. True when that answer (a 409
         or 503) replaces it; False when it is to go on as it is."""
         self.status = run.status
-        if run.state is State.COMMITTED:
+        if run.state in (State.COMMITTED, State.RECORDED):
             if self.fence is not None:
                 self.outcome = Outcome.EXECUTED
             return False  # what the app raised after the commit (a background task) undoes nothing
@@ -490,7 +490,7 @@ class IdempotentRequest:
         self.status = run.status
         if self.fence is None:
             return  # no key, no record
-        if run.state is State.COMMITTED:
+        if run.state in (State.COMMITTED, State.RECORDED):
             self.outcome = Outcome.EXECUTED
         else:
             await self._release(self.fence)

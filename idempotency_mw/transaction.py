@@ -6,6 +6,11 @@ out. So a client never sees an effect that could still roll back, and a crash an
 neither the effect nor its record. Background tasks run after the final body message: after the commit, outside
 the transaction, and their failure changes nothing.
 
+Only a response the handler returns commits its writes. A response the app made of an exception (an
+``HTTPException``, or any exception its exception handlers answer) is sent while that exception is being handled:
+the transaction rolls back, as it would for the same exception anywhere else, and a final answer is recorded on its
+own, so that the retry gets the same answer.
+
 Each run ends in exactly one :class:`State`, which the middleware reads to choose the answer. When the transaction
 did not commit, the handler's ``send`` raises :class:`NotCommitted`, so nothing that follows the response in the
 app (a background task) runs for an effect that did not happen.
@@ -16,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -29,6 +35,7 @@ from idempotency_mw.store import StoreUnavailable, Transaction, TransactionalSto
 class State(enum.Enum):
     OPEN = "open"  # the handler runs; its response is held
     COMMITTED = "committed"  # the effect and the record landed; the response goes out
+    RECORDED = "recorded"  # an exception the app answered: its writes rolled back, its final answer recorded
     ROLLED_BACK = "rolled back"  # a transient answer, or a handler that failed or never finished: nothing landed
     FENCED_OUT = "fenced out"  # a newer claim owns the key: the record was refused, everything rolled back
     UNAVAILABLE = "unavailable"  # the database could not be reached to begin, write, commit or roll back
@@ -82,6 +89,8 @@ class TransactionalRun:
         self._reported = False
         self._receive: Receive | None = None
         self._left_open = asyncio.Event()  # set once the state is no longer OPEN
+        self._outer_exception: BaseException | None = None  # being handled around the whole app, if anything
+        self._answered_an_exception = False  # the response started while the app handled an exception
 
     @property
     def state(self) -> State:
@@ -111,13 +120,14 @@ class TransactionalRun:
                 raise
             lend(self._transaction)
             self._receive = receive
+            self._outer_exception = sys.exception()
             try:
                 await app(scope, self._receive_held, self._send)
             except BaseException:
                 await self._end()
                 raise
             await self._end()
-            if not self._reported and self.state in (State.COMMITTED, State.ROLLED_BACK):
+            if not self._reported and self.state in (State.COMMITTED, State.RECORDED, State.ROLLED_BACK):
                 # Settled, but the app cancelled its own send while it waited for that (a streaming response that
                 # stopped on a disconnect): report it now, so a rolled-back key is still released.
                 self._reported = True
@@ -144,6 +154,9 @@ class TransactionalRun:
     async def _send(self, message: Message) -> None:
         if self.state in DID_NOT_COMMIT:
             raise NotCommitted(f"the handler's transaction did not commit ({self.state.value})")
+        if message["type"] == "http.response.start":
+            handling = sys.exception()  # an exception handler sends its response inside its ``except`` block
+            self._answered_an_exception = handling is not None and handling is not self._outer_exception
         going, decide = self.recorder.record(message)
         if decide:
             await self._settle()
@@ -169,6 +182,8 @@ class TransactionalRun:
         assert self._transaction is not None
         if not self._is_final(self.recorder.status):
             await self._roll_back(State.ROLLED_BACK)
+        elif self._answered_an_exception:
+            await self._roll_back_and_record()
         else:
             try:
                 claimed = self._claimed
@@ -185,6 +200,22 @@ class TransactionalRun:
                 await self._roll_back(State.REFUSED, error)
                 return
             self.state = State.COMMITTED
+
+    async def _roll_back_and_record(self) -> None:
+        """Roll back the writes of a handler that raised, and record the final answer the app made of it, outside
+        the transaction. If that cannot be recorded, the run ends rolled back: the key is released and the answer
+        goes out as it is (the retry runs again, with nothing of this run's left)."""
+        await self._roll_back(State.ROLLED_BACK)
+        claimed = self._claimed
+        if self.state is not State.ROLLED_BACK or claimed is None:
+            return
+        try:
+            recorded = await self._transactions.complete(
+                claimed.tenant, claimed.key, claimed.fence, self.recorder.stored_response()
+            )
+        except Exception:
+            return
+        self.state = State.RECORDED if recorded else State.FENCED_OUT
 
     async def _roll_back(self, state: State, failure: BaseException | None = None) -> None:
         """Roll back and end in ``state``; a database that cannot be reached for it ends in UNAVAILABLE."""

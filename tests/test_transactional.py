@@ -11,6 +11,7 @@ from typing import Any
 import asyncpg
 import pytest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -53,12 +54,25 @@ def build(store: PostgresStore, gate: Gate, **options: Any) -> Starlette:
             return JSONResponse({"error": "late failure"}, status_code=500)
         if note == "big":
             return Response(b"y" * 5000)
+        if note == "http400":
+            raise HTTPException(400, "insufficient funds")
+        if note == "declined":
+            raise CardDeclined
+        if note == "402":
+            return JSONResponse({"error": "card declined"}, status_code=402)
         downstream = context.downstream_key("psp") if context.key else None
         return JSONResponse({"written": note, "downstream": downstream}, status_code=201)
 
-    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    async def declined(request: Request, error: Exception) -> Response:
+        return JSONResponse({"error": "card declined"}, status_code=402)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])], exception_handlers={CardDeclined: declined})
     app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, **options)
     return app
+
+
+class CardDeclined(Exception):
+    """An app's own exception, which its exception handler turns into a 402."""
 
 
 async def effects(db: asyncpg.Connection, key: str) -> int:
@@ -727,3 +741,32 @@ async def test_a_lent_connection_refuses_use_after_its_request(pg_store: Postgre
         await fetchval("SELECT 1")
     with pytest.raises(asyncpg.InterfaceError, match="request that has ended"):
         connection.is_in_transaction()
+
+
+@pytest.mark.parametrize(("note", "status"), [("http400", 400), ("declined", 402)])
+async def test_an_exception_turned_into_a_response_rolls_back_and_is_recorded(
+    pg_store: PostgresStore, db: asyncpg.Connection, note: str, status: int
+) -> None:
+    """A handler that writes, then raises an exception the app answers (HTTPException, or one with an exception
+    handler): its writes roll back as a raised exception does anywhere else, while the answer is final and recorded,
+    so the retry gets the same answer and nothing ran twice."""
+    key = str(uuid.uuid4())
+    client = client_for(build(pg_store, Gate()))
+    first = await client.post(f"/write?note={note}", headers={"Idempotency-Key": key})
+    assert first.status_code == status
+    assert await effects(db, key) == 0
+    retry = await client.post(f"/write?note={note}", headers={"Idempotency-Key": key})
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert (retry.status_code, retry.content) == (status, first.content)
+    assert await effects(db, key) == 0
+
+
+async def test_a_returned_4xx_commits_the_handlers_writes(pg_store: PostgresStore, db: asyncpg.Connection) -> None:
+    """A 4xx the handler returns is its answer, written with its effect (a declined card that records the attempt)."""
+    key = str(uuid.uuid4())
+    client = client_for(build(pg_store, Gate()))
+    assert (await client.post("/write?note=402", headers={"Idempotency-Key": key})).status_code == 402
+    assert await effects(db, key) == 1
+    retry = await client.post("/write?note=402", headers={"Idempotency-Key": key})
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert await effects(db, key) == 1
