@@ -145,7 +145,9 @@ class SQLAlchemyStore:
             await connection.close()
             raise
         # The session works in a savepoint of the transaction: its own commit() and rollback() never end it.
-        session = self.session_class(bind=connection, join_transaction_mode="create_savepoint", expire_on_commit=False)
+        session = lent_session_class(self.session_class)(
+            bind=connection, join_transaction_mode="create_savepoint", expire_on_commit=False, info={LENT: True}
+        )
         transaction = SQLAlchemyTransaction(
             connection,
             session,
@@ -266,10 +268,14 @@ class SQLAlchemyTransaction:
         """A raw COMMIT or ROLLBACK through the session or connection (``text("ROLLBACK")``) ends the transaction on
         the server while SQLAlchemy, which does not read the SQL it passes on, still counts it open; the completion
         would then run on its own and, after a ROLLBACK, record an effect that never happened. asyncpg knows the
-        server's transaction state from every answer: no round trip."""
+        server's transaction state from every answer: no round trip.
+
+        A handler that never ran a statement has no transaction on the server yet: SQLAlchemy's asyncpg adapter
+        sends BEGIN with the first statement, which here is the completion's."""
         raw = await self.connection.get_raw_connection()
         driver: Any = raw.driver_connection  # asyncpg's Connection
-        if not driver.is_in_transaction():
+        begun = getattr(raw.dbapi_connection, "_transaction", True) is not None  # unknown: take it as begun
+        if begun and not driver.is_in_transaction():
             raise TransactionEnded.by_the_handler("session or connection", "async with session.begin_nested(): ...")
 
     async def _end_session(self) -> None:
@@ -279,6 +285,11 @@ class SQLAlchemyTransaction:
         what the session had written is gone) is refused as its own commit would refuse it: ``PendingRollbackError``.
         """
         with self._reachable():
+            if self.session.info.get(DISCARDED):
+                raise sa_exc.PendingRollbackError(
+                    "the request's session was closed after a failed flush, and what it had written was rolled back "
+                    "with it: the answer cannot be recorded without the writes it was built on"
+                )
             transaction = self.session.sync_session.get_transaction()  # the proxy's own fails on SQLAlchemy 2.0.0
             if transaction is not None and not transaction.is_active:
                 await self.session.commit()  # raises, as it would for the handler
@@ -323,6 +334,7 @@ class SQLAlchemyTransaction:
             if usable and self.connection.in_transaction():
                 async with asyncio.timeout(self._timeout):
                     await self.connection.rollback()
+            self.session.info[LENT] = False  # a plain close from here on
             await self.session.close()  # its savepoint ended with the transaction: no statement
             if usable:
                 raw = await self.connection.get_raw_connection()
@@ -341,6 +353,40 @@ class SQLAlchemyTransaction:
             if not isinstance(error, StoreNotMigrated):
                 self.lost = True
             raise
+
+
+LENT = "idempotency_mw.lent"  # in Session.info while the session is lent to its request
+DISCARDED = "idempotency_mw.discarded"  # in Session.info once a close threw away what a failed flush left
+
+
+def lent_session_class(session_class: type[AsyncSession]) -> type[AsyncSession]:
+    """``session_class`` as lent to a handler: closing it keeps what it wrote.
+
+    The session works in a savepoint of the request's transaction, and ``AsyncSession.close()`` rolls that back. A
+    handler that closes its session (``await session.close()``, or leaving ``async with session:``) would then lose
+    its writes while its answer, built on them, was recorded. Here the close releases the savepoint instead (what
+    ``commit()`` does in this mode: the writes commit later, with the record). A session whose flush failed cannot
+    keep anything: its close rolls back as usual, and the request fails rather than record that answer.
+    """
+
+    async def close(self: AsyncSession) -> None:
+        if self.info.get(LENT):
+            transaction = self.sync_session.get_transaction()
+            if transaction is not None:
+                if transaction.is_active:
+                    await self.commit()
+                else:
+                    self.info[DISCARDED] = True
+        await session_class.close(self)
+
+    lent = _lent_classes.get(session_class)
+    if lent is None:
+        namespace = {"close": close, "__doc__": session_class.__doc__}
+        lent = _lent_classes[session_class] = type(f"Lent{session_class.__name__}", (session_class,), namespace)
+    return lent
+
+
+_lent_classes: dict[type[AsyncSession], type[AsyncSession]] = {}
 
 
 async def _refuse_autocommit(connection: AsyncConnection) -> None:

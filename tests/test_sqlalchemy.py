@@ -22,6 +22,7 @@ from sqlmodel import select as sqlmodel_select
 from sqlmodel.ext.asyncio.session import AsyncSession as SQLModelSession
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -138,6 +139,13 @@ def build(store: SQLAlchemyStore, gate: Gate | None = None, **options: Any) -> S
             return JSONResponse({"error": "late failure"}, status_code=500)
         if note == "big":
             return Response(b"y" * 5000)
+        if note == "closed":
+            await session.close()
+        if note == "left":
+            async with session:  # closes the session on the way out
+                session.add(Effect(key=context.key or "none", note="left"))
+        if note == "http400":
+            raise HTTPException(400, "insufficient funds")
         return JSONResponse({"written": note}, status_code=201)
 
     app = Starlette(routes=[Route("/write", write, methods=["POST"])])
@@ -705,7 +713,64 @@ async def test_asking_for_the_asyncpg_connection_under_sqlalchemy_names_the_sess
         await client_for(app).post("/v1/raw", headers={"Idempotency-Key": str(uuid.uuid4())})
 
 
-# -- the engine's own session state ---------------------------------------------------------------------------
+# -- what apps do with their session ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("note", "written"), [("closed", 1), ("left", 2)])
+async def test_closing_the_session_keeps_its_writes(
+    store: SQLAlchemyStore, db: asyncpg.Connection, note: str, written: int
+) -> None:
+    """A handler that closes its session (``await session.close()``, or leaving ``async with session:``) must not
+    leave a record of an answer whose writes the close threw away: the close keeps them, and they commit with it."""
+    key = str(uuid.uuid4())
+    client = client_for(build(store))
+    assert (await client.post(f"/write?note={note}", headers={"Idempotency-Key": key})).status_code == 201
+    assert await effects(db, key) == written
+    retry = await client.post(f"/write?note={note}", headers={"Idempotency-Key": key})
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert await effects(db, key) == written
+
+
+def build_untouched(store: SQLAlchemyStore) -> Starlette:
+    async def refuse(request: Request) -> Response:
+        idempotency_session(request)  # taken, never used
+        raise HTTPException(422, "amount must be positive")
+
+    async def answer(request: Request) -> Response:
+        idempotency_session(request)
+        return JSONResponse({"nothing": "written"}, status_code=201)
+
+    app = Starlette(routes=[Route("/refuse", refuse, methods=["POST"]), Route("/answer", answer, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+    return app
+
+
+@pytest.mark.parametrize(("path", "status"), [("/refuse", 422), ("/answer", 201)])
+async def test_a_handler_that_never_touches_its_session_is_recorded(
+    store: SQLAlchemyStore, path: str, status: int
+) -> None:
+    """No statement ran on the session, so no transaction began on the server: that is not a handler that ended
+    the transaction itself, and the answer is recorded and replayed like any other."""
+    key = str(uuid.uuid4())
+    client = client_for(build_untouched(store))
+    first = await client.post(path, headers={"Idempotency-Key": key})
+    assert first.status_code == status
+    retry = await client.post(path, headers={"Idempotency-Key": key})
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert (retry.status_code, retry.content) == (status, first.content)
+
+
+async def test_an_exception_turned_into_a_response_rolls_back_the_orm_writes(
+    store: SQLAlchemyStore, db: asyncpg.Connection
+) -> None:
+    key = str(uuid.uuid4())
+    client = client_for(build(store))
+    first = await client.post("/write?note=http400&flush=1", headers={"Idempotency-Key": key})
+    assert first.status_code == 400
+    assert await effects(db, key) == 0
+    retry = await client.post("/write?note=http400&flush=1", headers={"Idempotency-Key": key})
+    assert (retry.status_code, retry.headers["idempotent-replayed"]) == (400, "true")
+    assert await effects(db, key) == 0
 
 
 async def test_the_engines_connect_time_session_comes_back_after_a_request(
@@ -740,3 +805,27 @@ async def test_the_engines_connect_time_session_comes_back_after_a_request(
                 assert dict((await connection.execute(text(SESSION_STATE))).mappings().one()) == seen[0]
     finally:
         await engine.dispose()
+
+
+async def test_a_kept_session_refuses_use_after_its_request(store: SQLAlchemyStore, db: asyncpg.Connection) -> None:
+    """A task that kept the request's session must not reach the next request's transaction on that connection."""
+    kept: list[AsyncSession] = []
+
+    async def keep(request: Request) -> Response:
+        kept.append(idempotency_session(request))
+        return JSONResponse({"kept": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/keep", keep, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+    assert (await client_for(app).post("/keep", headers={"Idempotency-Key": str(uuid.uuid4())})).status_code == 201
+    gate = Gate()
+    gate.go.clear()
+    key = str(uuid.uuid4())
+    other = asyncio.create_task(client_for(build(store, gate)).post("/write?flush=1", headers={"Idempotency-Key": key}))
+    await asyncio.wait_for(gate.entered.wait(), 5)
+    try:
+        with pytest.raises(exc.ResourceClosedError):
+            await kept[0].execute(select(Effect).where(Effect.key == key))
+    finally:
+        gate.go.set()
+        await other
