@@ -4,9 +4,9 @@ SHA-256 over the lengths of five parts (method, path, query, body kind, canonica
 different requests can produce the same byte stream. Bodies are canonicalised where their format allows: JSON is
 parsed and re-serialised with sorted keys (key order and whitespace do not matter; numbers compare by value, except
 in a body holding a number that a double might not hold exactly, where every number compares as written, so two
-amounts never merge), form bodies and query strings become their decoded pairs sorted by name (the order of
-repeated names is kept, it can matter), except a form-typed body that looks like JSON, which an app may well read
-as JSON; anything else is hashed as sent.
+amounts never merge), form bodies and query strings become their decoded pairs sorted by name (decoded as
+Starlette decodes them; the order of repeated names is kept, it can matter), except a form-typed body that looks
+like JSON, which an app may well read as JSON; anything else is hashed as sent.
 
 The work is bounded. A body whose canonical form would cost much more per byte than ordinary JSON (a form with more
 fields than Starlette itself reads, a flood of ``%XX`` escapes, thousands of values around a long number) is
@@ -133,7 +133,14 @@ def _canonical_pairs(encoded: bytes) -> bytes | None:
         return None
     if encoded.count(b"%") > _ESCAPES_FREE + len(encoded) // _BYTES_PER_ESCAPE:
         return None
-    # latin-1 maps every byte to one code point, so decoding can neither fail nor merge two different inputs.
-    pairs = parse_qsl(encoded.decode("latin-1"), keep_blank_values=True, encoding="latin-1")
+    # Read as Starlette reads them, or two requests the app reads apart could share a fingerprint: raw bytes as
+    # latin-1, %XX escapes as UTF-8. Where an escape is not UTF-8, Starlette reads U+FFFD, which would merge
+    # different bytes; surrogateescape keeps each such byte as its own lone surrogate instead.
+    pairs = parse_qsl(encoded.decode("latin-1"), keep_blank_values=True, errors="surrogateescape")
     pairs.sort(key=lambda pair: pair[0])  # stable: repeated names keep their relative order
-    return orjson.dumps(pairs)
+    try:
+        return orjson.dumps(pairs)
+    except orjson.JSONEncodeError:
+        # orjson refuses lone surrogates; Python's json writes them as \udcXX escapes. Each writes JSON that reads
+        # back to its pairs, and only these pairs hold a surrogate, so the two can never write the same bytes.
+        return json.dumps(pairs).encode()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from decimal import Context, Decimal
 from typing import NoReturn
 from urllib.parse import urlencode
@@ -10,6 +12,8 @@ from urllib.parse import urlencode
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from starlette.datastructures import FormData, Headers, QueryParams
+from starlette.formparsers import FormParser
 
 from idempotency_mw import fingerprint as fingerprint_module
 from idempotency_mw.fingerprint import canonical_body, canonical_query, fingerprint
@@ -243,3 +247,73 @@ def test_raw_bodies_under_other_content_type_parameters_are_other_requests() -> 
     assert fp(body, b"multipart/form-data; boundary=b1") != fp(body, b"multipart/form-data; boundary=b2")
     assert fp(b"caf\xe9", b"text/plain; charset=latin-1") != fp(b"caf\xe9", b"text/plain; charset=utf-8")
     assert fp(b"x", b"Text/Plain;  charset=UTF-8") == fp(b"x", b"text/plain; charset=utf-8")  # spelling only
+
+
+# -- forms and query strings read as Starlette reads them -----------------------------------------------------
+
+
+def test_escapes_are_read_as_utf_8_and_raw_bytes_as_latin_1_as_starlette_reads_them() -> None:
+    """``%C3%A9`` is 'é' to the app, the raw bytes ``\\xc3\\xa9`` are 'Ã©': two requests, never one replay."""
+    assert fp(b"to=%C3%A9ric", FORM) != fp(b"to=\xc3\xa9ric", FORM)
+    assert fp(b"", query=b"to=%C3%A9ric") != fp(b"", query=b"to=\xc3\xa9ric")
+    # The raw latin-1 byte is 'é' too: the same request however it is spelled.
+    assert fp(b"to=%C3%A9ric", FORM) == fp(b"to=\xe9ric", FORM) == fp(b"to=%c3%a9ric", FORM)
+    assert fp(b"", query=b"to=%C3%A9ric") == fp(b"", query=b"to=\xe9ric")
+
+
+def test_invalid_utf_8_escapes_stay_apart() -> None:
+    """Starlette reads each as U+FFFD; kept apart, a retry of either still matches and nothing merges."""
+    assert len({fp(b"a=" + escape, FORM) for escape in (b"%FF", b"%FE", b"%EF%BF%BD", b"%ED%A0%80")}) == 4
+    assert len({fp(b"", query=b"a=" + escape) for escape in (b"%FF", b"%FE", b"%EF%BF%BD", b"\xff")}) == 4
+    assert fp(b"a=%FF&b=%C3", FORM) == fp(b"b=%C3&a=%ff", FORM)  # still canonical: pair order does not count
+    assert canonical_query(b"a=%FF").startswith(b"[")  # canonical pairs, never the "as sent:" fallback
+
+
+def test_raw_non_ascii_forms_hash_as_before() -> None:
+    """Bytes sent raw were read as latin-1 before and still are: their digests did not change."""
+    assert canonical_body(FORM, b"name=Jos\xe9&city=K\xf6ln") == (b"form", '[["city","Köln"],["name","José"]]'.encode())
+
+
+def starlette_query(query: bytes) -> list[tuple[str, str]]:
+    """What the app reads: Starlette's QueryParams, each name's values in order (pairs of different names in any
+    order are the same request)."""
+    return sorted(QueryParams(query).multi_items(), key=lambda pair: pair[0])
+
+
+def starlette_form(body: bytes) -> list[tuple[str, str]]:
+    """What ``request.form()`` reads from an urlencoded body, as :func:`starlette_query` orders it."""
+
+    async def stream() -> AsyncIterator[bytes]:
+        yield body
+
+    async def parse() -> FormData:
+        return await FormParser(Headers({"content-type": FORM.decode()}), stream()).parse()
+
+    return sorted(((name, str(value)) for name, value in asyncio.run(parse()).multi_items()), key=lambda p: p[0])
+
+
+# One run of bytes spelled twice, each byte raw or as an upper- or lower-case escape: the app reads some such pairs
+# alike (an ASCII letter) and others apart (a non-ASCII byte, "+", "&", "=").
+SPELLINGS = (lambda byte: bytes([byte]), lambda byte: b"%%%02X" % byte, lambda byte: b"%%%02x" % byte)
+spelled_twice = st.lists(
+    st.tuples(
+        st.sampled_from(b"a=&+% \x00\x7f\xc3\xa9\xe9\xff\xed\xa0\x80\xe2\x82\xac"),
+        st.sampled_from(SPELLINGS),
+        st.sampled_from(SPELLINGS),
+    ),
+    max_size=12,
+).map(lambda run: (b"".join(first(byte) for byte, first, _ in run), b"".join(second(byte) for byte, _, second in run)))
+
+
+@given(spelled_twice)
+def test_queries_the_app_reads_differently_never_share_a_fingerprint(queries: tuple[bytes, bytes]) -> None:
+    first, second = queries
+    assume(starlette_query(first) != starlette_query(second))
+    assert fp(b"", query=first) != fp(b"", query=second)
+
+
+@given(spelled_twice)
+def test_forms_the_app_reads_differently_never_share_a_fingerprint(bodies: tuple[bytes, bytes]) -> None:
+    first, second = bodies
+    assume(starlette_form(first) != starlette_form(second))
+    assert fp(first, FORM) != fp(second, FORM)

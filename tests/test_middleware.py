@@ -168,6 +168,18 @@ async def test_form_pair_order_is_the_same_request(store: Store, key: str) -> No
     assert probe.calls["charge"] == 1
 
 
+async def test_a_form_the_app_reads_differently_is_422_not_a_replay(store: Store, key: str) -> None:
+    """Starlette decodes ``%C3%A9`` as UTF-8 ('é') and raw bytes as latin-1 ('Ã©'): two different requests."""
+    probe, client = setup(store)
+    headers = {"Idempotency-Key": key, "content-type": "application/x-www-form-urlencoded"}
+    first = await client.post("/charge", content=b"to=%C3%A9ric", headers=headers)
+    assert first.status_code == 201
+    other = await client.post("/charge", content=b"to=\xc3\xa9ric", headers=headers)
+    assert other.status_code == 422
+    assert problem(other)["code"] == "idempotency_key_reused"
+    assert probe.calls["charge"] == 1
+
+
 # -- tenants -----------------------------------------------------------------------------------------------
 
 
