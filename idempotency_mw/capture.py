@@ -65,7 +65,11 @@ class ResponseRecorder:
         final = False
         if kind == "http.response.start":
             self.status = message["status"]
-            self.headers = list(message.get("headers", ()))
+            headers = message.get("headers", ())
+            if not isinstance(headers, (list, tuple)):  # any iterable will do in ASGI, and an iterator reads once:
+                headers = list(headers)  # the message that goes on carries the pairs recorded
+                message = {**message, "headers": headers}
+            self.headers = list(headers)  # a copy of its own: a middleware outside may add to the message's list
             if message.get("trailers", False):
                 self.capturable = False  # trailer fields follow the body, and a record keeps none: not replayable
         elif kind == "http.response.body":

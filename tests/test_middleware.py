@@ -8,8 +8,9 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from starlette.types import Receive, Scope, Send
 
-from idempotency_mw import MemoryStore, PostgresStore, Store, StoredResponse
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, StoredResponse
 from tests.apps import Probe, build_app
 from tests.conftest import client_for, tenant_of
 
@@ -409,6 +410,29 @@ async def test_replay_is_byte_identical(store: Store, key: str, path: str) -> No
     assert again_headers == [*first_headers, (b"idempotent-replayed", b"true")]
     assert b"".join(again_chunks) == b"".join(first_chunks)
     assert sum(probe.calls.values()) == 1
+
+
+async def test_headers_sent_as_a_generator_go_out_live_as_in_the_replay(store: Store, key: str) -> None:
+    """ASGI allows any iterable of header pairs. A generator can be read once: the recorder's copy must be what
+    goes on, or the live response leaves with no headers while its replay has them all."""
+    runs = 0
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal runs
+        runs += 1
+        await receive()
+        pairs = [(b"content-type", b"text/plain"), (b"x-run", b"%d" % runs)]
+        await send({"type": "http.response.start", "status": 201, "headers": (pair for pair in pairs)})
+        await send({"type": "http.response.body", "body": b"made"})
+
+    middleware = IdempotencyMiddleware(app, store=store)
+    live_status, live_headers, live_chunks = await _raw_call(middleware, "/charge", key)
+    assert live_headers == [(b"content-type", b"text/plain"), (b"x-run", b"1")]
+    again_status, again_headers, again_chunks = await _raw_call(middleware, "/charge", key)
+    assert live_status == again_status == 201
+    assert again_headers == [*live_headers, (b"idempotent-replayed", b"true")]
+    assert b"".join(live_chunks) == b"".join(again_chunks) == b"made"
+    assert runs == 1
 
 
 async def test_live_streaming_response_keeps_its_chunks(store: Store, key: str) -> None:
