@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -15,6 +16,10 @@ if TYPE_CHECKING:
 
 STATE_KEY = "idempotency"
 NOT_EXECUTED_KEY = "idempotency_not_executed"
+
+_DOWNSTREAM_V1 = "idempotency-mw/downstream/v1"
+_DOWNSTREAM_V2 = b"idempotency-mw/downstream/v2\0"
+_LENGTH = struct.Struct(">Q")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +49,16 @@ class IdempotencyContext:
         """
         if self.key is None:
             raise LookupError("this request carries no Idempotency-Key to derive a downstream key from")
-        parts = ("idempotency-mw/downstream/v1", self.tenant, self.key, label)
-        return hashlib.sha256(b"\0".join(p.encode() for p in parts)).hexdigest()
+        parts = (self.tenant, self.key, label)
+        if not any("\0" in part for part in parts):
+            # Without a NUL the NUL-joined parts read back one way only. Providers hold these values already: a
+            # retry after an upgrade that derived another one would be charged twice, so they never change.
+            return hashlib.sha256(b"\0".join(p.encode() for p in (_DOWNSTREAM_V1, *parts))).hexdigest()
+        # A tenant or label holding a NUL could spell another request's joined parts: each part is length-prefixed
+        # instead, under a prefix of its own, so it meets neither another such request nor one of the first kind.
+        encoded = [part.encode() for part in parts]
+        prefixed = b"".join(_LENGTH.pack(len(part)) + part for part in encoded)
+        return hashlib.sha256(_DOWNSTREAM_V2 + prefixed).hexdigest()
 
 
 def idempotency_context(request: HTTPConnection) -> IdempotencyContext | None:
