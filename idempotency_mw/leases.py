@@ -1,10 +1,14 @@
-"""Keeping the leases of running handlers alive, from one timer per middleware.
+"""Keeping the leases of running handlers alive, from one timer per middleware (and event loop).
 
 A claim holds its key for ``lease`` seconds. While the handler runs, the lease is renewed every third of that, so
 a slow handler keeps its key and a crashed one frees it soon. One :class:`LeaseKeeper` serves every request of a
 middleware: a request registers its claim and unregisters it when it ends, and the keeper's single timer wakes
 when the earliest renewal is due. Most requests end long before that and never cost a timer, a task or a store
 call of their own.
+
+A middleware served from more than one event loop (a server per thread, a server restarted in process while the
+old loop still runs) has its leases renewed by each loop for itself: the keeper keeps the queues and the timer of
+each loop apart, and forgets those of loops that have closed when it first meets another loop.
 
 Leases of one duration come due in the order they were held or last renewed, so the keeper keeps one queue per
 duration (an insertion-ordered dict: holding appends, renewing moves to the back, dropping removes, each O(1)).
@@ -18,7 +22,7 @@ import asyncio
 import logging
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from idempotency_mw.events import hash_key
 from idempotency_mw.failures import FailureLog
@@ -36,32 +40,51 @@ class HeldLease:
     fence: int
     lease: float
     due: float  # loop time of the next renewal
+    leases: LoopLeases  # those of the loop it was held on, which renews it
     renewal: asyncio.Task[None] | None = None
     dropped: bool = False  # the request has ended: a renewal still on its way changes nothing and says nothing
+
+
+@dataclass(eq=False, slots=True)
+class LoopLeases:
+    """The leases held on one event loop and the timer that renews them: a loop's timer and tasks run on it alone."""
+
+    loop: asyncio.AbstractEventLoop
+    queues: dict[float, OrderedDict[HeldLease, None]] = field(default_factory=dict)  # lease -> leases, earliest first
+    timer: asyncio.TimerHandle | None = None
+    wake_at: float = math.inf
 
 
 class LeaseKeeper:
     def __init__(self, store: Store, failures: FailureLog | None = None) -> None:
         self._store = store
         self._failures = failures if failures is not None else FailureLog(logger)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._queues: dict[float, OrderedDict[HeldLease, None]] = {}  # lease duration -> leases, earliest due first
-        self._timer: asyncio.TimerHandle | None = None
-        self._wake_at = math.inf
+        self._loops: dict[asyncio.AbstractEventLoop, LoopLeases] = {}
 
     def hold(self, tenant: str, key: str, fence: int, lease: float) -> HeldLease:
         """Renew this claim's lease until :meth:`drop` is called with what this returns."""
         loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # another event loop (a test, a server restarted in process): start afresh
-            self._loop, self._queues, self._timer, self._wake_at = loop, {}, None, math.inf
-        held = HeldLease(tenant, key, fence, lease, loop.time() + lease / 3)
-        queue = self._queues.get(lease)
+        leases = self._loops.get(loop)
+        if leases is None:
+            leases = self._meet(loop)
+        held = HeldLease(tenant, key, fence, lease, loop.time() + lease / 3, leases)
+        queue = leases.queues.get(lease)
         if queue is None:  # one queue per duration a route configures, kept for the life of the loop
-            queue = self._queues[lease] = OrderedDict()
+            queue = leases.queues[lease] = OrderedDict()
         queue[held] = None  # due last among the leases of its duration
-        if held.due < self._wake_at:
-            self._arm(held.due)
+        if held.due < leases.wake_at:
+            self._arm(leases, held.due)
         return held
+
+    def _meet(self, loop: asyncio.AbstractEventLoop) -> LoopLeases:
+        """Start keeping the leases of a loop seen for the first time (another thread's, a server restarted in
+        process), and forget the loops that have closed: nothing renews their leases again, and kept they would
+        pile up, one per loop the middleware ever served."""
+        for known in list(self._loops):  # a copy: another thread's loop may meet the keeper meanwhile
+            if known.is_closed():
+                self._loops.pop(known, None)
+        leases = self._loops[loop] = LoopLeases(loop)
+        return leases
 
     def drop(self, held: HeldLease) -> None:
         """The request has ended: stop renewing. The timer is left to lapse; it costs one idle wake at most.
@@ -72,23 +95,22 @@ class LeaseKeeper:
         self._forget(held)
 
     def _forget(self, held: HeldLease) -> None:
-        queue = self._queues.get(held.lease)
+        queue = held.leases.queues.get(held.lease)
         if queue is not None:
             queue.pop(held, None)
 
-    def _arm(self, when: float) -> None:
-        assert self._loop is not None
-        if self._timer is not None:
-            self._timer.cancel()
-        self._wake_at = when
-        self._timer = self._loop.call_at(when, self._wake)
+    def _arm(self, leases: LoopLeases, when: float) -> None:
+        if leases.timer is not None:
+            leases.timer.cancel()
+        leases.wake_at = when
+        leases.timer = leases.loop.call_at(when, self._wake, leases)
 
-    def _wake(self) -> None:
-        assert self._loop is not None
-        self._timer, self._wake_at = None, math.inf
-        now = self._loop.time()
+    def _wake(self, leases: LoopLeases) -> None:
+        leases.timer, leases.wake_at = None, math.inf
+        loop = leases.loop
+        now = loop.time()
         earliest = math.inf
-        for lease, queue in self._queues.items():
+        for lease, queue in leases.queues.items():
             for _ in range(len(queue)):  # each lease once at most, even one so short that it is due again at once
                 held = next(iter(queue))
                 if held.due > now:
@@ -96,11 +118,11 @@ class LeaseKeeper:
                 held.due = now + lease / 3
                 queue.move_to_end(held)  # renewed now: due after every other lease of this duration
                 if held.renewal is None or held.renewal.done():
-                    held.renewal = self._loop.create_task(self._renew(held))
+                    held.renewal = loop.create_task(self._renew(held))
             if queue:
                 earliest = min(earliest, next(iter(queue)).due)
         if earliest < math.inf:
-            self._arm(earliest)
+            self._arm(leases, earliest)
 
     async def _renew(self, held: HeldLease) -> None:
         try:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import threading
 import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -193,10 +197,12 @@ async def test_a_lease_taken_over_is_dropped_without_disturbing_the_others(monke
 def test_another_event_loop_starts_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
     store = CountingStore()
     keeper = LeaseKeeper(store)
+    ended: list[weakref.ref[asyncio.AbstractEventLoop]] = []
 
-    async def hold_and_leave() -> HeldLease:
+    async def hold_and_leave() -> str:
         (held,) = await hold_many(keeper, store, 1, 3.0)
-        return held  # never dropped: its loop ends with it (a server stopped mid-request)
+        ended.append(weakref.ref(asyncio.get_running_loop()))
+        return held.key  # never dropped: its loop ends with it (a server stopped mid-request)
 
     async def hold_and_beat() -> HeldLease:
         clock = FakeClock(monkeypatch)
@@ -208,7 +214,45 @@ def test_another_event_loop_starts_afresh(monkeypatch: pytest.MonkeyPatch) -> No
     abandoned = asyncio.run(hold_and_leave())
     current = asyncio.run(hold_and_beat())
     assert store.renewals == {current.key: 1}  # the lease of the loop that ended is not carried over
-    assert abandoned.key not in store.renewals
+    assert abandoned not in store.renewals
+    gc.collect()
+    assert ended[0]() is None  # nor kept: the keeper let go of the closed loop and what it held there
+
+
+class ThreadedRenewals(MemoryStore):
+    """Records each renewal with the thread that made it; holds no claims (renewals from two threads at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.renewals: dict[str, list[int]] = {}
+
+    async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
+        with self.lock:
+            self.renewals.setdefault(key, []).append(threading.get_ident())
+        return True
+
+
+def test_leases_held_on_two_event_loops_are_each_kept_alive() -> None:
+    """One middleware served from two event loops (two threads, each running a server): holding a lease on one
+    loop must not wipe the other's, or that lease lapses while its handler runs and a retry runs it again."""
+    store = ThreadedRenewals()
+    keeper = LeaseKeeper(store)
+    both_held = threading.Barrier(2, timeout=5)
+
+    async def hold_for_a_while(key: str) -> int:
+        held = keeper.hold("t", key, 1, 0.3)  # renewed every 0.1 s
+        await asyncio.to_thread(both_held.wait)  # the other loop holds its own before this one sleeps
+        await asyncio.sleep(0.75)
+        keeper.drop(held)
+        return threading.get_ident()
+
+    with ThreadPoolExecutor(2) as threads:
+        running = {key: threads.submit(asyncio.run, hold_for_a_while(key)) for key in ("first", "second")}
+        thread_of = {key: future.result(timeout=10) for key, future in running.items()}
+    for key, thread in thread_of.items():
+        assert len(store.renewals.get(key, [])) >= 4  # about seven beats in 0.75 s; before, one loop had none
+        assert set(store.renewals[key]) == {thread}  # each renewed on its own loop
 
 
 class SlowRenewStore(MemoryStore):
