@@ -43,6 +43,7 @@ from idempotency_mw.store import (
     ClaimOutcome,
     PoolExhausted,
     Store,
+    StoreUnavailable,
     Transaction,
     TransactionalStore,
     TransactionEnded,
@@ -396,8 +397,17 @@ class IdempotentRequest:
             return await self._release(self.fence)
         assert self.key is not None
         started = time.perf_counter()
+        response = recorder.stored_response()
         try:
-            completed = await self.store.complete(self.tenant, self.key, self.fence, recorder.stored_response())
+            try:
+                completed = await self.store.complete(self.tenant, self.key, self.fence, response)
+            except StoreUnavailable:
+                raise
+            except Exception as refused:
+                # The database refused the response itself (a header it cannot hold). The effect has happened: the
+                # key completes all the same, without a response to replay, rather than run again after its lease.
+                self.middleware.failures.failed("store a response (the key completes without it)", refused)
+                completed = await self.store.complete(self.tenant, self.key, self.fence, response.unreplayable())
         except Exception as error:
             # The client has its response; the claim stays until its lease lapses, then a retry runs again.
             self.middleware.failures.failed("record a completed response", error)

@@ -128,6 +128,10 @@ class PostgresStore:
             )
         else:
             self._borrowed = dsn_or_pool
+            # Claims and lent transactions take all but one of the pool's connections at most, as on the store's own
+            # pool (connections.py): the last one stays for the work that finishes requests.
+            self._ordinary = asyncio.Semaphore(max(1, dsn_or_pool.get_max_size() - 1))
+            self._holding_ordinary: set[int] = set()  # id() of the connections checked out under it
         self._sql = queries(self.schema)
         self._prepare = self._own is not None and prepared_statements  # statements as objects on its connections
         # The default isolation level of the database's sessions, once a connection has told it.
@@ -273,25 +277,47 @@ class PostgresStore:
         with _reachable():
             if self._own is not None:
                 return await self._own.acquire(urgent=urgent)
-            assert self._borrowed is not None
+            pool = self._borrowed
+            assert pool is not None
+            deadline = asyncio.get_running_loop().time() + self.timeout
+            if not urgent:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await self._ordinary.acquire()
+                except TimeoutError:
+                    raise self._exhausted(pool) from None
             try:
-                proxy = await self._borrowed.acquire(timeout=self.timeout)
-            except TimeoutError:
+                remaining = max(deadline - asyncio.get_running_loop().time(), 0.001)
+                proxy = await pool.acquire(timeout=remaining)
+            except BaseException as error:
+                if not urgent:
+                    self._ordinary.release()
                 # asyncpg's deadline covers waiting for a free connection and opening one: it was the wait if the
                 # pool is full and every connection is in use.
-                pool = self._borrowed
-                if pool.get_idle_size() == 0 and pool.get_size() >= pool.get_max_size():
-                    raise PoolExhausted(
-                        "the asyncpg pool passed to PostgresStore", max_size=pool.get_max_size(), timeout=self.timeout
-                    ) from None
+                if (
+                    isinstance(error, TimeoutError)
+                    and pool.get_idle_size() == 0
+                    and pool.get_size() >= pool.get_max_size()
+                ):
+                    raise self._exhausted(pool) from None
                 raise
+            if not urgent:
+                self._holding_ordinary.add(id(proxy))
             return cast(asyncpg.Connection, proxy)  # a pool's proxy: it has every method of a Connection
+
+    def _exhausted(self, pool: asyncpg.Pool) -> PoolExhausted:
+        return PoolExhausted(
+            "the asyncpg pool passed to PostgresStore", max_size=pool.get_max_size(), timeout=self.timeout
+        )
 
     async def _give_back(self, connection: asyncpg.Connection, *, broken: bool = False) -> None:
         if self._own is not None:
             self._own.release(connection, broken=broken)
             return
         assert self._borrowed is not None
+        if id(connection) in self._holding_ordinary:
+            self._holding_ordinary.discard(id(connection))
+            self._ordinary.release()
         with contextlib.suppress(Exception):  # a failed reset or a lost connection: asyncpg has terminated it
             await self._borrowed.release(cast(asyncpg.pool.PoolConnectionProxy, connection), timeout=self.timeout)
 

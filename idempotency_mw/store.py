@@ -26,6 +26,10 @@ class StoredResponse:
     body: bytes | None
     body_size: int
 
+    def unreplayable(self) -> StoredResponse:
+        """What is kept of a response the store cannot hold as it is: the status and size, no headers, no body."""
+        return StoredResponse(self.status, [], None, self.body_size)
+
 
 class ClaimOutcome(enum.Enum):
     OWNED = "owned"  # fresh, or taken over from an expired record or a lapsed lease

@@ -304,3 +304,29 @@ async def test_forget_on_a_lost_connection_is_store_unavailable(pg_store: Postgr
             await asyncio.sleep(0.01)
         with pytest.raises(StoreUnavailable):
             await pg_store.forget("t", "k", connection=connection)
+
+
+async def test_a_connection_opened_as_the_deadline_passes_is_closed_not_leaked(idempotency_database_url: str) -> None:
+    """The checkout's deadline can pass just as the connection is made: whatever the pool did with it so far (here its
+    set-up, held past the deadline), the server connection is closed, not left open with nobody to close it."""
+    name = "imw-deadline-leak"
+
+    async def slow_setup(connection: asyncpg.Connection) -> None:
+        await connection.execute(f"SET application_name = '{name}'")
+        await asyncio.sleep(0.5)  # the checkout's deadline passes here
+
+    pool = ConnectionPool(idempotency_database_url, min_size=0, max_size=1, timeout=0.2, setup=slow_setup)
+    admin = await asyncpg.connect(idempotency_database_url)
+    try:
+        with pytest.raises(TimeoutError):
+            await pool.acquire()
+        for _ in range(100):
+            if not await admin.fetchval("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", name):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the connection opened past the deadline is still open")
+        assert pool.size == 0
+    finally:
+        await admin.close()
+        await pool.close()

@@ -17,9 +17,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from idempotency_mw import PostgresStore, StoredResponse
+from idempotency_mw import IdempotencyMiddleware, PostgresStore, StoredResponse
 from idempotency_mw.sql import bookkeeping, migrations
 from idempotency_mw.store import ClaimOutcome, PoolExhausted, StoreNotMigrated, StoreUnavailable
+from tests.conftest import client_for
 
 FINGERPRINT = bytes(range(32))
 RESPONSE = StoredResponse(201, [(b"content-type", b"application/json")], b'{"id": 1}', 9)
@@ -419,6 +420,25 @@ async def test_an_exhausted_app_pool_raises_pool_exhausted(idempotency_database_
         assert isinstance(exhausted.value, StoreUnavailable)
 
 
+async def test_on_an_app_pool_lent_transactions_leave_a_connection_for_renewals(idempotency_database_url: str) -> None:
+    """A transactional handler holds a connection for as long as it runs. The store keeps the last connection of
+    its pool for the work that finishes requests (renewals, completions, releases), on an app's pool as on its own:
+    otherwise handlers holding every connection would keep a running handler's lease from being renewed, it would
+    lapse, and a retry would run the handler again."""
+    key = str(uuid.uuid4())
+    async with asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=2) as pool:
+        store = PostgresStore(pool, timeout=0.3)
+        claim = await store.claim("t", key, FINGERPRINT, lease=30, ttl=60)
+        async with store.transaction():
+            with pytest.raises(PoolExhausted):
+                async with store.transaction():
+                    pass
+            with pytest.raises(PoolExhausted):
+                await store.claim("t", str(uuid.uuid4()), FINGERPRINT, lease=30, ttl=60)
+            assert await store.renew("t", key, claim.fence, lease=30)
+            assert await store.complete("t", key, claim.fence, RESPONSE)
+
+
 async def test_an_app_pool_that_cannot_connect_is_not_called_exhausted(silent_server: str) -> None:
     async with asyncpg.create_pool(silent_server, min_size=0, max_size=2) as pool:
         store = PostgresStore(pool, timeout=0.2)
@@ -564,3 +584,29 @@ async def test_bookkeeping_that_waits_for_a_concurrent_update_of_its_row_lands(
                 assert result is True
     finally:
         await other.close()
+
+
+# -- what the database refuses to store -------------------------------------------------------------------------
+
+
+async def test_a_response_the_database_cannot_store_still_completes_the_key(pg_store: PostgresStore) -> None:
+    """A header value with a NUL byte cannot be stored (jsonb refuses \\u0000). The effect has happened all the same:
+    the key must not stay in progress until its lease lapses and then run again. It completes without a response
+    to replay, and the retry is told so."""
+    runs = 0
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        nonlocal runs
+        runs += 1
+        await receive()
+        await send({"type": "http.response.start", "status": 201, "headers": [(b"x-odd", b"a\x00b")]})
+        await send({"type": "http.response.body", "body": b"charged"})
+
+    client = client_for(IdempotencyMiddleware(app, store=pg_store, lease=0.3))
+    key = str(uuid.uuid4())
+    assert (await client.post("/charges", headers={"Idempotency-Key": key})).status_code == 201
+    await asyncio.sleep(0.5)  # past the lease
+    retry = await client.post("/charges", headers={"Idempotency-Key": key})
+    assert retry.status_code == 409
+    assert retry.json()["code"] == "idempotency_response_not_replayable"
+    assert runs == 1
