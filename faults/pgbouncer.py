@@ -118,7 +118,8 @@ class PgBouncer:
         if max_prepared_statements:
             settings["max_prepared_statements"] = str(max_prepared_statements)
         target = f"host={host} port={port} dbname={self.database}"
-        lines = ["[databases]", f"{self.database} = {target}", "", "[pgbouncer]"]
+        # Any other database of the same server, by its own name (tests reach databases of their own through it).
+        lines = ["[databases]", f"{self.database} = {target}", f"* = host={host} port={port}", "", "[pgbouncer]"]
         lines += [f"{name} = {value}" for name, value in settings.items()]
         self.config = self._directory / "pgbouncer.ini"
         self.config.write_text("\n".join(lines) + "\n")

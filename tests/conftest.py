@@ -104,11 +104,12 @@ async def _create_isolated(url: str, names: dict[str, str]) -> None:
     finally:
         await admin.close()
     for level, name in names.items():
-        store = PostgresStore(with_database(url, name), min_size=0, max_size=1)
-        try:
-            await store.migrate()
-        finally:
-            await store.close()
+        for schema in ("public", *PGBOUNCER_SCHEMAS.values()):
+            store = PostgresStore(with_database(url, name), min_size=0, max_size=1, schema=schema)
+            try:
+                await store.migrate()
+            finally:
+                await store.close()
         connection = await asyncpg.connect(with_database(url, name))
         try:
             assert await connection.fetchval("SHOW transaction_isolation") == level
@@ -132,27 +133,50 @@ def isolated_url(request: pytest.FixtureRequest, isolation_urls: dict[str, str])
     return isolation_urls[level]
 
 
-@pytest.fixture(params=["memory", "postgres", "pgbouncer", "pgbouncer-pool"])
+STORES = {
+    # name: (isolation level of the database's sessions, through PgBouncer, on the app's own asyncpg pool)
+    "memory": None,
+    "postgres": ("read committed", False, False),
+    "postgres, repeatable read": ("repeatable read", False, False),
+    "postgres, serializable": ("serializable", False, False),
+    "pgbouncer": ("read committed", True, False),
+    "pgbouncer-pool": ("read committed", True, True),
+    "pgbouncer, serializable": ("serializable", True, False),
+    "pgbouncer-pool, repeatable read": ("repeatable read", True, True),
+}
+
+
+@pytest.fixture(params=list(STORES))
 async def store(request: pytest.FixtureRequest, idempotency_database_url: str) -> AsyncIterator[Store]:
-    """Every conformance test runs once per store: in memory, on PostgreSQL, and on PostgreSQL behind a
-    transaction-pooling PgBouncer, with a store built from a DSN and with one on the app's own asyncpg pool."""
-    if request.param == "memory":
+    """Every conformance test runs once per store: in memory; on PostgreSQL; and on PostgreSQL behind a
+    transaction-pooling PgBouncer, with a store built from a DSN and with one on the app's own asyncpg pool. The
+    PostgreSQL ones also run on databases whose default isolation level is REPEATABLE READ or SERIALIZABLE."""
+    kind = STORES[request.param]
+    if kind is None:
         yield MemoryStore()
-    elif request.param == "postgres":
-        async with opened(PostgresStore(idempotency_database_url)) as pg:
-            yield pg
-    elif request.param == "pgbouncer":
+        return
+    level, bouncer, app_pool = kind
+    url = idempotency_database_url
+    if bouncer:
         url = request.getfixturevalue("pgbouncer_url")
-        async with opened(PostgresStore(url, prepared_statements=False, schema=PGBOUNCER_SCHEMAS["pgbouncer"])) as pg:
+    if level != "read committed":
+        isolated = request.getfixturevalue("isolation_urls")[level]
+        url = with_database(url, urlsplit(isolated).path.lstrip("/"))
+    if not bouncer:
+        async with opened(PostgresStore(url)) as pg:
             yield pg
-    else:
-        url = request.getfixturevalue("pgbouncer_url")
-        pool = await asyncpg.create_pool(url, min_size=1, max_size=10, statement_cache_size=0)
-        try:
-            async with opened(PostgresStore(pool, schema=PGBOUNCER_SCHEMAS["pgbouncer-pool"])) as pg:
-                yield pg
-        finally:
-            await pool.close()
+        return
+    schema = PGBOUNCER_SCHEMAS["pgbouncer-pool" if app_pool else "pgbouncer"]
+    if not app_pool:
+        async with opened(PostgresStore(url, prepared_statements=False, schema=schema)) as pg:
+            yield pg
+        return
+    pool = await asyncpg.create_pool(url, min_size=1, max_size=10, statement_cache_size=0)
+    try:
+        async with opened(PostgresStore(pool, schema=schema)) as pg:
+            yield pg
+    finally:
+        await pool.close()
 
 
 @contextlib.asynccontextmanager
