@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from faults.report import PeakRss, Result
-from faults.workers import effects_per_key, ledger_worker, tally, violations
+from faults.workers import effects_per_key, isolation_label, ledger_worker, tally, violations
 from idempotency_mw.client import AsyncIdempotentClient, RetriesExhausted, Retry
 
 
@@ -99,6 +99,7 @@ async def run_crash(
         unanswered=unanswered,
     )
     mode = ("transactional" if transactional else "plain") + (", SQLAlchemy" if sqlalchemy else "")
+    mode += await isolation_label(dsn)
     result = Result(
         f"crash (kill -9), {mode}",
         operations=operations,

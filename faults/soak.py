@@ -25,6 +25,9 @@ import traceback
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
 
 if __package__ in (None, ""):  # ``python faults/soak.py``: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -50,10 +53,11 @@ MAY_LOSE = {"primary failover, asynchronous replication"}
 
 
 def scenarios(
-    dsn: str, outage_pg: DisposablePostgres, bouncer: Callable[[], str]
+    dsn: str, outage_pg: DisposablePostgres, bouncer: Callable[[], str], repeatable: str
 ) -> dict[str, list[tuple[Scenario, bool]]]:
     """Scenario groups by name; each entry is (run one round, promises exactly once). ``bouncer()`` starts (once)
-    a PgBouncer in front of ``dsn`` and returns its DSN."""
+    a PgBouncer in front of ``dsn`` and returns its DSN; ``repeatable`` is a database of the same server whose
+    sessions default to REPEATABLE READ."""
 
     async def first(coroutine: Awaitable[tuple[Result, Any]]) -> Result:
         return (await coroutine)[0]
@@ -61,6 +65,12 @@ def scenarios(
     return {
         "storm": [(lambda: first(run_storm(dsn, payments=500, copies=5, in_flight=25)), True)],
         "pgbouncer": [(lambda: first(run_storm(dsn, payments=500, copies=5, in_flight=25, pgbouncer=bouncer())), True)],
+        "storm-rr": [(lambda: first(run_storm(repeatable, payments=500, copies=5, in_flight=25)), True)],
+        "crash-rr": [
+            (lambda: first(run_crash(repeatable, transactional=True, operations=60, lease=2.0)), True),
+            (lambda: first(run_crash(repeatable, transactional=True, sqlalchemy=True, operations=60, lease=2.0)), True),
+            (lambda: first(run_crash(repeatable, transactional=False, operations=60, lease=2.0)), False),
+        ],
         "crash": [
             (lambda: first(run_crash(dsn, transactional=True, operations=60, lease=2.0)), True),
             (lambda: first(run_crash(dsn, transactional=True, sqlalchemy=True, operations=60, lease=2.0)), True),
@@ -102,7 +112,8 @@ async def soak(minutes: float, only: set[str] | None) -> tuple[dict[str, Result]
                 bouncers.append(stack.enter_context(PgBouncer(main_pg.dsn, pool_mode="transaction")))
             return bouncers[0].dsn
 
-        groups = scenarios(main_pg.dsn, outage_pg, bouncer)
+        repeatable = await repeatable_read_database(main_pg.dsn)
+        groups = scenarios(main_pg.dsn, outage_pg, bouncer, repeatable)
         chosen = [name for name in groups if only is None or name in only]
         while rounds == 0 or time.monotonic() < deadline:
             rounds += 1
@@ -131,6 +142,19 @@ async def soak(minutes: float, only: set[str] | None) -> tuple[dict[str, Result]
     for result in results.values():
         _finish_notes(result)
     return results, problems, rounds
+
+
+async def repeatable_read_database(dsn: str) -> str:
+    """A database of ``dsn``'s server whose sessions default to REPEATABLE READ (an app's common choice)."""
+    name = "soak_repeatable_read"
+    connection = await asyncpg.connect(dsn)
+    try:
+        await connection.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await connection.execute(f"CREATE DATABASE {name}")
+        await connection.execute(f"ALTER DATABASE {name} SET default_transaction_isolation = 'repeatable read'")
+    finally:
+        await connection.close()
+    return urlunsplit(urlsplit(dsn)._replace(path=f"/{name}"))
 
 
 def _finish_notes(result: Result) -> None:
@@ -197,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run the fault scenarios for a while and publish the table.")
     parser.add_argument("--minutes", type=float, default=5.0, help="how long to keep starting rounds (default 5)")
     parser.add_argument(
-        "--only", help="comma-separated groups: storm, crash, outage, lossy, zombie, failover, pgbouncer, big"
+        "--only",
+        help="comma-separated groups: storm, storm-rr, crash, crash-rr, outage, lossy, zombie, failover, pgbouncer, "
+        "big",
     )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"Markdown file (default {DEFAULT_OUTPUT})")
     args = parser.parse_args(argv)

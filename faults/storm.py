@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from faults.report import PeakRss, Result
-from faults.workers import charges_per_key, payments_worker, tally
+from faults.workers import charges_per_key, isolation_label, payments_worker, tally
 from idempotency_mw.client import AsyncIdempotentClient, Retry
 
 
@@ -96,7 +96,7 @@ async def run_storm(
     counts = await charges_per_key(dsn, keys)
     duplicates, lost = tally(counts, keys)
     result = Result(
-        "storm across processes" + (" through PgBouncer" if pgbouncer else ""),
+        "storm across processes" + (" through PgBouncer" if pgbouncer else "") + await isolation_label(dsn),
         operations=payments,
         faults=f"{copies} concurrent copies of each payment over 2 worker processes"
         + (" via PgBouncer (transaction pooling)" if pgbouncer else ""),

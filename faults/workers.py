@@ -94,6 +94,17 @@ async def violations(dsn: str, keys: Sequence[str]) -> list[str]:
     return [f"{row['key']} (pid {row['pid']}): {row['what']}" for row in rows]
 
 
+async def isolation_label(dsn: str) -> str:
+    """ ", repeatable read" (say) when the database's sessions default to another level than READ COMMITTED, for the
+    scenario's name; "" when they do not."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        level: str = await connection.fetchval("SHOW default_transaction_isolation")
+    finally:
+        await connection.close()
+    return "" if level == "read committed" else f", {level}"
+
+
 def tally(counts: Counter[str], keys: Sequence[str]) -> tuple[int, int]:
     """(extra effects beyond one per key, keys with no effect at all)."""
     duplicates = sum(max(counts.get(key, 0) - 1, 0) for key in keys)

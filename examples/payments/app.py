@@ -80,6 +80,19 @@ async def _query(request: Request) -> wire.Params:
 
 
 Account = Annotated[str, Depends(_account)]
+
+
+async def _writing_account(request: Request, account: Account) -> str:
+    """The account of a request that writes, created on its first write (a demo convenience: no sign-up). In a READ
+    COMMITTED transaction of its own, outside the request's: two first writes of an account at once both insert
+    it, and under REPEATABLE READ or SERIALIZABLE the second would fail to serialize instead of finding it."""
+    pool: asyncpg.Pool = request.app.state.pool
+    async with pool.acquire() as connection, connection.transaction(isolation="read_committed"):
+        await ledger.ensure_account(connection, account)
+    return account
+
+
+WritingAccount = Annotated[str, Depends(_writing_account)]
 Params = Annotated[wire.Params, Depends(_params)]
 Query = Annotated[wire.Params, Depends(_query)]
 
@@ -258,14 +271,13 @@ _CUSTOMER_FIELDS = {"email": 512, "name": 256, "description": 1000}  # and their
     responses=_errors(400, 401),
     openapi_extra=_form({**{f: _text(n) for f, n in _CUSTOMER_FIELDS.items()}, "metadata": _METADATA}, kind="customer"),
 )
-async def create_customer(account: Account, params: Params, db: IdempotencyConnection) -> Response:
+async def create_customer(account: WritingAccount, params: Params, db: IdempotencyConnection) -> Response:
     email = params.string("email", max_length=512)
     name = params.string("name", max_length=256)
     description = params.string("description", max_length=1000)
     metadata = params.metadata()
     expand = expansion.paths(params, "customer")
     params.done()
-    await ledger.ensure_account(db, account)
     row = await ledger.insert_customer(db, account, email=email, name=name, description=description, metadata=metadata)
     return await _render(db, account, "customer", objects.customer(row), expand)
 
@@ -350,7 +362,7 @@ async def update_customer(customer: str, account: Account, params: Params, db: I
     ),
 )
 async def create_payment_intent(
-    account: Account, params: Params, db: IdempotencyConnection, idempotency: Idempotency
+    account: WritingAccount, params: Params, db: IdempotencyConnection, idempotency: Idempotency
 ) -> Response:
     amount = params.integer("amount", required=True)
     currency = (params.string("currency", required=True, max_length=3) or "").lower()
@@ -372,7 +384,6 @@ async def create_payment_intent(
         payment_method = DEFAULT_PAYMENT_METHOD
     _check_payment_method(payment_method)
 
-    await ledger.ensure_account(db, account)
     if customer is not None and await ledger.find_customer(db, account, customer) is None:
         raise wire.missing("customer", customer, "customer")
     intent = await ledger.insert_payment_intent(
@@ -497,7 +508,7 @@ async def update_payment_intent(intent: str, account: Account, params: Params, d
     ),
 )
 async def create_refund(
-    account: Account, params: Params, db: IdempotencyConnection, idempotency: Idempotency
+    account: WritingAccount, params: Params, db: IdempotencyConnection, idempotency: Idempotency
 ) -> Response:
     intent_id = params.string("payment_intent", required=True, max_length=255)
     amount = params.integer("amount")
@@ -509,7 +520,6 @@ async def create_refund(
     if amount is not None and not 1 <= amount <= MAX_AMOUNT:
         raise wire.invalid("Invalid positive integer", code="parameter_invalid_integer", param="amount")
 
-    await ledger.ensure_account(db, account)
     intent = await ledger.find_payment_intent(db, account, intent_id, lock=True)  # concurrent refunds take turns
     if intent is None:
         raise wire.missing("payment_intent", intent_id, "payment_intent")

@@ -11,8 +11,17 @@ pytestmark = pytest.mark.slow
 LEASE = 2.0
 
 
-async def test_transactional_mode_takes_every_operation_once(idempotency_database_url: str) -> None:
-    result, findings = await run_crash(idempotency_database_url, transactional=True, operations=30, lease=LEASE)
+@pytest.fixture(params=["read committed", "repeatable read"])
+def crash_url(request: pytest.FixtureRequest, idempotency_database_url: str) -> str:
+    """The suite's database, and one whose sessions default to REPEATABLE READ."""
+    if request.param == "read committed":
+        return idempotency_database_url
+    urls: dict[str, str] = request.getfixturevalue("isolation_urls")
+    return urls[request.param]
+
+
+async def test_transactional_mode_takes_every_operation_once(crash_url: str) -> None:
+    result, findings = await run_crash(crash_url, transactional=True, operations=30, lease=LEASE)
     assert findings.mid_flight_at_kill > 0, "the kill found no handler mid-flight: the scenario proved nothing"
     assert findings.unanswered == 0
     assert result.duplicates == 0
@@ -25,11 +34,9 @@ async def test_transactional_mode_takes_every_operation_once(idempotency_databas
     assert findings.worst_lease_overhang > 0
 
 
-async def test_sqlalchemy_handlers_take_every_operation_once(idempotency_database_url: str) -> None:
+async def test_sqlalchemy_handlers_take_every_operation_once(crash_url: str) -> None:
     """The same crash, with handlers that write an ORM object through the request's AsyncSession."""
-    result, findings = await run_crash(
-        idempotency_database_url, transactional=True, sqlalchemy=True, operations=20, lease=LEASE
-    )
+    result, findings = await run_crash(crash_url, transactional=True, sqlalchemy=True, operations=20, lease=LEASE)
     assert findings.mid_flight_at_kill > 0, "the kill found no handler mid-flight: the scenario proved nothing"
     assert findings.unanswered == 0
     assert result.duplicates == 0

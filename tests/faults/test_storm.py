@@ -20,3 +20,14 @@ async def test_every_payment_takes_effect_once_and_every_copy_is_a_conflict_or_a
     # Exactly one copy ran per payment (a payment whose copies all met a live claim was settled afterwards).
     assert answers.originals == 200 - answers.payments_without_original
     assert answers.originals + answers.replays + answers.conflicts == 200 * 5
+
+
+async def test_a_storm_on_a_repeatable_read_database_takes_effect_once(isolation_urls: dict[str, str]) -> None:
+    """The same storm where the database's sessions default to REPEATABLE READ: the store's bookkeeping of one
+    record (the claim, 409s that count their attempt, renewals, the completion) must not fail on itself."""
+    result, answers = await run_storm(isolation_urls["repeatable read"], payments=100, copies=5)
+    assert result.scenario == "storm across processes, repeatable read"
+    assert result.duplicates == 0
+    assert result.lost == 0
+    assert not answers.other, f"copies answered with something else than 409 or a replay: {answers.other}"
+    assert answers.originals + answers.replays + answers.conflicts == 100 * 5
