@@ -80,6 +80,20 @@ async def _validation_error(request: Request, error: Exception) -> Response:
     return await request_validation_exception_handler(request, error)
 
 
+# The Idempotency-Key values keys.parse_key accepts, as one regular expression that ECMA 262 (JSON Schema, OpenAPI
+# tools) and Python read alike: a bare token (visible ASCII but the comma, not opening with a quote), or an RFC 9651
+# sf-string of visible ASCII with \" and \\ escaped (a space is refused even there). Either way the key itself is
+# 1 to MAX_KEY_LENGTH characters. The whitespace HTTP allows around a field value is not part of it (RFC 9110
+# §5.5), so the pattern leaves it out; the parser ignores it, as HTTP does.
+_BARE_KEY = rf"[\x21\x23-\x2b\x2d-\x7e][\x21-\x2b\x2d-\x7e]{{0,{MAX_KEY_LENGTH - 1}}}"
+_QUOTED_KEY = rf'"(?:[\x21\x23-\x5b\x5d-\x7e]|\\[\x22\x5c]){{1,{MAX_KEY_LENGTH}}}"'
+KEY_SCHEMA = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 2 + 2 * MAX_KEY_LENGTH,  # a quoted key whose every character is escaped
+    "pattern": f"^(?:{_BARE_KEY}|{_QUOTED_KEY})$",
+}
+
 PROBLEM_SCHEMA = {
     "type": "object",
     "description": "RFC 9457 problem details, as the idempotency middleware answers",
@@ -151,8 +165,10 @@ def _document_operation(operation: dict[str, Any], policy: Policy) -> None:
                 "in": "header",
                 "required": policy.required,
                 "description": "A unique key per logical operation (a UUID). A retry with the same key and the same "
-                f"request gets the original response, replayed for {int(policy.ttl)} seconds.",
-                "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY_LENGTH},
+                f"request gets the original response, replayed for {int(policy.ttl)} seconds. A key is 1 to "
+                f"{MAX_KEY_LENGTH} visible ASCII characters, sent bare (then without a comma) or as an RFC 9651 "
+                'string ("8e03978e-…"); both spellings name the same key.',
+                "schema": dict(KEY_SCHEMA),
             }
         )
     responses = operation.setdefault("responses", {})

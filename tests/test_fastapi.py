@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
 import asyncpg
+import pytest
 from fastapi import APIRouter, FastAPI
+from hypothesis import example, given
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from idempotency_mw import IdempotencyMiddleware, PostgresStore, idempotent
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotent
 from idempotency_mw.fastapi import Idempotency, IdempotencyConnection, setup
+from idempotency_mw.keys import InvalidKey, parse_key
 from idempotency_mw.wire import ProblemCode
 from tests.conftest import client_for
+
+jsonschema_rs = pytest.importorskip("jsonschema_rs", reason="jsonschema_rs comes with schemathesis (the dev extra)")
 
 
 class Charge(BaseModel):
@@ -88,7 +95,8 @@ async def test_openapi_documents_covered_operations(pg_store: PostgresStore) -> 
     assert charge_key["in"] == "header"
     assert charge_key["required"] is False
     assert refund_key["required"] is True
-    assert charge_key["schema"]["maxLength"] == 255
+    assert charge_key["schema"]["maxLength"] == 2 + 2 * 255  # a quoted 255-character key, every character escaped
+    assert "pattern" in charge_key["schema"]  # what the parser accepts: tested below
     for status in ("400", "409", "413", "422", "503"):
         assert "application/problem+json" in charge["responses"][status]["content"]
     assert "Idempotent-Replayed" in charge["responses"]["201"]["headers"]
@@ -120,3 +128,102 @@ def test_openapi_without_the_middleware_is_untouched() -> None:
 
     setup(app)
     assert "parameters" not in app.openapi()["paths"]["/x"]["post"]
+
+
+# -- the documented Idempotency-Key schema is the key the parser accepts -------------------------------------------
+
+
+def _documented_key_schema() -> dict[str, Any]:
+    schema = build(MemoryStore(), []).openapi()
+    (parameter,) = [p for p in schema["paths"]["/v1/charges"]["post"]["parameters"] if p["name"] == "Idempotency-Key"]
+    key_schema: dict[str, Any] = parameter["schema"]
+    return key_schema
+
+
+KEY_SCHEMA = _documented_key_schema()
+KEY_VALIDATOR = jsonschema_rs.validator_for(KEY_SCHEMA)
+
+
+def documented(value: str) -> bool:
+    """Whether a header value is valid by the documented schema, read by a JSON Schema validator (ECMA 262 regex,
+    as schemathesis and OpenAPI tools read it) and by Python's ``re``; the two must agree."""
+    by_validator: bool = KEY_VALIDATOR.is_valid(value)
+    pattern = KEY_SCHEMA.get("pattern")
+    by_python = KEY_SCHEMA["minLength"] <= len(value) <= KEY_SCHEMA["maxLength"] and (
+        pattern is None or re.fullmatch(pattern, value) is not None
+    )
+    assert by_validator == by_python, value
+    return by_validator
+
+
+def accepted(value: str) -> bool:
+    try:
+        parse_key(value.encode())
+    except InvalidKey:
+        return False
+    return True
+
+
+QUOTED_255 = '"' + "k" * 255 + '"'  # 257 characters as sent, a 255-character key
+ESCAPED_255 = '"' + '\\"' * 255 + '"'  # 512 characters as sent, the longest value a key can take
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "a b",
+        "a,b",
+        '"abc',
+        '""',
+        QUOTED_255,
+        ESCAPED_255,
+        '"' + "k" * 256 + '"',
+        "k" * 255,
+        "k" * 256,
+        '"a,b"',
+        '"a b"',
+        'a"b',
+        '"a\\nb"',
+        "a\tb",
+        "8e03978e-40d5-43e8-bc93-6894a57f9324",
+    ],
+)
+def test_documented_key_schema_matches_the_parser_on_known_cases(value: str) -> None:
+    assert documented(value) == accepted(value)
+
+
+# Every character class the parser tells apart: visible ASCII, the quote, the backslash, the comma, space and tab,
+# control characters, DEL and beyond ASCII.
+_CHARACTERS = st.one_of(
+    st.characters(min_codepoint=0x21, max_codepoint=0x7E),
+    st.sampled_from(['"', "\\", ",", " ", "\t", "\x00", "\x1f", "\x7f", "\xe9", "\u2028"]),
+)
+_BARE = st.text(_CHARACTERS, max_size=300)
+# Quoted values with escapes, sized around the limit (255 characters once unquoted).
+_QUOTED = st.lists(st.one_of(_CHARACTERS, st.sampled_from(['\\"', "\\\\", "\\n"])), min_size=0, max_size=260).map(
+    lambda parts: '"' + "".join(parts) + '"'
+)
+_LONG = st.integers(min_value=250, max_value=260).map(lambda n: "k" * n) | st.integers(250, 260).map(
+    lambda n: '"' + "k" * n + '"'
+)
+# A field value has no leading or trailing whitespace (RFC 9110 §5.5): HTTP strips it before anyone sees it.
+_FIELD_VALUES = st.one_of(_BARE, _QUOTED, _LONG).map(lambda value: value.strip(" \t"))
+
+
+@given(_FIELD_VALUES)
+@example(QUOTED_255)
+@example(ESCAPED_255)
+def test_a_value_matches_the_documented_key_schema_iff_the_parser_accepts_it(value: str) -> None:
+    assert documented(value) == accepted(value)
+
+
+@given(_FIELD_VALUES, st.sampled_from(["", " ", "\t", " \t "]), st.sampled_from(["", " ", "\t"]))
+def test_whitespace_around_the_value_changes_nothing(value: str, before: str, after: str) -> None:
+    """The schema describes the field value; the whitespace HTTP allows around it is not part of it, and the parser
+    ignores it as HTTP does."""
+    padded = (before + value + after).encode()
+    if accepted(value):
+        assert parse_key(padded) == parse_key(value.encode())
+    else:
+        with pytest.raises(InvalidKey):
+            parse_key(padded)
