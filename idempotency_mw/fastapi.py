@@ -172,8 +172,8 @@ def _document_operation(operation: dict[str, Any], policy: Policy) -> None:
             }
         )
     responses = operation.setdefault("responses", {})
-    for status, response in responses.items():
-        if status.startswith(("2", "3")):
+    for status, response in responses.items():  # the app's own answers: the middleware's are never replayed
+        if _may_be_replayed(status, policy):
             response.setdefault("headers", {})["Idempotent-Replayed"] = {
                 "description": "Present and true when this response is a replay of the original",
                 "schema": {"type": "string", "enum": ["true"]},
@@ -188,6 +188,17 @@ def _document_operation(operation: dict[str, Any], policy: Policy) -> None:
         entry.setdefault("content", {})["application/problem+json"] = {"schema": ref}
         if retry_after:
             entry.setdefault("headers", {})["Retry-After"] = RETRY_AFTER
+
+
+def _may_be_replayed(status: str, policy: Policy) -> bool:
+    """Whether an answer documented under ``status`` (``"402"``, ``"4XX"``, ``"default"``) may be a replay: the
+    policy records it, so a retry gets it again with the replay header (a declined card's 402 as much as a 201)."""
+    if status == "default":
+        return True
+    if len(status) == 3 and status[0] in "12345" and status[1:].upper() == "XX":
+        first = int(status[0]) * 100
+        return any(policy.records(code) for code in range(first, first + 100))
+    return status.isdigit() and policy.records(int(status))
 
 
 def _resolver(app: FastAPI) -> PolicyResolver | None:

@@ -12,10 +12,12 @@ from fastapi import APIRouter, FastAPI
 from hypothesis import example, given
 from hypothesis import strategies as st
 from pydantic import BaseModel
+from starlette.responses import JSONResponse
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotent
 from idempotency_mw.fastapi import Idempotency, IdempotencyConnection, setup
 from idempotency_mw.keys import InvalidKey, parse_key
+from idempotency_mw.policy import RELEASED_STATUSES
 from idempotency_mw.wire import ProblemCode
 from tests.conftest import client_for
 
@@ -128,6 +130,58 @@ def test_openapi_without_the_middleware_is_untouched() -> None:
 
     setup(app)
     assert "parameters" not in app.openapi()["paths"]["/x"]["post"]
+
+
+def _replay_app(**policy: Any) -> FastAPI:
+    """A payment that is declined (402, recorded) above 100, with answers documented in every class."""
+    app = FastAPI()
+
+    @app.post(
+        "/v1/payments",
+        status_code=201,
+        responses={
+            302: {"description": "Found"},
+            307: {"description": "Temporary Redirect"},
+            402: {"description": "Declined"},
+            404: {"description": "Not Found"},
+            429: {"description": "Too Many Requests"},
+            500: {"description": "Server Error"},
+            "4XX": {"description": "Other client errors"},
+        },
+    )
+    @idempotent(**policy)
+    async def pay(body: Charge) -> JSONResponse:
+        if body.amount > 100:
+            return JSONResponse({"declined": body.amount}, status_code=402)
+        return JSONResponse({"paid": body.amount}, status_code=201)
+
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    setup(app)
+    return app
+
+
+def _replay_documented(app: FastAPI) -> set[str]:
+    responses = app.openapi()["paths"]["/v1/payments"]["post"]["responses"]
+    return {status for status, response in responses.items() if "Idempotent-Replayed" in response.get("headers", {})}
+
+
+def test_the_replay_header_is_documented_on_every_status_the_policy_records() -> None:
+    # 302, 402 and 4XX are recorded, so a retry may get them replayed; 307, 404, 429 and 5xx are released, and the
+    # middleware's own answers (400, 409, 413, 422, 503 here) are never recorded.
+    assert _replay_documented(_replay_app()) == {"201", "302", "402", "4XX"}
+    assert _replay_documented(_replay_app(released_statuses=RELEASED_STATUSES | {302, 402})) == {"201", "4XX"}
+
+
+async def test_a_replayed_402_carries_the_replay_header_it_is_documented_with() -> None:
+    app = _replay_app()
+    client = client_for(app)
+    key = str(uuid.uuid4())
+    first = await client.post("/v1/payments", json={"amount": 500}, headers={"Idempotency-Key": key})
+    again = await client.post("/v1/payments", json={"amount": 500}, headers={"Idempotency-Key": key})
+    assert (first.status_code, again.status_code) == (402, 402)
+    assert "idempotent-replayed" not in first.headers
+    assert again.headers["idempotent-replayed"] == "true"
+    assert "402" in _replay_documented(app)
 
 
 # -- the documented Idempotency-Key schema is the key the parser accepts -------------------------------------------
