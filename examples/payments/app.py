@@ -184,15 +184,18 @@ def _query_parameters(kind: str, *, filters: dict[str, dict[str, Any]] | None = 
     return {"parameters": parameters}
 
 
+# The app's own error answers. The middleware's (a reused key, a request in progress, ...) are added to each write's
+# answers by idempotency_mw.fastapi and put in Stripe's words by _translate_problems.
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid parameters, or a request the objects' state refuses (invalid_request_error)",
+    401: "Missing or invalid API key (invalid_request_error, code api_key_invalid)",
+    402: "The card was declined (card_error); the payment intent is in the error",
+    404: "No such object (invalid_request_error, code resource_missing)",
+}
+
+
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    descriptions = {
-        400: "Invalid parameters (invalid_request_error), or an Idempotency-Key used before with another request "
-        "(idempotency_error)",
-        401: "Missing or invalid API key",
-        402: "The card was declined (card_error); the payment intent is in the error",
-        404: "No such object (resource_missing)",
-    }
-    return {s: {"model": objects.ErrorEnvelope, "description": descriptions[s]} for s in statuses}
+    return {s: {"model": objects.ErrorEnvelope, "description": _ERROR_DESCRIPTIONS[s]} for s in statuses}
 
 
 def _link(operation: str, parameter: str) -> dict[str, Any]:
@@ -222,23 +225,67 @@ _REQUEST_ID_HEADER = {
 }
 
 
+_ENVELOPE = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}}
+_RETRY_AFTER_HEADER = {
+    "description": "Seconds to wait before retrying with the same key",
+    "schema": {"type": "integer", "minimum": 0},
+}
+_SHOULD_RETRY_HEADER = {
+    "description": "Whether sending the same request again can succeed (Stripe's client libraries obey it)",
+    "schema": {"type": "string", "enum": ["true", "false"]},
+}
+
+
+def _translate_problems(responses: dict[str, Any]) -> None:
+    """Document the middleware's answers as ``edge.StripeEdge`` sends them: Stripe's status, type and code.
+
+    idempotency_mw.fastapi names each problem code it may answer in the description of its status; the edge answers
+    each with another status or code (a reused key: 400 ``idempotency_error``, not 422; a request in progress:
+    ``idempotency_key_in_use``), so the entries are rebuilt from the app's own descriptions and the translations.
+    """
+    landed: dict[str, list[edge.Translation]] = {}
+    retry_after: set[str] = set()
+    for status, response in list(responses.items()):
+        if "application/problem+json" not in response.get("content", {}):
+            continue
+        description = response.get("description", "")
+        for code, translation in edge.TRANSLATIONS.items():
+            if code in description:
+                landed.setdefault(str(translation.status), []).append(translation)
+                if "Retry-After" in response.get("headers", {}):
+                    retry_after.add(str(translation.status))
+        own = _ERROR_DESCRIPTIONS.get(int(status)) if status.isdigit() else None
+        if own is None or not description.startswith(own):
+            del responses[status]  # the middleware's alone: rebuilt below where a translation lands
+            continue
+        response["description"] = own
+        response["content"] = dict(_ENVELOPE)
+        response.get("headers", {}).pop("Retry-After", None)
+    for status, translations in landed.items():
+        response = responses.setdefault(status, {"content": dict(_ENVELOPE)})
+        said = "; ".join(f"{t.meaning} ({t.type}, code {t.code})" for t in translations)
+        own = response.get("description")
+        response["description"] = (
+            f"{own}; or, from the idempotency layer: {said}" if own else said[:1].upper() + said[1:]
+        )
+        headers = response.setdefault("headers", {})
+        headers["Stripe-Should-Retry"] = _SHOULD_RETRY_HEADER
+        if status in retry_after:
+            headers["Retry-After"] = _RETRY_AFTER_HEADER
+
+
 def _document(schema: dict[str, Any]) -> dict[str, Any]:
     """Describe what the app really sends: Stripe envelopes (not problem+json, not FastAPI's 422) and the headers.
 
     ``edge.StripeEdge`` answers the middleware's 422 (key reused) as Stripe does, with a 400 ``idempotency_error``,
-    so no operation answers 422.
+    and FastAPI's validation errors are the app's 400s, so no operation answers 422.
     """
-    envelope = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}}
     for operations in schema.get("paths", {}).values():
         for operation in operations.values():
             responses = operation.get("responses", {})
-            for status, response in list(responses.items()):
-                if status == "422":
-                    del responses[status]
-                    continue
-                content = response.get("content", {})
-                if "application/problem+json" in content:
-                    response["content"] = dict(envelope)
+            _translate_problems(responses)
+            responses.pop("422", None)  # FastAPI's validation error: the app answers it with a 400
+            for response in responses.values():
                 response.setdefault("headers", {})["Request-Id"] = _REQUEST_ID_HEADER
     for (path, method), links in _LINKS.items():
         operation = schema.get("paths", {}).get(path, {}).get(method)

@@ -37,27 +37,56 @@ class Translation:
     status: int
     type: str
     code: str
+    meaning: str  # what happened, as the OpenAPI schema tells clients (app._document)
     should_retry: bool | None = None  # Stripe-Should-Retry, which Stripe's client libraries obey
 
 
 # The middleware's problem codes (idempotency_mw.problems) and Stripe's answer in the same situation.
 TRANSLATIONS: dict[str, Translation] = {
     # Stripe: 400 idempotency_error for a key used with other parameters; the middleware: 422.
-    "idempotency_key_reused": Translation(400, "idempotency_error", "idempotency_key_reused", False),
-    "idempotency_key_expired": Translation(400, "idempotency_error", "idempotency_key_expired", False),
+    "idempotency_key_reused": Translation(
+        400, "idempotency_error", "idempotency_key_reused", "this Idempotency-Key was used with another request", False
+    ),
+    "idempotency_key_expired": Translation(
+        400, "idempotency_error", "idempotency_key_expired", "a UUIDv7 Idempotency-Key older than its retention", False
+    ),
     # Stripe: 409 idempotency_key_in_use while a request with the key runs; retrying later is the cure.
-    "idempotency_request_in_progress": Translation(409, "idempotency_error", "idempotency_key_in_use", True),
+    "idempotency_request_in_progress": Translation(
+        409,
+        "idempotency_error",
+        "idempotency_key_in_use",
+        "a request with this Idempotency-Key is still running: retry after Retry-After seconds with the same key",
+        True,
+    ),
     # The original ran but its answer was not stored in full: retrying cannot help.
     "idempotency_response_not_replayable": Translation(
-        409, "idempotency_error", "idempotency_response_not_replayable", False
+        409,
+        "idempotency_error",
+        "idempotency_response_not_replayable",
+        "the request with this Idempotency-Key ran, but its answer cannot be replayed: do not retry",
+        False,
     ),
-    "idempotency_key_invalid": Translation(400, "invalid_request_error", "idempotency_key_invalid", False),
-    "idempotency_key_missing": Translation(400, "invalid_request_error", "idempotency_key_missing", False),
+    "idempotency_key_invalid": Translation(
+        400, "invalid_request_error", "idempotency_key_invalid", "the Idempotency-Key is malformed", False
+    ),
+    "idempotency_key_missing": Translation(
+        400, "invalid_request_error", "idempotency_key_missing", "this request needs an Idempotency-Key", False
+    ),
     # A keyed request without credentials: Stripe's 401 (its body's type is invalid_request_error).
-    "idempotency_tenant_unknown": Translation(401, "invalid_request_error", "api_key_invalid", False),
-    "request_too_large": Translation(413, "invalid_request_error", "request_too_large", False),
+    "idempotency_tenant_unknown": Translation(
+        401, "invalid_request_error", "api_key_invalid", "an Idempotency-Key sent without a valid API key", False
+    ),
+    "request_too_large": Translation(
+        413, "invalid_request_error", "request_too_large", "the body is over the size limit of keyed requests", False
+    ),
     # Nothing ran: the same request may be sent again.
-    "idempotency_store_unavailable": Translation(503, "api_error", "idempotency_store_unavailable", True),
+    "idempotency_store_unavailable": Translation(
+        503,
+        "api_error",
+        "idempotency_store_unavailable",
+        "the idempotency store is unavailable, nothing ran: retry after Retry-After seconds with the same key",
+        True,
+    ),
 }
 
 

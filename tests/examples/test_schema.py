@@ -10,7 +10,9 @@ and 400 for keys the header's documented schema allows but the middleware refuse
 
 from __future__ import annotations
 
+import json
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,8 +23,48 @@ from schemathesis import checks as st_checks  # noqa: E402
 from schemathesis.python import asgi as st_asgi  # noqa: E402
 
 from examples.payments.app import create_app  # noqa: E402
+from examples.payments.edge import TRANSLATIONS  # noqa: E402
+from idempotency_mw.wire import ProblemCode  # noqa: E402
 
 EXAMPLES_PER_OPERATION = 25
+
+
+@pytest.fixture(scope="module")
+def documented() -> dict[str, Any]:
+    """The example's OpenAPI schema (building it opens no connection)."""
+    schema: dict[str, Any] = create_app("postgresql://unused@127.0.0.1:1/unused").openapi()
+    return schema
+
+
+def writes(schema: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for path, operations in schema["paths"].items():
+        if "post" in operations:
+            yield path, operations["post"]
+
+
+# What the middleware may answer on the example's writes: no route requires a key, and check_uuid7_age is off.
+MIDDLEWARE_CODES = set(ProblemCode) - {ProblemCode.KEY_MISSING, ProblemCode.KEY_EXPIRED}
+
+
+def test_the_middlewares_answers_are_documented_as_clients_receive_them(documented: dict[str, Any]) -> None:
+    """The edge answers the middleware's problems in Stripe's words (409 idempotency_key_in_use, 401 api_key_invalid
+    for a keyed request without credentials, 400 idempotency_error for a reused key): the schema names those."""
+    text = json.dumps(documented)
+    for code, translation in TRANSLATIONS.items():
+        if translation.code != code:  # a name clients never see
+            assert code not in text, code
+    for path, operation in writes(documented):
+        for code in MIDDLEWARE_CODES:
+            translation = TRANSLATIONS[code]
+            response = operation["responses"][str(translation.status)]
+            assert translation.code in response["description"], (path, code)
+            assert translation.type in response["description"], (path, code)
+        for status in ("409", "503"):
+            assert "Retry-After" in operation["responses"][status]["headers"], path
+    conflict = documented["paths"]["/v1/payment_intents"]["post"]["responses"]["409"]["description"]
+    assert "idempotency_key_in_use" in conflict
+    bad_request = documented["paths"]["/v1/payment_intents"]["post"]["responses"]["400"]["description"]
+    assert "api_key_invalid" not in bad_request
 
 
 def test_payments_api_never_answers_5xx_and_matches_its_schema(idempotency_database_url: str) -> None:
