@@ -100,9 +100,22 @@ Query = Annotated[wire.Params, Depends(_query)]
 # -- OpenAPI: form bodies, query parameters and error responses --------------------------------------------------
 
 
-def _text(max_length: int, prefix: str = "") -> dict[str, Any]:
-    """A string parameter. PostgreSQL text cannot hold NUL characters, so strings with one are refused (400)."""
-    return {"type": "string", "maxLength": max_length, "pattern": f"^{prefix}[^\\u0000]*$"}
+def _text(max_length: int, prefix: str = "", *, unsettable: str = "") -> dict[str, Any]:
+    """A string parameter. PostgreSQL text cannot hold NUL characters, so strings with one are refused (400).
+
+    An empty value is refused too, as ``wire.Params.string`` refuses it, unless ``unsettable`` says what it means
+    instead (Stripe's rule: an empty value unsets the parameter, where it can be unset).
+    """
+    schema: dict[str, Any] = {"type": "string", "maxLength": max_length, "pattern": f"^{prefix}[^\\u0000]*$"}
+    if unsettable:
+        schema["description"] = unsettable
+    else:
+        schema["minLength"] = len(prefix) or 1
+    return schema
+
+
+_LEFT_UNSET = "An empty value leaves it unset (null)"
+_UNSETS = "An empty value unsets it (null)"
 
 
 _METADATA = {
@@ -110,7 +123,8 @@ _METADATA = {
     "description": "Up to 50 keys, sent as metadata[key]=value",
     "maxProperties": wire.METADATA_MAX_KEYS,
     "propertyNames": {"minLength": 1, "maxLength": wire.METADATA_MAX_KEY_LENGTH, "pattern": r"^[^\[\]\u0000]+$"},
-    "additionalProperties": _text(wire.METADATA_MAX_VALUE_LENGTH),
+    # A value may be empty: an update's metadata[key]= unsets the key (_METADATA_UPDATE).
+    "additionalProperties": {"type": "string", "maxLength": wire.METADATA_MAX_VALUE_LENGTH, "pattern": "^[^\\u0000]*$"},
 }
 _METADATA_UPDATE = {
     **_METADATA,
@@ -316,12 +330,15 @@ _CUSTOMER_FIELDS = {"email": 512, "name": 256, "description": 1000}  # and their
     operation_id="CreateCustomer",
     response_model=objects.Customer,
     responses=_errors(400, 401),
-    openapi_extra=_form({**{f: _text(n) for f, n in _CUSTOMER_FIELDS.items()}, "metadata": _METADATA}, kind="customer"),
+    openapi_extra=_form(
+        {**{f: _text(n, unsettable=_LEFT_UNSET) for f, n in _CUSTOMER_FIELDS.items()}, "metadata": _METADATA},
+        kind="customer",
+    ),
 )
 async def create_customer(account: WritingAccount, params: Params, db: IdempotencyConnection) -> Response:
-    email = params.string("email", max_length=512)
-    name = params.string("name", max_length=256)
-    description = params.string("description", max_length=1000)
+    email = params.string("email", max_length=512, unsettable=True)
+    name = params.string("name", max_length=256, unsettable=True)
+    description = params.string("description", max_length=1000, unsettable=True)
     metadata = params.metadata()
     expand = expansion.paths(params, "customer")
     params.done()
@@ -369,11 +386,12 @@ async def retrieve_customer(customer: str, account: Account, query: Query, reque
     response_model=objects.Customer,
     responses=_errors(400, 401, 404),
     openapi_extra=_form(
-        {**{f: _text(n) for f, n in _CUSTOMER_FIELDS.items()}, "metadata": _METADATA_UPDATE}, kind="customer"
+        {**{f: _text(n, unsettable=_UNSETS) for f, n in _CUSTOMER_FIELDS.items()}, "metadata": _METADATA_UPDATE},
+        kind="customer",
     ),
 )
 async def update_customer(customer: str, account: Account, params: Params, db: IdempotencyConnection) -> Response:
-    fields = {f: params.string(f, max_length=n) for f, n in _CUSTOMER_FIELDS.items() if params.has(f)}
+    fields = {f: params.string(f, max_length=n, unsettable=True) for f, n in _CUSTOMER_FIELDS.items() if params.has(f)}
     return await _update(
         db,
         account,
@@ -400,7 +418,7 @@ async def update_customer(customer: str, account: Account, params: Params, db: I
             "customer": _text(255, "cus_"),
             "payment_method": _PAYMENT_METHOD,
             "confirm": {"type": "boolean"},
-            "description": _text(1000),
+            "description": _text(1000, unsettable=_LEFT_UNSET),
             "payment_method_types": {"type": "array", "items": {"type": "string", "enum": ["card"]}},
             "metadata": _METADATA,
         },
@@ -416,7 +434,7 @@ async def create_payment_intent(
     customer = params.string("customer", max_length=255)
     payment_method = params.string("payment_method", max_length=255)
     confirm = params.boolean("confirm") or False
-    description = params.string("description", max_length=1000)
+    description = params.string("description", max_length=1000, unsettable=True)
     methods = params.string_list("payment_method_types")
     metadata = params.metadata()
     expand = expansion.paths(params, "payment_intent")
@@ -520,10 +538,15 @@ async def retrieve_payment_intent(intent: str, account: Account, query: Query, r
     operation_id="UpdatePaymentIntent",
     response_model=objects.PaymentIntent,
     responses=_errors(400, 401, 404),
-    openapi_extra=_form({"description": _text(1000), "metadata": _METADATA_UPDATE}, kind="payment_intent"),
+    openapi_extra=_form(
+        {"description": _text(1000, unsettable=_UNSETS), "metadata": _METADATA_UPDATE}, kind="payment_intent"
+    ),
 )
 async def update_payment_intent(intent: str, account: Account, params: Params, db: IdempotencyConnection) -> Response:
-    fields = {"description": params.string("description", max_length=1000)} if params.has("description") else {}
+    if params.has("description"):
+        fields = {"description": params.string("description", max_length=1000, unsettable=True)}
+    else:
+        fields = {}
     return await _update(
         db,
         account,

@@ -213,7 +213,11 @@ class Params:
             return None
         return self._values.pop(name)
 
-    def string(self, name: str, *, required: bool = False, max_length: int = 5000) -> str | None:
+    def string(
+        self, name: str, *, required: bool = False, max_length: int = 5000, unsettable: bool = False
+    ) -> str | None:
+        """A plain value. An empty one is Stripe's attempt to unset the parameter: None for text that may be unset
+        (``unsettable``), else a 400, as Stripe answers for an id, a number, a flag, a filter or a cursor."""
         value = self._take(name, required)
         if value is None:
             return None
@@ -222,7 +226,7 @@ class Params:
         if "\x00" in value:
             raise invalid(f"Invalid string: {name} contains a NUL character.", code="parameter_invalid", param=name)
         if value == "":
-            if required:
+            if required or not unsettable:
                 raise invalid(
                     f"You passed an empty string for '{name}', which cannot be unset.",
                     code="parameter_invalid_empty",

@@ -482,6 +482,87 @@ async def test_openapi_documents_form_bodies_keys_and_envelopes(client: httpx.As
     ]
 
 
+def documented_schema(schema: dict[str, Any], method: str, path: str, name: str) -> dict[str, Any]:
+    """The documented schema of parameter ``name``: a form field of the body, or a query parameter."""
+    operation = schema["paths"][path][method.lower()]
+    if method == "POST":
+        form = operation["requestBody"]["content"]["application/x-www-form-urlencoded"]["schema"]
+        found: dict[str, Any] = form["properties"][name]
+        return found
+    (parameter,) = [p for p in operation["parameters"] if p["name"] == name]
+    return dict(parameter["schema"])
+
+
+async def request_with(client: httpx.AsyncClient, method: str, path: str, name: str, value: str) -> httpx.Response:
+    """A request that is valid but for ``name=value``: required parameters and path ids are filled in."""
+    if method == "GET":
+        return await client.get(path, params={name: value})
+    data: dict[str, str] = {}
+    if path == "/v1/payment_intents":
+        data = {"amount": "1000", "currency": "usd"}
+    elif path == "/v1/refunds":
+        data = {"payment_intent": (await pay(client))["id"]}
+    elif path == "/v1/customers/{customer}":
+        created = await client.post("/v1/customers", data={"name": "Ada"}, headers=keyed())
+        path = path.replace("{customer}", created.json()["id"])
+    elif "{intent}" in path:
+        created = await client.post("/v1/payment_intents", data={"amount": "900", "currency": "usd"}, headers=keyed())
+        path = path.replace("{intent}", created.json()["id"])
+    return await client.post(path, data={**data, name: value}, headers=keyed())
+
+
+# Stripe refuses an empty string for a parameter that cannot be unset (400 parameter_invalid_empty): an id, a
+# number, a flag, a choice, a filter, a cursor. The schema must refuse it too.
+CANNOT_BE_EMPTY = [
+    ("POST", "/v1/payment_intents", "customer"),
+    ("POST", "/v1/payment_intents", "payment_method"),
+    ("POST", "/v1/payment_intents", "confirm"),
+    ("POST", "/v1/payment_intents/{intent}/confirm", "payment_method"),
+    ("POST", "/v1/refunds", "amount"),
+    ("POST", "/v1/refunds", "reason"),
+    ("GET", "/v1/payment_intents", "customer"),
+    ("GET", "/v1/refunds", "payment_intent"),
+    ("GET", "/v1/customers", "email"),
+    ("GET", "/v1/customers", "starting_after"),
+    ("GET", "/v1/customers", "ending_before"),
+    ("GET", "/v1/customers", "limit"),
+]
+# Text a create or an update may leave empty: the field is then unset (null), and the schema allows it.
+MAY_BE_EMPTY = [
+    ("POST", "/v1/customers", "email"),
+    ("POST", "/v1/customers", "name"),
+    ("POST", "/v1/customers", "description"),
+    ("POST", "/v1/payment_intents", "description"),
+    ("POST", "/v1/customers/{customer}", "name"),
+    ("POST", "/v1/payment_intents/{intent}", "description"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "name"), CANNOT_BE_EMPTY)
+async def test_an_empty_value_that_cannot_unset_is_refused_as_documented(
+    client: httpx.AsyncClient, method: str, path: str, name: str
+) -> None:
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    schema = (await client.get("/openapi.json")).json()
+    assert not jsonschema_rs.is_valid(documented_schema(schema, method, path, name), "")
+    body = error(await request_with(client, method, path, name, ""), 400)
+    assert (body["code"], body["param"]) == ("parameter_invalid_empty", name)
+
+
+@pytest.mark.parametrize(("method", "path", "name"), MAY_BE_EMPTY)
+async def test_an_empty_text_value_unsets_as_documented(
+    client: httpx.AsyncClient, method: str, path: str, name: str
+) -> None:
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    schema = (await client.get("/openapi.json")).json()
+    documented = documented_schema(schema, method, path, name)
+    assert jsonschema_rs.is_valid(documented, "")
+    assert "empty" in documented["description"]
+    response = await request_with(client, method, path, name, "")
+    assert response.status_code == 200, response.text
+    assert response.json()[name] is None
+
+
 # -- startup, migrations and health -------------------------------------------------------------------------------
 
 TABLES = "SELECT to_regclass('idempotency_records') IS NOT NULL, to_regclass('payments.ledger') IS NOT NULL"
