@@ -189,7 +189,10 @@ def _query_parameters(kind: str, *, filters: dict[str, dict[str, Any]] | None = 
                 "description": "Created in this range (Unix time); created=<t> is exactly then",
                 "schema": {
                     "type": "object",
-                    "properties": {c: {"type": "integer", "minimum": 0} for c in ledger.COMPARISONS},
+                    "properties": {
+                        c: {"type": "integer", "minimum": wire.MIN_INTEGER, "maximum": wire.MAX_INTEGER}
+                        for c in ledger.COMPARISONS
+                    },
                     "additionalProperties": False,
                 },
             },

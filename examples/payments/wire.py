@@ -186,6 +186,12 @@ def _insert(target: dict[str, Any], path: list[str], value: str, name: str) -> N
     _insert(child, rest, value, name)
 
 
+# An integer parameter has at most 18 digits and an optional sign, so any fits PostgreSQL's bigint. The OpenAPI
+# schema states these bounds where no narrower one applies (created[gte] and its siblings).
+MAX_INTEGER = 10**18 - 1
+MIN_INTEGER = -MAX_INTEGER
+
+
 def integer(value: str, param: str) -> int:
     """A parameter's integer value, or a 400 naming ``param``."""
     if not re.fullmatch(r"-?[0-9]{1,18}", value):

@@ -563,6 +563,21 @@ async def test_an_empty_text_value_unsets_as_documented(
     assert response.json()[name] is None
 
 
+@pytest.mark.parametrize("comparison", ["gt", "gte", "lt", "lte"])
+@pytest.mark.parametrize("value", [999_999_999_999_999_999, 10**18, -999_999_999_999_999_999, -(10**18), 0])
+async def test_created_bounds_are_documented_as_accepted(
+    client: httpx.AsyncClient, comparison: str, value: int
+) -> None:
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    schema = (await client.get("/openapi.json")).json()
+    created = documented_schema(schema, "GET", "/v1/payment_intents", "created")
+    documented = jsonschema_rs.is_valid(created, {comparison: value})
+    response = await client.get("/v1/payment_intents", params={f"created[{comparison}]": str(value)})
+    assert response.status_code == (200 if documented else 400), response.text
+    if not documented:
+        assert error(response, 400)["code"] == "parameter_invalid_integer"
+
+
 # -- startup, migrations and health -------------------------------------------------------------------------------
 
 TABLES = "SELECT to_regclass('idempotency_records') IS NOT NULL, to_regclass('payments.ledger') IS NOT NULL"
