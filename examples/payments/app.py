@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Annotated, Any
 
 import asyncpg
@@ -24,6 +24,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, compile_path
+from starlette.types import Scope
 
 from examples.payments import edge, expansion, ledger, lists, objects, wire
 from examples.payments.migrate import apply_migrations
@@ -31,6 +33,7 @@ from examples.payments.wire import StripeError
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, __version__
 from idempotency_mw.context import mark_not_executed
 from idempotency_mw.fastapi import Idempotency, IdempotencyConnection, setup
+from idempotency_mw.routes import iter_routes
 
 # The smallest charge (in the currency's smallest unit) is 50 everywhere here; Stripe's minimums vary a little.
 CURRENCIES = ("chf", "eur", "gbp", "jpy", "usd")
@@ -793,12 +796,35 @@ async def _validation_error(request: Request, error: Exception) -> Response:
 
 async def _http_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, StarletteHTTPException)
+    headers = dict(error.headers or {})
     if error.status_code == 404:
         message = f"Unrecognized request URL ({request.method}: {request.url.path})."
+    elif error.status_code == 405:
+        allowed = allowed_methods(request.app.routes, request.scope)
+        message = f"Unsupported method for {request.url.path}: use {', '.join(allowed)}."
+        headers["Allow"] = ", ".join(allowed)
     else:
         message = str(error.detail)
     body = StripeError(error.status_code, "invalid_request_error", message).body()
-    return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+    return JSONResponse(body, status_code=error.status_code, headers=headers)
+
+
+def allowed_methods(routes: Iterable[BaseRoute], scope: Scope) -> list[str]:
+    """Every method of every route whose path template matches the request's path, for a 405's ``Allow``.
+
+    RFC 9110 §15.5.6: ``Allow`` lists the methods the resource supports. Starlette's router answers a 405 from the
+    first route whose path matched, so with GET and POST on one path as two routes (FastAPI's ``@get`` and
+    ``@post``), a PUT would be told ``Allow: POST`` or ``Allow: GET`` alone. Nothing here is specific to this app.
+    """
+    path = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    methods: set[str] = set()
+    for entry in iter_routes(routes):
+        if entry.methods and compile_path(entry.path)[0].fullmatch(path):
+            methods |= entry.methods
+    return sorted(methods)
 
 
 async def _server_error(request: Request, error: Exception) -> Response:

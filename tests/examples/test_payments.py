@@ -578,6 +578,49 @@ async def test_created_bounds_are_documented_as_accepted(
         assert error(response, 400)["code"] == "parameter_invalid_integer"
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "template", "headers"),
+    [
+        ("PUT", "/v1/customers", "/v1/customers", {}),
+        ("DELETE", "/v1/customers/cus_x", "/v1/customers/{customer}", {}),
+        ("PATCH", "/v1/payment_intents/pi_x", "/v1/payment_intents/{intent}", keyed()),  # through the middleware
+        ("GET", "/v1/payment_intents/pi_x/confirm", "/v1/payment_intents/{intent}/confirm", {}),
+        ("POST", "/v1/balance", "/v1/balance", {}),
+    ],
+)
+async def test_405_allows_every_method_of_the_path(
+    client: httpx.AsyncClient, method: str, path: str, template: str, headers: dict[str, str]
+) -> None:
+    """RFC 9110 §15.5.6: Allow lists the methods the resource supports, not only those of the first route that
+    matched the path (Starlette's router)."""
+    schema = (await client.get("/openapi.json")).json()
+    documented = {m.upper() for m in schema["paths"][template]}  # FastAPI's routes answer no HEAD of their own
+    response = await client.request(method, path, headers=headers)
+    assert error(response, 405)["type"] == "invalid_request_error"
+    assert set(response.headers["allow"].split(", ")) == documented
+
+
+def test_allowed_methods_reads_every_route_of_the_path_through_mounts_and_root_path() -> None:
+    api = FastAPI()
+
+    @api.get("/items/{item}")
+    async def read(item: str) -> dict[str, str]:
+        return {}
+
+    @api.delete("/items/{item}")
+    async def delete(item: str) -> dict[str, str]:
+        return {}
+
+    app = FastAPI()
+    app.mount("/api", api)
+    assert payments_app.allowed_methods(app.routes, {"path": "/api/items/3"}) == ["DELETE", "GET"]
+    assert payments_app.allowed_methods(app.routes, {"path": "/v2/api/items/3", "root_path": "/v2"}) == [
+        "DELETE",
+        "GET",
+    ]
+    assert payments_app.allowed_methods(app.routes, {"path": "/api/other"}) == []
+
+
 # -- startup, migrations and health -------------------------------------------------------------------------------
 
 TABLES = "SELECT to_regclass('idempotency_records') IS NOT NULL, to_regclass('payments.ledger') IS NOT NULL"
