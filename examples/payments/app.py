@@ -168,6 +168,12 @@ def _form(properties: dict[str, Any], *, required: tuple[str, ...] = (), kind: s
     return {"requestBody": {"required": bool(required), "content": {"application/x-www-form-urlencoded": content}}}
 
 
+def _id_filter(prefix: str) -> dict[str, Any]:
+    """A list's filter on an object's id: any text of up to 512 characters (``lists.fetch_page``), not only
+    ``<prefix>…``, since an id that names no object of the account only finds nothing."""
+    return {**_text(512), "description": f"The id of an object ({prefix}…): only what refers to it"}
+
+
 def _query_parameters(kind: str, *, filters: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """A GET's query parameters: ``expand``, and for a list (``filters`` given) its paging and filters."""
     listed = filters is not None
@@ -479,7 +485,7 @@ async def create_payment_intent(
     operation_id="ListPaymentIntents",
     response_model=objects.PaymentIntentList,
     responses=_errors(400, 401, 404),
-    openapi_extra=_query_parameters("payment_intent", filters={"customer": _text(255, "cus_")}),
+    openapi_extra=_query_parameters("payment_intent", filters={"customer": _id_filter("cus_")}),
 )
 async def list_payment_intents(account: Account, query: Query, request: Request) -> Response:
     page = await lists.fetch_page(
@@ -633,7 +639,7 @@ async def create_refund(
     operation_id="ListRefunds",
     response_model=objects.RefundList,
     responses=_errors(400, 401, 404),
-    openapi_extra=_query_parameters("refund", filters={"payment_intent": _text(255, "pi_")}),
+    openapi_extra=_query_parameters("refund", filters={"payment_intent": _id_filter("pi_")}),
 )
 async def list_refunds(account: Account, query: Query, request: Request) -> Response:
     page = await lists.fetch_page(

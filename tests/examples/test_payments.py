@@ -563,6 +563,21 @@ async def test_an_empty_text_value_unsets_as_documented(
     assert response.json()[name] is None
 
 
+@pytest.mark.parametrize(("path", "name"), [("/v1/payment_intents", "customer"), ("/v1/refunds", "payment_intent")])
+@pytest.mark.parametrize("value", ["cus", "pi_x", "x" * 512, "x" * 513])
+async def test_list_filters_are_documented_as_accepted(
+    client: httpx.AsyncClient, path: str, name: str, value: str
+) -> None:
+    """A filter naming no object of the account finds nothing (200, an empty list); one too long is refused."""
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    schema = (await client.get("/openapi.json")).json()
+    documented = jsonschema_rs.is_valid(documented_schema(schema, "GET", path, name), value)
+    response = await client.get(path, params={name: value})
+    assert response.status_code == (200 if documented else 400), response.text
+    if documented:
+        assert response.json()["data"] == []
+
+
 @pytest.mark.parametrize("comparison", ["gt", "gte", "lt", "lte"])
 @pytest.mark.parametrize("value", [999_999_999_999_999_999, 10**18, -999_999_999_999_999_999, -(10**18), 0])
 async def test_created_bounds_are_documented_as_accepted(
