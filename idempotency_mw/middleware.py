@@ -37,7 +37,7 @@ from idempotency_mw.fingerprint import fingerprint
 from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers, uuid7_time
 from idempotency_mw.leases import HeldLease, LeaseKeeper
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
-from idempotency_mw.routes import RouteTemplates
+from idempotency_mw.routes import RouteMatch, RouteTemplates
 from idempotency_mw.store import (
     Claim,
     ClaimOutcome,
@@ -149,7 +149,11 @@ class IdempotencyMiddleware:
         if scope["method"] not in policy.methods:
             await self.app(scope, receive, send)
             return
-        await IdempotentRequest(self, policy, scope, receive, send).run()
+        route = self.route_of(scope["method"], scope["path"], scope.get("root_path", ""))
+        if route.routed is False:  # the router answers 404 or 405 (or redirects): nothing runs, nothing to claim
+            await self.app(scope, receive, send)
+            return
+        await IdempotentRequest(self, policy, route.template, scope, receive, send).run()
 
     def _scan(self, scope: Scope) -> None:
         """Read the app's routes, which are all declared by now: their ``@idempotent`` declarations, and their
@@ -158,9 +162,10 @@ class IdempotencyMiddleware:
         self.policies.scan(app, check=lambda found: self._check_transactional(*found))
         self.routes = RouteTemplates(app)
 
-    def route_of(self, method: str, path: str, root_path: str) -> str:
-        """The template of the route a request is for (``/v1/charges/{id}``), or ``<unmatched>``. Give the path and
-        root path as the request arrived: the router rewrites ``scope["root_path"]`` on its way through a Mount."""
+    def route_of(self, method: str, path: str, root_path: str) -> RouteMatch:
+        """The route a request is for (its template, ``/v1/charges/{id}``, or ``<unmatched>``), and whether one takes
+        it. Give the path and root path as the request arrived: the router rewrites ``scope["root_path"]`` on its
+        way through a Mount."""
         if root_path and path.startswith(root_path):
             path = path[len(root_path) :]
         return self.routes.match(method, path)
@@ -190,13 +195,20 @@ class IdempotentRequest:
     """One covered request, from its key to its recorded (or released) response."""
 
     def __init__(
-        self, middleware: IdempotencyMiddleware, policy: Policy, scope: Scope, receive: Receive, send: Send
+        self,
+        middleware: IdempotencyMiddleware,
+        policy: Policy,
+        route: str,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
     ) -> None:
         self.middleware = middleware
         self.store = middleware.store
         self.policy = policy
+        self.route = route  # the template of the route it is for, to label its event
         self.scope = scope
-        self.path, self.root_path = scope["path"], scope.get("root_path", "")  # before the router rewrites them
+        self.path = scope["path"]  # before the router rewrites it
         self.receive = receive
         self.send = send
         self.key: str | None = None
@@ -638,7 +650,7 @@ class IdempotentRequest:
             self.outcome,
             self.scope["method"],
             self.path,
-            self.middleware.route_of(self.scope["method"], self.path, self.root_path),
+            self.route,
             self.tenant,
             hash_key(self.key),
             self.status,

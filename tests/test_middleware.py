@@ -28,6 +28,21 @@ def problem(response: httpx.Response) -> dict[str, Any]:
     return body
 
 
+async def test_a_keyed_request_no_route_takes_gets_the_routers_answer(store: Store, key: str) -> None:
+    """Nothing would run for a request the app's router answers with 404 or 405 (a path no route has, a method the
+    path's routes lack): nothing is claimed or compared, whatever its key, and the router answers as it would to
+    the same request without one."""
+    probe, client = setup(store, methods=("POST", "PATCH", "PUT"))
+    assert (await client.post("/charge", content=b"{}", headers={"Idempotency-Key": key})).status_code == 201
+    for method, path, status in (("PATCH", "/read", 405), ("POST", "/nowhere", 404), ("PUT", "/status/201", 405)):
+        for sent in (key, "not a key", None):
+            headers = {"Idempotency-Key": sent} if sent is not None else {}
+            answer = await client.request(method, path, headers=headers)
+            assert answer.status_code == status, (method, path, sent, answer.text)
+            assert answer.headers.get("content-type") != "application/problem+json"
+    assert probe.calls["charge"] == 1
+
+
 # -- the happy path ----------------------------------------------------------------------------------------
 
 

@@ -340,15 +340,6 @@ def accepted(failure: Failure) -> bool:
     return any(d.check == failure.check and d.applies(failure) for d in ACCEPTED)
 
 
-def answered_by_the_middleware_for_no_route(failure: Failure) -> bool:
-    """Not accepted, pending: a keyed request for a method no route of the path has (PATCH on a POST-only path),
-    whose key was used before, is answered by the middleware (422 idempotency_key_reused, the example's 400
-    idempotency_error) instead of the router's 405. The middleware is being changed to let the router answer.
-    test_a_keyed_request_for_no_route_gets_the_routers_answer expects that answer (a strict xfail until then);
-    once it passes, its mark and this exclusion from the main test go together."""
-    return failure.check == "unsupported_method" and failure.code == "idempotency_key_reused"
-
-
 # -- the tests -----------------------------------------------------------------------------------------------------
 
 
@@ -387,16 +378,13 @@ def test_schemathesis_finds_nothing_but_the_accepted_deviations(
         assert replays > 0
         assert reused > 0
     assert not any(answer.status >= 500 for answer in run.answers)
-    unexpected = [f for f in run.failures if not accepted(f) and not answered_by_the_middleware_for_no_route(f)]
+    unexpected = [f for f in run.failures if not accepted(f)]
     assert unexpected == [], "\n".join(str(f) for f in unexpected[:20])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the middleware answers a keyed request for no route (PATCH on a POST-only path, its key used before) "
-    "with 422 idempotency_key_reused instead of letting the router answer 405; being fixed in the middleware",
-)
 @pytest.mark.parametrize("target", TARGETS)
 def test_a_keyed_request_for_no_route_gets_the_routers_answer(runs: Callable[[str, str], Run], target: str) -> None:
-    pending = [f for f in runs(target, "reused").failures if answered_by_the_middleware_for_no_route(f)]
-    assert pending == [], "\n".join(str(f) for f in pending)
+    """A keyed request for a method no route of the path has (PATCH on a POST-only path), whose key was used before,
+    gets the router's 405, not the middleware's answer about the key."""
+    unsupported = [f for f in runs(target, "reused").failures if f.check == "unsupported_method"]
+    assert unsupported == [], "\n".join(str(f) for f in unsupported)
