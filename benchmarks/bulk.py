@@ -15,8 +15,8 @@ import asyncpg
 from benchapp import TENANT_SECRET
 from loadgen import BODY, HEADERS
 
-from idempotency_mw.capture import encode_headers
 from idempotency_mw.fingerprint import fingerprint
+from idempotency_mw.rows import encode_headers
 from idempotency_mw.tenants import AuthorizationTenant
 
 REPLAYABLE_EVERY = 100  # every 100th generated key belongs to the load generator's tenant

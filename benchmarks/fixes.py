@@ -43,11 +43,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idempotency_mw import AuthorizationTenant, IdempotencyMiddleware, MemoryStore, PostgresStore
+from idempotency_mw.connectors import OwnPool, StoreConnection
 from idempotency_mw.context import idempotency_context
 from idempotency_mw.eager import outlasting, start_eagerly
 from idempotency_mw.leases import LeaseKeeper
 from idempotency_mw.middleware import IdempotentRequest
-from idempotency_mw.postgres import StoreConnection
 
 TENANT = AuthorizationTenant(TENANT_SECRET)
 CONCURRENCY = 16
@@ -142,8 +142,8 @@ async def reset_cost(dsn: str, pid: int | None, rounds: int, requests: int) -> d
         (FUNCTION, FunctionResetConnection),
     ):
         store = PostgresStore(dsn, min_size=CONCURRENCY, max_size=CONCURRENCY + 4)
-        assert store._own is not None
-        store._own.connection_class = connection_class  # this comparison only: the store has no such option
+        assert isinstance(store._connector, OwnPool)
+        store._connector.pool.connection_class = connection_class  # this comparison only: not a store option
         await store.open()
         stores[variant] = store
     apps = {variant: transactional_app(store) for variant, store in stores.items()}

@@ -20,8 +20,7 @@ import uuid
 import asyncpg
 import psutil
 
-from idempotency_mw.capture import encode_headers
-from idempotency_mw.postgres import new_fence
+from idempotency_mw.rows import encode_headers, new_fence
 from idempotency_mw.sql import queries
 
 TENANT = "floor-tenant"

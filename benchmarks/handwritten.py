@@ -25,8 +25,7 @@ import asyncpg
 from starlette.requests import Request
 from starlette.responses import Response
 
-from idempotency_mw.capture import decode_headers, encode_headers
-from idempotency_mw.postgres import new_fence
+from idempotency_mw.rows import decode_headers, encode_headers, new_fence
 from idempotency_mw.sql import queries
 
 POOL_SIZE = 20
@@ -106,7 +105,7 @@ def idempotent(
             return response
         if not row["same_request"]:
             return Response(status_code=422)
-        if row["state"] != "completed":
+        if not row["completed"]:
             return Response(status_code=409)
         replay = Response(row["body"], status_code=row["status"])
         replay.raw_headers = [*decode_headers(row["headers"]), REPLAYED]

@@ -149,8 +149,7 @@ async def _pairs(dsn: str, variant: str, count: int) -> None:
     import storepath
 
     from idempotency_mw import PostgresStore
-    from idempotency_mw.capture import encode_headers
-    from idempotency_mw.postgres import new_fence
+    from idempotency_mw.rows import encode_headers, new_fence
     from idempotency_mw.sql import queries
 
     run = uuid.uuid4().hex

@@ -44,8 +44,7 @@ import asyncpg
 from common import Target, table, target_table
 
 from idempotency_mw import PostgresStore
-from idempotency_mw.capture import encode_headers
-from idempotency_mw.postgres import claim_from_row, completion, new_fence
+from idempotency_mw.rows import claim_from_row, completion, encode_headers, new_fence
 from idempotency_mw.sql import queries
 from idempotency_mw.store import StoredResponse
 

@@ -9,16 +9,12 @@ reaches the client before the record has committed).
 
 from __future__ import annotations
 
-import orjson
 from starlette.types import Message, Send
 
 from idempotency_mw.store import Headers, StoredResponse
-from idempotency_mw.wire import REPLAYED_HEADER
+from idempotency_mw.wire import REPLAYED_HEADER, WITHHELD_EXTENSIONS
 
 REPLAYED = (REPLAYED_HEADER.lower().encode("ascii"), b"true")
-
-# Extension messages that send the response body around ``send``: a response that uses one cannot be recorded.
-BODY_ELSEWHERE = frozenset({"http.response.pathsend", "http.response.zerocopysend"})
 
 
 class ResponseRecorder:
@@ -83,7 +79,7 @@ class ResponseRecorder:
             elif chunk:
                 self._chunks.append(chunk)
             final = not message.get("more_body", False)
-        elif kind in BODY_ELSEWHERE:  # the body goes around send (a file by its path): nothing here to store
+        elif kind in WITHHELD_EXTENSIONS:  # the body goes around send (a file by its path): nothing here to store
             self.capturable = False
             final = kind == "http.response.pathsend"
         # Anything else (trailers, a test client's http.response.debug) carries no body: it passes as it is.
@@ -127,12 +123,3 @@ async def replay(response: StoredResponse, send: Send) -> None:
         await send({"type": "http.response.body", "body": b""})
     else:
         await send({"type": "http.response.body", "body": response.body})
-
-
-def encode_headers(headers: Headers) -> str:
-    """Headers as JSON ``[[name, value], …]``; latin-1 keeps every byte, so the round trip is exact."""
-    return orjson.dumps([[name.decode("latin-1"), value.decode("latin-1")] for name, value in headers]).decode()
-
-
-def decode_headers(encoded: str | bytes) -> Headers:
-    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in orjson.loads(encoded)]

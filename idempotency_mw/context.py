@@ -1,13 +1,13 @@
-"""What a handler can learn about the idempotent request it is serving."""
+"""What a handler can learn about the idempotent request it is serving, and how an app that authenticates inside the
+request hands the middleware its tenant."""
 
 from __future__ import annotations
 
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
-from idempotency_mw.postgres import PostgresTransaction
 from idempotency_mw.store import Transaction
 
 if TYPE_CHECKING:
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from starlette.requests import HTTPConnection
 
 STATE_KEY = "idempotency"
+PENDING_KEY = "idempotency_pending"
 NOT_EXECUTED_KEY = "idempotency_not_executed"
 
 _DOWNSTREAM_V1 = "idempotency-mw/downstream/v1"
@@ -36,10 +37,10 @@ class IdempotencyContext:
 
     @property
     def connection(self) -> asyncpg.Connection | None:
-        """The asyncpg connection of a transactional route's transaction (``PostgresStore``); None elsewhere."""
-        if isinstance(self.transaction, PostgresTransaction):
-            return cast("asyncpg.Connection", self.transaction.lent)
-        return None
+        """The asyncpg connection of a transactional route's transaction (``PostgresStore``); None elsewhere. It
+        refuses use once the request has ended."""
+        lent: asyncpg.Connection | None = getattr(self.transaction, "lent", None)
+        return lent
 
     def downstream_key(self, label: str) -> str:
         """A stable key (64 hex digits) for a side effect that cannot join the transaction (a payment provider's API).
@@ -59,6 +60,37 @@ class IdempotencyContext:
         encoded = [part.encode() for part in parts]
         prefixed = b"".join(_LENGTH.pack(len(part)) + part for part in encoded)
         return hashlib.sha256(_DOWNSTREAM_V2 + prefixed).hexdigest()
+
+
+class ClaimAnswered(Exception):
+    """Raised by :func:`claim` when the middleware has answered the request itself (a replay, a 409, a 422, a 400):
+    the handler must not run. The middleware takes it back on its way out, and drops whatever the app sends after it
+    (an exception handler's 500, say)."""
+
+
+class PendingClaim(Protocol):
+    """A covered request whose claim waits for the app to tell its tenant (``IdempotentRequest``)."""
+
+    async def claim_for(self, tenant: str | None) -> IdempotencyContext: ...
+
+
+async def claim(request: HTTPConnection, tenant: str | None) -> IdempotencyContext | None:
+    """Steps 2 and 4 of the request flow, for an app that authenticates inside the request: scope the key by
+    ``tenant`` (None: unknown, refused with 400) and claim it, before the handler's body runs.
+
+    With ``IdempotencyMiddleware(tenant=...)`` given a tenant the app resolves itself (:class:`TenantFromApp`;
+    ``idempotency_mw.fastapi.TenantDependency`` does this as a FastAPI dependency), the middleware reads and checks
+    the key and the body, then leaves the claim to this call, so that the app's own authentication answers first (its
+    401, before any of the middleware's answers). When the key is not this request's to run (a replay, one still in
+    progress, another request's, or a refusal), the middleware has answered and this raises :class:`ClaimAnswered`.
+    A request with nothing to claim (one the middleware does not cover, or a keyless one it lets through) gets
+    None; one whose claim was taken already, its context.
+    """
+    state: dict[str, Any] = request.scope.setdefault("state", {})
+    pending: PendingClaim | None = state.get(PENDING_KEY)
+    if pending is not None:
+        return await pending.claim_for(tenant)
+    return idempotency_context(request)
 
 
 def idempotency_context(request: HTTPConnection) -> IdempotencyContext | None:

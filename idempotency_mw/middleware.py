@@ -1,25 +1,13 @@
-"""The Idempotency-Key middleware: the whole request flow, in the order it happens (docs/design.md).
+"""The Idempotency-Key middleware: the whole request flow, in the order it happens (docs/design.md §2).
 
 ``IdempotencyMiddleware`` holds the configuration and picks the requests it covers; ``IdempotentRequest`` owns one
-covered request from start to finish:
-
-1. parse the key (400 if malformed, or missing on a route that requires one);
-2. resolve the tenant: a record is ``(tenant, key)``, never the key alone;
-3. buffer the body (413 over the cap) and fingerprint it;
-4. claim ``(tenant, key)`` in one store call: 422 for a different request, a replay for a completed one, 409 for
-   one still running, or the key is ours with a fresh fence token;
-5. run the handler while its lease is renewed (``leases.py``), copying its response as it goes out;
-6. record a final response, or release the key for a transient one, always naming our fence;
-7. (on a later retry) replay the stored response byte for byte, with ``Idempotent-Replayed: true``.
-
-Step 6 happens as the response's final body message passes, before it reaches the client and before anything the
-app runs after its response (background tasks). In transactional mode it happens inside the handler's own database
-transaction, and the response is held until that has committed (``transaction.py``).
+covered request, from its key to its recorded (or released) response, and reads top to bottom in ``run``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import inspect
 import time
 from collections.abc import Awaitable, Mapping
@@ -29,7 +17,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idempotency_mw import problems
 from idempotency_mw.capture import ResponseRecorder, replay
-from idempotency_mw.context import NOT_EXECUTED_KEY, STATE_KEY, IdempotencyContext
+from idempotency_mw.context import (
+    NOT_EXECUTED_KEY,
+    PENDING_KEY,
+    STATE_KEY,
+    ClaimAnswered,
+    IdempotencyContext,
+)
 from idempotency_mw.eager import outlasting, start_eagerly
 from idempotency_mw.events import Event, EventHook, Outcome, hash_key, log_event, log_level, logger
 from idempotency_mw.failures import FailureLog
@@ -48,13 +42,11 @@ from idempotency_mw.store import (
     TransactionalStore,
     TransactionEnded,
 )
-from idempotency_mw.tenants import AuthorizationTenant, TenantResolver
-from idempotency_mw.transaction import Claimed, State, TransactionalRun
+from idempotency_mw.tenants import AuthorizationTenant, TenantFromApp, TenantResolver, requirement
+from idempotency_mw.transaction import State, TransactionalRun
+from idempotency_mw.wire import WITHHELD_EXTENSIONS
 
 T = TypeVar("T")
-
-# ASGI extensions that let a response send its body around ``send`` (from a file), where it could not be recorded.
-WITHHELD_EXTENSIONS = frozenset({"http.response.pathsend", "http.response.zerocopysend"})
 
 
 class IdempotencyMiddleware:
@@ -66,7 +58,8 @@ class IdempotencyMiddleware:
     - ``tenant``: maps the ASGI scope to the tenant that owns the key (sync or async), or to None when it cannot
       tell (the keyed request is then refused with 400); by default
       :class:`~idempotency_mw.tenants.AuthorizationTenant`, an HMAC of the ``Authorization`` header keyed by
-      ``IDEMPOTENCY_TENANT_SECRET``.
+      ``IDEMPOTENCY_TENANT_SECRET``. Or a :class:`~idempotency_mw.tenants.TenantFromApp`, when the app
+      authenticates inside the request and tells the tenant itself (``idempotency_mw.fastapi.TenantDependency``).
     - ``routes``: per-path overrides, ``{"/v1/refunds*": {"required": True}}`` (``*`` matches anything).
     - ``on_event``: called with an :class:`~idempotency_mw.events.Event` when a keyed request ends; if it also
       has a ``started(scope)`` method, that is called when the request reaches the store (metrics use it for
@@ -79,7 +72,7 @@ class IdempotencyMiddleware:
         app: ASGIApp,
         store: Store,
         *,
-        tenant: TenantResolver | None = None,
+        tenant: TenantResolver | TenantFromApp | None = None,
         methods: tuple[str, ...] | frozenset[str] = ("POST", "PATCH"),
         required: bool = False,
         ttl: float = DAY,
@@ -97,8 +90,8 @@ class IdempotencyMiddleware:
     ) -> None:
         if tenant is None:
             tenant = AuthorizationTenant()  # fails here, with what to set, when no secret is configured
-        if not callable(tenant):
-            raise TypeError("tenant must be a callable taking the ASGI scope")
+        if not (isinstance(tenant, TenantFromApp) or callable(tenant)):
+            raise TypeError("tenant must be a callable taking the ASGI scope, or a TenantFromApp")
         if not isinstance(retry_after, int) or retry_after < 0:
             raise ValueError("retry_after must be a whole number of seconds >= 0")
         default = Policy(
@@ -117,6 +110,7 @@ class IdempotencyMiddleware:
         self.app = app
         self.store = store
         self.tenant = tenant
+        self.tenant_from_app = tenant if isinstance(tenant, TenantFromApp) else None
         self.tenant_unknown_logged = False  # the operator hears of unscoped keyed requests once, not per request
         self.policies = PolicyResolver.build(default, routes or {})
         self.failures = FailureLog(logger)  # store failures: the first in full, then a summary now and then
@@ -156,11 +150,18 @@ class IdempotencyMiddleware:
         await IdempotentRequest(self, policy, route.template, scope, receive, send).run()
 
     def _scan(self, scope: Scope) -> None:
-        """Read the app's routes, which are all declared by now: their ``@idempotent`` declarations, and their
-        templates (to label events by route)."""
+        """Read the app's routes, which are all declared by now: their ``@idempotent`` declarations, their templates
+        (to label events by route), and, with a tenant the app tells, whether every covered route tells it."""
         app = scope.get("app", self.app)
         self.policies.scan(app, check=lambda found: self._check_transactional(*found))
+        if self.tenant_from_app is not None:
+            self.tenant_from_app.check(app, self._covers)
         self.routes = RouteTemplates(app)
+
+    def _covers(self, endpoint: Any, path: str, methods: frozenset[str] | None) -> bool:
+        """Whether a route (its endpoint, path template and methods) takes requests this middleware covers."""
+        covered = self.policies.for_endpoint(endpoint, path).methods
+        return bool(covered) if methods is None else not covered.isdisjoint(methods)
 
     def route_of(self, method: str, path: str, root_path: str) -> RouteMatch:
         """The route a request is for (its template, ``/v1/charges/{id}``, or ``<unmatched>``), and whether one takes
@@ -191,6 +192,17 @@ class IdempotencyMiddleware:
         await self.app(scope, receive_again, send)
 
 
+class Phase(enum.Enum):
+    """Where a covered request is; it only moves forward. What it ends with is its :class:`Outcome`, decided once."""
+
+    STARTED = "started"  # key, tenant and body being read; nothing asked of the store yet
+    WAITING = "waiting"  # its tenant is the app's to tell: the app runs, and will claim from inside (claim_for)
+    CLAIMING = "claiming"  # the claim is on its way to the store
+    RUNNING = "running"  # the key is ours: the handler runs, its lease renewed
+    SETTLING = "settling"  # its answer is being recorded, or its key released
+    ANSWERED = "answered"  # the outcome is decided, and reported
+
+
 class IdempotentRequest:
     """One covered request, from its key to its recorded (or released) response."""
 
@@ -211,122 +223,164 @@ class IdempotentRequest:
         self.path = scope["path"]  # before the router rewrites it
         self.receive = receive
         self.send = send
+        self.phase = Phase.STARTED
         self.key: str | None = None
         self.tenant = ""
-        self.fence: int | None = None
         self.body = b""
         self.body_delivered = False
+        self.digest = b""
+        self.fence: int | None = None
+        self.refusal: tuple[problems.Problem, Outcome] | None = None  # a bad key, once the tenant is known
         self.outcome: Outcome | None = None
         self.status: int | None = None
         self.started = time.perf_counter()
         self.store_seconds = 0.0
         self.attempts = 0
-        self.lease: HeldLease | None = None
-        self.recorder: ResponseRecorder | None = None  # the response on its way out, once the handler runs
-        self.settling: asyncio.Future[None] | None = None
-        self.emitted = False
         self.reached_store = False
+        self.lease: HeldLease | None = None
+        self.recorder: ResponseRecorder | None = None  # the response on its way out, in plain mode
+        self.transaction: TransactionalRun | None = None  # the request's connection and transaction, if any
+        self.settling: asyncio.Future[Outcome] | None = None
 
     async def run(self) -> None:
-        """Steps 1 to 5 in one method, read top to bottom. Each coroutine level between the server and the handler
-        is passed through at every wait of every request, so the fresh path keeps them few: here, ``_execute`` and
-        the app's own (in a transaction, ``_execute_in_transaction`` and ``TransactionalRun.run``)."""
+        """Steps 1 to 7 of docs/design.md §2, in the order they happen."""
         try:
+            if self.policy.transactional:  # its connection and transaction, claimed and begun below
+                self.transaction = self._transactional_run()
             # 1. The key, validated before anything touches the store.
             try:
                 self.key = key_from_headers(self.scope["headers"])
             except MissingKey:
                 if self.policy.required:
-                    return await self._refuse(problems.key_missing(), Outcome.KEY_MISSING)
-                if self.policy.transactional:
+                    self.refusal = (problems.key_missing(), Outcome.KEY_MISSING)
+                elif self.policy.transactional:
                     self.body_delivered = True  # nothing was buffered: the handler reads the real channel
-                    return await self._execute_in_transaction()
-                return await self.middleware.app(self.scope, self.receive, self.send)  # not ours: untouched
+                    return await self._run_keyless_transaction()
+                else:
+                    return await self.middleware.app(self.scope, self.receive, self.send)  # not ours: untouched
             except InvalidKey as error:
-                return await self._refuse(problems.key_invalid(str(error)), Outcome.KEY_INVALID)
+                self.refusal = (problems.key_invalid(str(error)), Outcome.KEY_INVALID)
+
+            if self.middleware.tenant_from_app is not None:
+                # 2. and 4. inside the app, once its own authentication has answered: it calls claim_for.
+                if await self._read_body():
+                    self.phase = Phase.WAITING
+                    self.scope.setdefault("state", {})[PENDING_KEY] = self
+                    await self._execute()
+                return
 
             # 2. The tenant: none means the key cannot be scoped, and an unscoped key must never meet another's.
-            tenant = self.middleware.tenant(self.scope)
-            if tenant is not None and not isinstance(tenant, str):
-                tenant = await self._awaited_tenant(tenant)
-            if tenant is None:
-                self._tenant_unknown()
-                return await self._refuse(problems.tenant_unknown(), Outcome.TENANT_UNKNOWN)
-            self.tenant = tenant
-
-            # 3. The body, capped, and the fingerprint.
-            if not await self._read_body():
-                return
-            digest = fingerprint(
-                self.scope["method"],
-                self.scope["path"],
-                self.scope.get("query_string", b""),
-                self._header(b"content-type"),
-                self.body,
-            )
-
-            # 4. The claim: one store call decides what happens next.
-            self.outcome = Outcome.STORE_ERROR  # until something better is known: every started request ends
-            self._notify_started()
-            started = time.perf_counter()
-            claiming = start_eagerly(  # a task of its own: a cancellation must not lose a claim that landed
-                self.store.claim(self.tenant, self.key, digest, lease=self.policy.lease, ttl=self.policy.ttl),
-                "idempotency claim",
-            )
-            try:
-                claim = await outlasting(claiming)
-            except asyncio.CancelledError:
-                # Cancelled (a server shutting down, an outer timeout) while the claim was on its way: it may have
-                # landed. A claim that turns out to be ours is released, so the key is not left to its lease.
-                self.settling = asyncio.ensure_future(self._abandon(claiming))
-                raise
-            except Exception as error:
-                self.store_seconds += time.perf_counter() - started
-                self.middleware.failures.failed("claim a key", error)
-                if self.policy.fail_open:
-                    self.outcome = Outcome.UNPROTECTED
-                    return await self.middleware.app(self.scope, self._receive_buffered, self._send_tracked)
-                return await self._refuse(
-                    problems.store_unavailable(self.middleware.retry_after), _store_failure(error)
-                )
-            del claiming  # finished: not kept alive through the handler's run
-            self.store_seconds += time.perf_counter() - started
-            self.middleware.failures.succeeded()
-            self.attempts = claim.attempts
-            if claim.outcome is not ClaimOutcome.OWNED:
-                return await self._answer(claim)
-            if self.policy.check_uuid7_age and self._key_outlived_retention():
-                # No record is left to compare with: running now could repeat an operation whose record was purged.
-                await self._release(claim.fence)
-                return await self._refuse(problems.key_expired(int(self.policy.ttl)), Outcome.KEY_EXPIRED)
-
-            # 5. The key is ours: run the handler while its lease is renewed.
-            self.fence = claim.fence
-            self.lease = self.middleware.leases.hold(self.tenant, self.key, claim.fence, self.policy.lease)
-            try:
-                if self.policy.transactional:
-                    await self._execute_in_transaction()
+            if self.refusal is None:
+                tenant = self.middleware.tenant(self.scope)  # type: ignore[operator]  # not a TenantFromApp here
+                if tenant is not None and not isinstance(tenant, str):
+                    tenant = await self._awaited_tenant(tenant)
+                if tenant is None:
+                    self.refusal = self._tenant_unknown()
                 else:
-                    await self._execute()
-            finally:
-                self._drop_lease()
-        finally:
-            if self.settling is not None and not self.settling.done():
-                # Cancelled while settling: report the outcome once the settlement (which goes on) knows it.
-                self.settling.add_done_callback(lambda _: self._emit())
-            else:
-                self._emit()  # unless the outcome was already reported when it was decided
+                    self.tenant = tenant
+            if self.refusal is not None:
+                return await self._refuse(*self.refusal)
 
-    async def _abandon(self, claiming: asyncio.Future[Claim]) -> None:
-        """The claim of a request that was cancelled: release it once it is known to be ours."""
-        self.outcome = Outcome.CANCELLED
+            # 3. The body, capped, and its fingerprint; 4. the claim, which decides what happens next.
+            if await self._read_body() and await self._claim():
+                # 5. and 6. The key is ours: run the handler, then record its answer or release the key.
+                await self._execute()
+        finally:
+            self._report()
+            # What refers back to this request goes, so that it is freed as it ends, not by the cycle collector.
+            self.transaction = None
+            self.scope.get("state", {}).pop(PENDING_KEY, None)
+
+    async def claim_for(self, tenant: str | None) -> IdempotencyContext:
+        """Steps 2 and 4 for a tenant the app tells from inside the request (``context.claim``): the refusals of
+        step 1 wait for it, so that the app's own authentication answers first. Raises :class:`ClaimAnswered` when
+        the answer went out without the handler (a refusal, a replay, a conflict)."""
+        state = self.scope.setdefault("state", {})
+        if state.pop(PENDING_KEY, None) is not self:
+            raise RuntimeError("the claim of this request was taken already")
+        if tenant is not None and not isinstance(tenant, str):
+            raise TypeError(f"the tenant of a request must be a str or None, not {type(tenant).__name__}")
+        if self.refusal is None and tenant is None and self.key is not None:
+            self.refusal = self._tenant_unknown()
+        if self.refusal is not None:
+            await self._refuse(*self.refusal)
+            raise ClaimAnswered
+        self.tenant = tenant or ""
+        if self.key is None:  # a keyless request on a transactional route: its transaction, no record
+            if not await self._begin():
+                raise ClaimAnswered
+        elif not await self._claim():
+            raise ClaimAnswered
+        context = state.get(STATE_KEY)
+        assert isinstance(context, IdempotencyContext)
+        return context
+
+    # -- 4. the claim -----------------------------------------------------------------------------------------
+
+    async def _claim(self) -> bool:
+        """Claim the key: True when it is ours (the handler may run), False when the request was answered (a
+        replay, a conflict, a refusal; or, failing open, the handler ran unprotected)."""
+        assert self.key is not None
+        self.phase = Phase.CLAIMING
+        self._notify_started()
+        policy = self.policy
+        if self.transaction is not None:
+            claiming = self.transaction.claim(self.tenant, self.key, self.digest, lease=policy.lease, ttl=policy.ttl)
+        else:
+            claiming = self.store.claim(self.tenant, self.key, self.digest, lease=policy.lease, ttl=policy.ttl)
+        started = time.perf_counter()
+        task = start_eagerly(claiming, "idempotency claim")  # a cancellation must not lose a claim that landed
+        try:
+            claim = await outlasting(task)
+        except asyncio.CancelledError:
+            # Cancelled (a server shutting down, an outer timeout) while the claim was on its way: it may have
+            # landed. A claim that turns out to be ours is released, so the key is not left to its lease.
+            self.settling = asyncio.ensure_future(self._abandon(task))
+            raise
+        except (TypeError, ValueError):
+            raise  # a store set up wrong (an engine in AUTOCOMMIT, say) says so, rather than as an outage
+        except Exception as error:
+            self.store_seconds += time.perf_counter() - started
+            self.middleware.failures.failed("claim a key", error)
+            if policy.fail_open:
+                self._decide(Outcome.UNPROTECTED, None)
+                await self.middleware.app(self.scope, self._receive_buffered, self._send_tracked)
+                return False
+            await self._refuse(problems.store_unavailable(self.middleware.retry_after), _store_failure(error))
+            return False
+        del task  # finished: not kept alive through the handler's run
+        self.store_seconds += time.perf_counter() - started
+        self.middleware.failures.succeeded()
+        self.attempts = claim.attempts
+        if claim.outcome is not ClaimOutcome.OWNED:
+            await self._answer(claim)
+            return False
+        self.fence = claim.fence
+        if policy.check_uuid7_age and self._key_outlived_retention():
+            # No record is left to compare with: running now could repeat an operation whose record was purged.
+            await self._release()
+            if self.transaction is not None:
+                await self.transaction.close()
+            await self._refuse(problems.key_expired(int(policy.ttl)), Outcome.KEY_EXPIRED)
+            return False
+        self.lease = self.middleware.leases.hold(self.tenant, self.key, claim.fence, policy.lease)
+        self.phase = Phase.RUNNING
+        if self.transaction is None:
+            self._set_context(IdempotencyContext(self.tenant, self.key))
+        elif not await self._begin():
+            return False
+        return True
+
+    async def _abandon(self, claiming: asyncio.Future[Claim]) -> Outcome:
+        """The claim of a request that was cancelled: released once it is known to be ours."""
         try:
             claim = await claiming
         except Exception:
-            self.outcome = Outcome.STORE_ERROR  # the claim failed: nothing of it is left
-            return
+            return Outcome.STORE_ERROR  # the claim failed: nothing of it is left
         if claim.outcome is ClaimOutcome.OWNED:
-            await self._release(claim.fence)
+            self.fence = claim.fence
+            return await self._release()
+        return Outcome.CANCELLED
 
     async def _answer(self, claim: Claim) -> None:
         """A claim that is not ours: a different request (422), one still running (409), or one completed: replayed
@@ -336,30 +390,37 @@ class IdempotentRequest:
         elif claim.outcome is ClaimOutcome.IN_PROGRESS:
             await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.IN_PROGRESS)
         else:
-            assert claim.response is not None  # COMPLETED: the other outcome, OWNED, runs the handler
-            if claim.response.body is None:  # completed, but not stored in full (over the cap, or cut short)
-                response = claim.response
-                await self._refuse(
-                    problems.response_not_replayable(
-                        response.status, response.body_size, self.policy.max_response_bytes
-                    ),
-                    Outcome.NOT_REPLAYABLE,
+            response = claim.response
+            assert response is not None  # COMPLETED: the other outcome, OWNED, runs the handler
+            if response.body is None:  # completed, but not stored in full (over the cap, or cut short)
+                problem = problems.response_not_replayable(
+                    response.status, response.body_size, self.policy.max_response_bytes
                 )
+                await self._refuse(problem, Outcome.NOT_REPLAYABLE)
             else:
                 # 7. Replay.
-                self._decide(Outcome.REPLAYED, claim.response.status)
-                await replay(claim.response, self.send)
+                self._decide(Outcome.REPLAYED, response.status)
+                await replay(response, self.send)
 
-    # -- 5 and 6: running the handler, then recording or releasing -------------------------------------------
+    # -- 5. and 6. running the handler, then recording or releasing -----------------------------------------
 
     async def _execute(self) -> None:
-        """Run the handler with its response streaming through; settle as its final body message passes."""
-        assert self.key is not None
-        self._set_context(IdempotencyContext(self.tenant, self.key))
-        self.recorder = ResponseRecorder(self.send, max_body=self.policy.max_response_bytes)
-        # Settled as the final body passed, unless the response never finished: an error, a cancelled request (a
-        # client that hung up, a server shutting down), or a stream cut short. Settle it all the same; a cancelled
-        # request does not wait for that (the settlement goes on in its own task).
+        """Run the handler with its response copied on the way out (plain mode) or held in its transaction."""
+        try:
+            if self.policy.transactional:
+                await self._execute_in_transaction()
+            else:
+                await self._execute_plainly()
+        except ClaimAnswered:
+            pass  # the middleware answered from inside the app (claim_for): the handler did not run
+        finally:
+            self._drop_lease()
+
+    async def _execute_plainly(self) -> None:
+        """Settle as the response's final body message passes: before it reaches the client, and before anything the
+        app runs after its response (background tasks). A response that never finished (an error, a cancelled
+        request, a stream cut short) is settled all the same; a cancelled request does not wait for that."""
+        self.recorder = ResponseRecorder(self._downstream(), max_body=self.policy.max_response_bytes)
         try:
             await self.middleware.app(self._app_scope(), self._receive_buffered, self._send_recorded)
         except asyncio.CancelledError:
@@ -368,46 +429,48 @@ class IdempotentRequest:
         except BaseException:
             await self._settle()
             raise
-        if self.settling is None or not self.settling.done():  # settled already, as its final body passed
-            await self._settle()
+        await self._settle()
 
     async def _send_recorded(self, message: Message) -> None:
-        """The handler's ``send``: copy each message, and settle before the final body message goes on (what
-        ``_settle`` does, written out: this wait is on every fresh request's path, one coroutine level fewer)."""
+        """The handler's ``send``: copy each message, and settle before the final body message goes on."""
+        if self.fence is None:  # the app answered before its tenant claimed the key (its own 401): untouched
+            return await self._send_downstream(message)
         assert self.recorder is not None
         going, decide = self.recorder.record(message)
         if decide:
-            await outlasting(self._start_settling())
-            self._emit()  # before the final body goes out, while a server span still records
+            await self._settle()
         if going is not None:
             await self.recorder.forward(going)
 
-    def _start_settling(self) -> asyncio.Future[None]:
+    async def _settle(self) -> None:
+        """Record a final answer, release anything else, once, and report it before the final body goes out (while
+        a server span still records).
+
+        In a task of its own, waited for through ``outlasting``: a request cancelled while its outcome is being
+        written (a server shutting down, an outer timeout) still finishes writing it, or the key would stay in
+        progress and the handler run again once the lease lapsed. A final answer that started going out is recorded
+        even when it was cut short: its effect has happened, so the retry must not run it again; such a record has
+        no body, and a retry is told that the response cannot be replayed."""
+        if self.fence is None or self.phase is Phase.ANSWERED:
+            return  # nothing of ours to settle: never claimed, or already settled
+        outcome = await outlasting(self._start_settling())
+        self._decide(outcome, self.status)
+
+    def _start_settling(self) -> asyncio.Future[Outcome]:
         if self.settling is None:
+            self.phase = Phase.SETTLING
             self.settling = start_eagerly(self._record_or_release(), "idempotency settlement")
         return self.settling
 
-    async def _settle(self) -> None:
-        """Record a final answer, release anything else: once, in a task of its own (eager.py).
-
-        Waited for through ``outlasting``: a request cancelled while its outcome is being written (a server shutting
-        down, an outer timeout) still finishes writing it, or the key would stay in progress and the handler run
-        again once the lease lapsed. A final answer that started going out is recorded even when it was cut short
-        (the client hung up mid-stream, or the handler failed mid-stream): its effect has happened, so the retry must
-        not run it again. Such a record has no body, and a retry is told that the response cannot be replayed.
-        """
-        await outlasting(self._start_settling())
-        self._emit()  # before the final body goes out, while a server span still records
-
-    async def _record_or_release(self) -> None:
+    async def _record_or_release(self) -> Outcome:
         recorder = self.recorder
         assert recorder is not None
+        assert self.key is not None
         assert self.fence is not None
         self._drop_lease()
         self.status = recorder.status
         if not self._is_final(recorder.status):
-            return await self._release(self.fence)
-        assert self.key is not None
+            return await self._release()
         started = time.perf_counter()
         response = recorder.stored_response()
         try:
@@ -423,41 +486,64 @@ class IdempotentRequest:
         except Exception as error:
             # The client has its response; the claim stays until its lease lapses, then a retry runs again.
             self.middleware.failures.failed("record a completed response", error)
-            self.outcome = _store_failure(error)
-            return
+            return _store_failure(error)
         finally:
             self.store_seconds += time.perf_counter() - started
-        self.outcome = Outcome.EXECUTED if completed else Outcome.FENCED_OUT
+        return Outcome.EXECUTED if completed else Outcome.FENCED_OUT
 
-    async def _release(self, fence: int) -> None:
+    async def _release(self) -> Outcome:
         """Free the key for the retry. Shielded: it must happen even when the request was cancelled."""
         assert self.key is not None
-        self.outcome = Outcome.RELEASED
+        assert self.fence is not None
         try:
-            await asyncio.shield(self._timed(self.store.release(self.tenant, self.key, fence)))
+            await asyncio.shield(self._timed(self.store.release(self.tenant, self.key, self.fence)))
         except Exception as error:
             self.middleware.failures.failed("release a key (it frees itself when its lease lapses)", error)
-            self.outcome = _store_failure(error)
+            return _store_failure(error)
+        return Outcome.RELEASED
 
-    async def _execute_in_transaction(self) -> None:
-        """Run the handler in a transaction that also writes the record (``transaction.py``), then answer by how
-        that transaction ended. Without a key (``self.fence`` is None) the handler still gets its transaction."""
+    # -- 5. and 6. in a transaction (transaction.py) ----------------------------------------------------------
+
+    def _transactional_run(self) -> TransactionalRun:
         store = self.store
         assert isinstance(store, TransactionalStore)  # checked when the middleware was built
-        claimed = None
-        if self.fence is not None:
-            assert self.key is not None
-            claimed = Claimed(self.tenant, self.key, self.fence)
-        run = TransactionalRun(
+        return TransactionalRun(
             store,
-            self.send,
+            self._downstream(),
             max_body=self.policy.max_response_bytes,
-            claimed=claimed,
             is_final=self._is_final,
             on_settled=self._on_transaction_settled,
         )
+
+    async def _run_keyless_transaction(self) -> None:
+        """A transactional route called without a key still gets its transaction, with no record in it (begun once
+        the app has told its tenant, when that is the app's to tell)."""
+        if self.middleware.tenant_from_app is not None:
+            self.phase = Phase.WAITING
+            self.scope.setdefault("state", {})[PENDING_KEY] = self
+        elif not await self._begin():
+            return
+        await self._execute()
+
+    async def _begin(self) -> bool:
+        """Begin the handler's transaction and lend it (``request.state.idempotency.transaction``); False when the
+        database could not be reached for it, and the request was answered (503)."""
+        run = self.transaction
+        assert run is not None
         try:
-            await run.run(self.middleware.app, self._app_scope(), self._receive_buffered, self._lend)
+            await run.begin(self._lend)
+        except StoreUnavailable:
+            await self._answer_transaction(run, None)
+            await run.close()
+            return False
+        return True
+
+    async def _execute_in_transaction(self) -> None:
+        """Run the handler in its transaction, then answer by how that transaction ended."""
+        run = self.transaction
+        assert run is not None
+        try:
+            await run.run(self.middleware.app, self._app_scope(), self._receive_buffered)
         except BaseException as error:
             if not await self._answer_transaction(run, error):
                 raise  # from here, so its traceback holds no frame that holds it (tests/test_cycles.py)
@@ -468,16 +554,15 @@ class IdempotentRequest:
         """Answer by how the transaction ended, ``raised`` being what the app raised. True when that answer (a 409
         or 503) replaces it; False when it is to go on as it is."""
         self.status = run.status
-        if run.state in (State.COMMITTED, State.RECORDED):
-            if self.fence is not None:
-                self.outcome = Outcome.EXECUTED
+        if run.state in (State.COMMITTED, State.RECORDED, State.IDLE):
             return False  # what the app raised after the commit (a background task) undoes nothing
         if run.state is State.ROLLED_BACK and raised is None:
             return False  # a transient answer: released and reported when it settled
         # Nothing committed: free the key for the retry (unless the rollback's settling freed it already), then
         # answer as the transaction ended.
-        if self.fence is not None and run.state is not State.FENCED_OUT and self.outcome is not Outcome.RELEASED:
-            await self._release(self.fence)
+        released = None
+        if self.fence is not None and run.state is not State.FENCED_OUT and not run.reported:
+            released = await self._release()
         if run.state is State.FENCED_OUT:
             # A newer claim owns the key: our writes were rolled back, and the client hears what a retry would.
             await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.FENCED_OUT)
@@ -492,6 +577,7 @@ class IdempotentRequest:
             # caught but that aborted the transaction. Nothing was committed; the key is free again. Or the
             # handler ended the transaction itself, and the record was refused (TransactionEnded says so).
             assert run.failure is not None
+            self._decide(released or Outcome.RELEASED, run.status)
             if isinstance(run.failure, TransactionEnded):
                 logger.error("idempotency: %s", run.failure)
                 raise run.failure from raised
@@ -504,6 +590,8 @@ class IdempotentRequest:
             )
             raise run.failure from raised
         assert raised is not None  # rolled back because the handler failed, was cancelled, or never finished
+        if released is not None:
+            self._decide(released, run.status)
         return False
 
     async def _on_transaction_settled(self, run: TransactionalRun) -> None:
@@ -513,13 +601,71 @@ class IdempotentRequest:
         if self.fence is None:
             return  # no key, no record
         if run.state in (State.COMMITTED, State.RECORDED):
-            self.outcome = Outcome.EXECUTED
+            self._decide(Outcome.EXECUTED, run.status)
         else:
-            await self._release(self.fence)
-        self._emit()
+            self._decide(await self._release(), run.status)
 
     def _lend(self, transaction: Transaction) -> None:
         self._set_context(IdempotencyContext(self.tenant, self.key, transaction))
+
+    # -- the answer, decided once -----------------------------------------------------------------------------
+
+    async def _refuse(self, problem: problems.Problem, outcome: Outcome) -> None:
+        self._decide(outcome, problem.status)
+        await problem.send(self.send)
+
+    def _decide(self, outcome: Outcome, status: int | None) -> None:
+        """The answer is known: report it now, before it goes out (a server span ends with the last body message).
+        Once: the first decision stands."""
+        if self.phase is Phase.ANSWERED:
+            return
+        self.phase = Phase.ANSWERED
+        self.outcome, self.status = outcome, status
+        self._emit()
+
+    def _report(self) -> None:
+        """On the way out: a request whose settlement goes on after a cancellation reports once that ends."""
+        if self.phase is Phase.ANSWERED:
+            return
+        settling = self.settling
+        if settling is not None and not settling.done():
+            settling.add_done_callback(self._report_settled)
+        elif settling is not None and not settling.cancelled() and settling.exception() is None:
+            self._decide(settling.result(), self.status)
+        elif self.fence is not None:
+            self._decide(Outcome.STORE_ERROR, self.status)
+
+    def _report_settled(self, settling: asyncio.Future[Outcome]) -> None:
+        if not settling.cancelled() and settling.exception() is None:
+            self._decide(settling.result(), self.status)
+
+    def _emit(self) -> None:
+        """Report the outcome to the ``on_event`` hook."""
+        hook = self.middleware.on_event
+        outcome = self.outcome
+        if hook is None or outcome is None:
+            return
+        if hook is log_event and not logger.isEnabledFor(log_level(outcome)):
+            return  # the default hook would drop this event: do not build it
+        event = Event(
+            outcome,
+            self.scope["method"],
+            self.path,
+            self.route,
+            self.tenant,
+            hash_key(self.key),
+            self.status,
+            time.perf_counter() - self.started,
+            self.store_seconds,
+            self.attempts,
+            self.reached_store,
+        )
+        try:
+            hook(event)
+        except Exception:
+            logger.exception("idempotency on_event hook failed")
+
+    # -- helpers --------------------------------------------------------------------------------------------
 
     def _key_outlived_retention(self) -> bool:
         """A UUIDv7 key carries its birth time: one older than the ttl may have had a record that expired."""
@@ -533,8 +679,6 @@ class IdempotentRequest:
             return False
         return self.policy.records(status)
 
-    # -- helpers --------------------------------------------------------------------------------------------
-
     async def _awaited_tenant(self, tenant: object) -> str | None:
         """What a tenant resolver gave, awaited if it is awaitable and checked: a ``str`` or None. A sync resolver's
         ``str`` or None needs no coroutine and skips this; anything else it returns comes here to be refused."""
@@ -544,19 +688,32 @@ class IdempotentRequest:
             raise TypeError(f"the tenant resolver must return a str or None, not {type(tenant).__name__}")
         return tenant
 
-    def _tenant_unknown(self) -> None:
+    def _tenant_unknown(self) -> tuple[problems.Problem, Outcome]:
+        """The refusal of a keyed request whose tenant is unknown, in the words of the resolver configured."""
+        resolver = self.middleware.tenant
+        needs = requirement(resolver)
         if not self.middleware.tenant_unknown_logged:
             self.middleware.tenant_unknown_logged = True
+            if isinstance(resolver, AuthorizationTenant):
+                advice = (
+                    "If your clients authenticate otherwise (an API-key header, cookies, a gateway), pass tenant= a "
+                    "resolver that returns their account; to let requests without credentials share one namespace, "
+                    'pass tenant=AuthorizationTenant(anonymous="public").'
+                )
+            else:
+                advice = "It returned None for a keyed request: it is the app's to say whose request this is."
             logger.warning(
                 "idempotency: a request with an Idempotency-Key got 400 idempotency_tenant_unknown because the "
-                "tenant resolver could not tell whose key it is (the default resolver needs exactly one "
-                "Authorization header). If your clients authenticate otherwise (cookies, a gateway), pass tenant= a "
-                "resolver that returns their account; to let requests without credentials share one namespace, "
-                'pass tenant=AuthorizationTenant(anonymous="public"). Logged once per middleware.'
+                "tenant resolver %r could not tell whose key it is (%s). %s Logged once per middleware.",
+                resolver,
+                f"it needs {needs}" if needs else "it gave no tenant",
+                advice,
             )
+        return problems.tenant_unknown(needs), Outcome.TENANT_UNKNOWN
 
     async def _read_body(self) -> bool:
-        """Buffer the request body; False when the request ended here (413, or the client left)."""
+        """Buffer the request body and fingerprint the request; False when the request ended here (413, or the
+        client left)."""
         limit = self.policy.max_request_bytes
         declared = self._header(b"content-length")
         if declared.isdigit() and int(declared) > limit:
@@ -577,6 +734,10 @@ class IdempotentRequest:
             if not message.get("more_body", False):
                 break
         self.body = b"".join(chunks)
+        scope = self.scope
+        self.digest = fingerprint(
+            scope["method"], scope["path"], scope.get("query_string", b""), self._header(b"content-type"), self.body
+        )
         return True
 
     async def _receive_buffered(self) -> Message:
@@ -585,6 +746,18 @@ class IdempotentRequest:
             self.body_delivered = True
             return {"type": "http.request", "body": self.body, "more_body": False}
         return await self.receive()
+
+    def _downstream(self) -> Send:
+        """Where the app's response goes on to: the client; through a guard where the app tells its tenant, since
+        the middleware may answer from inside the app."""
+        return self.send if self.middleware.tenant_from_app is None else self._send_downstream
+
+    async def _send_downstream(self, message: Message) -> None:
+        """What the app sends, on to the client, unless the middleware has answered already (from inside the app:
+        what follows, an exception handler's answer to :class:`ClaimAnswered`, is dropped)."""
+        if self.phase is Phase.ANSWERED and self.fence is None:
+            return
+        await self.send(message)
 
     async def _send_tracked(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -613,15 +786,6 @@ class IdempotentRequest:
             self.middleware.leases.drop(self.lease)
             self.lease = None
 
-    async def _refuse(self, problem: problems.Problem, outcome: Outcome) -> None:
-        self._decide(outcome, problem.status)
-        await problem.send(self.send)
-
-    def _decide(self, outcome: Outcome, status: int | None) -> None:
-        """The answer is known: report it now, before it goes out (a server span ends with the last body message)."""
-        self.outcome, self.status = outcome, status
-        self._emit()
-
     async def _timed(self, operation: Awaitable[T]) -> T:
         started = time.perf_counter()
         try:
@@ -637,32 +801,6 @@ class IdempotentRequest:
                 started(self.scope)
             except Exception:
                 logger.exception("idempotency on_event.started hook failed")
-
-    def _emit(self) -> None:
-        """Report the outcome to the ``on_event`` hook, once."""
-        hook = self.middleware.on_event
-        if self.emitted or hook is None or self.outcome is None:
-            return
-        self.emitted = True
-        if hook is log_event and not logger.isEnabledFor(log_level(self.outcome)):
-            return  # the default hook would drop this event: do not build it
-        event = Event(
-            self.outcome,
-            self.scope["method"],
-            self.path,
-            self.route,
-            self.tenant,
-            hash_key(self.key),
-            self.status,
-            time.perf_counter() - self.started,
-            self.store_seconds,
-            self.attempts,
-            self.reached_store,
-        )
-        try:
-            hook(event)
-        except Exception:
-            logger.exception("idempotency on_event hook failed")
 
 
 def _store_failure(error: BaseException) -> Outcome:

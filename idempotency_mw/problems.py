@@ -49,14 +49,14 @@ def key_missing() -> Problem:
     )
 
 
-def tenant_unknown() -> Problem:
+def tenant_unknown(requirement: str | None = None) -> Problem:
+    """``requirement``: what the configured tenant resolver needs (say "exactly one X-API-Key header")."""
     return Problem(
         400,
         ProblemCode.TENANT_UNKNOWN,
         "Idempotency-Key owner unknown",
         "This request carries an Idempotency-Key but no credentials the server can scope that key by, so it was "
-        "not processed. Send it with the credentials this API expects (for example exactly one Authorization "
-        "header).",
+        "not processed. Send it with " + (requirement if requirement else "the credentials this API expects") + ".",
     )
 
 

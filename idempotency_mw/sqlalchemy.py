@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 try:
@@ -28,9 +28,11 @@ except ImportError as error:  # sqlalchemy is an optional dependency of the pack
     raise ImportError("idempotency_mw.sqlalchemy needs sqlalchemy: pip install 'idempotency-mw[sqlalchemy]'") from error
 from starlette.requests import HTTPConnection
 
+from idempotency_mw.connectors import NOT_MIGRATED, UNAVAILABLE
 from idempotency_mw.context import idempotency_context
 from idempotency_mw.lending import remember, reset_sql
-from idempotency_mw.postgres import FENCED_OUT, NOT_MIGRATED, UNAVAILABLE, PostgresStore, Settlement, completion
+from idempotency_mw.postgres import FENCED_OUT, PostgresStore
+from idempotency_mw.rows import completion
 from idempotency_mw.store import (
     Claim,
     PoolExhausted,
@@ -40,6 +42,7 @@ from idempotency_mw.store import (
     StoreUnavailable,
     TransactionEnded,
 )
+from idempotency_mw.transaction import Settlement
 
 
 class SQLAlchemyStore:
@@ -122,9 +125,9 @@ class SQLAlchemyStore:
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[SQLAlchemyTransaction]:
-        """A transaction on a connection of the engine, with a session bound to it, for a transactional handler
-        (``transaction.py``): begun here, committed or rolled back by the caller. The connection goes back to the
-        engine's pool with a clean session, or invalidated if it was lost."""
+        """A connection of the engine for one transactional request (``transaction.py``), with a session bound to
+        it: the claim is taken on it, then the transaction begins on it; committed or rolled back by the caller. The
+        connection goes back to the engine's pool with a clean session, or invalidated if it was lost."""
         timeout = self.store.timeout
         try:
             async with asyncio.timeout(timeout):
@@ -148,17 +151,9 @@ class SQLAlchemyStore:
         session = lent_session_class(self.session_class)(
             bind=connection, join_transaction_mode="create_savepoint", expire_on_commit=False, info={LENT: True}
         )
-        transaction = SQLAlchemyTransaction(
-            connection,
-            session,
-            self.store.statement("complete_in_transaction"),
-            timeout=timeout,
-            schema=self.store.schema,
-            on_settled=self.store.settled,
-        )
+        transaction = SQLAlchemyTransaction(self.store, connection, session)
         app_failed = True
         try:
-            await transaction.begin()
             yield transaction
             app_failed = False
         finally:
@@ -206,24 +201,28 @@ class SQLAlchemyTransaction:
     invalidated, not reused).
     """
 
-    def __init__(
-        self,
-        connection: AsyncConnection,
-        session: AsyncSession,
-        complete_sql: str,
-        *,
-        timeout: float,
-        schema: str,
-        on_settled: Callable[[str, str, int], None] | None = None,
-    ) -> None:
+    def __init__(self, store: PostgresStore, connection: AsyncConnection, session: AsyncSession) -> None:
         self.connection = connection
         self.session = session
         self.lost = False
         self._transaction: AsyncTransaction | None = None
-        self._complete_sql = complete_sql
-        self._timeout = timeout
-        self._schema = schema
-        self.settlement = Settlement(on_settled)
+        self._store = store
+        self._complete_sql = store.statement("complete_in_transaction")
+        self._timeout = store.timeout
+        self._schema = store.schema
+        self.settlement = Settlement(store.settled)
+
+    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
+        """The claim, on this connection's driver connection, before the transaction begins (SQLAlchemy's adapter
+        has begun nothing yet: its BEGIN goes with the first statement)."""
+        raw = await self.connection.get_raw_connection()
+        driver: Any = raw.driver_connection  # asyncpg's Connection
+        try:
+            return await self._store.claim_on(driver, tenant, key, fingerprint, lease=lease, ttl=ttl)
+        except StoreUnavailable as error:
+            if not isinstance(error, StoreNotMigrated):
+                self.lost = True
+            raise
 
     async def begin(self) -> None:
         # No round trip here: SQLAlchemy's asyncpg adapter sends BEGIN just before the first statement.

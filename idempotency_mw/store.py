@@ -140,7 +140,15 @@ class Store(Protocol):
 
 
 class Transaction(Protocol):
-    """A database transaction lent to a transactional handler, in which the record completes with its writes."""
+    """A connection lent to one transactional request: the key is claimed on it (committed at once, so that a
+    concurrent duplicate sees the claim), then a transaction begins on it, the handler writes in that transaction,
+    and the record completes in it."""
+
+    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
+        """:meth:`Store.claim`, on this connection, before the transaction begins."""
+
+    async def begin(self) -> None:
+        """Begin the transaction the handler writes in (the database's default isolation level)."""
 
     async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
         """Write the response of a claim still held under ``fence``, inside this transaction; False if fenced out."""
@@ -155,8 +163,8 @@ class Transaction(Protocol):
 
 @runtime_checkable
 class TransactionalStore(Store, Protocol):
-    """A store that can also lend database transactions: what transactional mode needs."""
+    """A store that can also lend connections for transactions: what transactional mode needs."""
 
     def transaction(self) -> AbstractAsyncContextManager[Transaction]:
-        """Begin a transaction on a connection of its own (:class:`StoreUnavailable` if it cannot), and give the
-        connection back with a clean session when the block ends."""
+        """A connection for one transactional request (:class:`StoreUnavailable` if none comes in time), given back
+        with a clean session when the block ends."""

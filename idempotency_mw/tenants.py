@@ -23,6 +23,25 @@ from idempotency_mw.store import Store, StoreUnavailable
 
 TenantResolver = Callable[[Scope], "str | Awaitable[str | None] | None"]
 
+
+class TenantFromApp:
+    """A tenant the app tells the middleware itself, from inside the request, once its own authentication has
+    answered. With one as ``tenant=``, the middleware reads and checks the key and the body, then leaves the claim of
+    each keyed request to :func:`idempotency_mw.claim`, which the app calls with the tenant it resolved (an account,
+    an API key's owner); :class:`idempotency_mw.fastapi.TenantDependency` does so as a FastAPI dependency. The app's
+    own answers (its 401) come before any of the middleware's.
+
+    The middleware never calls it with a scope. :meth:`check` may refuse, at startup, an app whose covered routes
+    would run without telling their tenant.
+    """
+
+    requirement = "the credentials this API authenticates requests with"  # what a client without a tenant lacks
+
+    def check(self, app: Any, covered: Callable[[Any, str, frozenset[str] | None], bool]) -> None:
+        """Raise ValueError naming the covered routes of ``app`` that would not claim (``covered(endpoint, path,
+        methods)`` tells whether the middleware covers a route); nothing to check by default."""
+
+
 SECRET_VARIABLE = "IDEMPOTENCY_TENANT_SECRET"
 MIN_SECRET_LENGTH = 32
 GENERATE_SECRET = 'python -c "import secrets; print(secrets.token_hex(32))"'
@@ -45,6 +64,8 @@ class AuthorizationTenant:
     without the header, with an empty one, or with several has no tenant (None), unless ``anonymous`` names the
     namespace that requests without credentials share.
     """
+
+    requirement = "exactly one Authorization header"  # what a client without a tenant lacks
 
     def __init__(self, secret: str | bytes | None = None, *, anonymous: str | None = None) -> None:
         self._inner, self._outer = _keyed_sha256(_secret_bytes(secret))
@@ -83,6 +104,7 @@ def header_tenant(header: str, *, anonymous: str | None = None) -> TenantResolve
         value = values[0].strip(b" \t") if values else b""
         return value.decode("latin-1") if value else shared  # an empty header names nobody
 
+    resolve.requirement = f"exactly one {header.strip()} header"  # type: ignore[attr-defined]
     return resolve
 
 
@@ -178,3 +200,9 @@ def _anonymous(anonymous: str | None) -> str | None:
     if anonymous is not None and not isinstance(anonymous, str):
         raise TypeError(f"anonymous must be a tenant string or None, not {type(anonymous).__name__}")
     return anonymous
+
+
+def requirement(resolver: object) -> str | None:
+    """What a client must send for ``resolver`` to find its tenant, for the 400 that tells it (None: unknown)."""
+    found = getattr(resolver, "requirement", None)
+    return found if isinstance(found, str) else None

@@ -1,10 +1,11 @@
 """Transactional mode: the handler's writes and the idempotency record commit in one database transaction.
 
-:class:`TransactionalRun` runs one request's handler on a transaction it opens, holds the response, and when the
-response's final body message arrives it writes the record (fenced) and commits; only then does the response go
-out. So a client never sees an effect that could still roll back, and a crash anywhere before the commit leaves
-neither the effect nor its record. Background tasks run after the final body message: after the commit, outside
-the transaction, and their failure changes nothing.
+:class:`TransactionalRun` takes one connection for the request: the key is claimed on it (committed at once, so a
+concurrent duplicate sees the claim), then the handler's transaction begins on it. The response is held, and when
+its final body message arrives the record is written (fenced) and the transaction commits; only then does the
+response go out. So a client never sees an effect that could still roll back, and a crash anywhere before the
+commit leaves neither the effect nor its record. Background tasks run after the final body message: after the
+commit, outside the transaction, and their failure changes nothing.
 
 Only a response the handler returns commits its writes. A response the app made of an exception (an
 ``HTTPException``, or any exception its exception handlers answer) is sent while that exception is being handled:
@@ -29,11 +30,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idempotency_mw.capture import ResponseRecorder
 from idempotency_mw.eager import outlasting
-from idempotency_mw.store import StoreUnavailable, Transaction, TransactionalStore
+from idempotency_mw.store import Claim, ClaimOutcome, StoreUnavailable, Transaction, TransactionalStore
 
 
 class State(enum.Enum):
-    OPEN = "open"  # the handler runs; its response is held
+    IDLE = "idle"  # no transaction yet (the claim waits for the app's tenant): a response passes untouched
+    OPEN = "open"  # the handler runs in its transaction; its response is held
     COMMITTED = "committed"  # the effect and the record landed; the response goes out
     RECORDED = "recorded"  # an exception the app answered: its writes rolled back, its final answer recorded
     ROLLED_BACK = "rolled back"  # a transient answer, or a handler that failed or never finished: nothing landed
@@ -58,37 +60,62 @@ class Claimed:
     fence: int
 
 
-class TransactionalRun:
-    """One request's handler, run inside a transaction that commits its record (``claimed``) with its writes.
+class Settlement:
+    """What a transaction that completes a claim tells ``on_settled`` (``PostgresStore.settled``, which ``close()``
+    waits on): the claim is settled once its completion is committed, or at once if it was fenced out (the key is
+    another claim's now). A completion rolled back is not settled here: the middleware releases the key."""
 
-    ``claimed`` is None for a request without a key on a transactional route: it gets a transaction all the same,
-    committed when its answer is final. ``is_final(status)`` says whether an answer is final (recorded, committed)
-    or transient (rolled back). ``on_settled(run)`` is called once the state is ``COMMITTED`` or ``ROLLED_BACK``,
-    before the held response goes out.
+    def __init__(self, on_settled: Callable[[str, str, int], None] | None) -> None:
+        self._on_settled = on_settled
+        self._completed: tuple[str, str, int] | None = None
+
+    def completed(self, tenant: str, key: str, fence: int, done: bool) -> bool:
+        """Note the outcome of the completion statement; returns ``done``."""
+        if done:
+            self._completed = (tenant, key, fence)
+        elif self._on_settled is not None:
+            self._on_settled(tenant, key, fence)
+        return done
+
+    def committed(self) -> None:
+        if self._completed is not None and self._on_settled is not None:
+            self._on_settled(*self._completed)
+
+
+class TransactionalRun:
+    """One request's connection and transaction: its claim, its handler's writes and its record commit together.
+
+    :meth:`claim` takes the connection and claims the key on it; :meth:`begin` begins the transaction and lends it
+    to the handler (``lend``); :meth:`run` runs the app with its response held, and settles. The claim and the
+    beginning come before the app runs, or, when the app tells its tenant itself, from inside it (a dependency).
+    ``is_final(status)`` says whether an answer is final (recorded, committed) or transient (rolled back).
+    ``on_settled(run)`` is called once the state is ``COMMITTED``, ``RECORDED`` or ``ROLLED_BACK``, before the held
+    response goes out.
     """
 
     def __init__(
         self,
-        transactions: TransactionalStore,
+        store: TransactionalStore,
         send: Send,
         *,
         max_body: int,
-        claimed: Claimed | None,
         is_final: Callable[[int | None], bool],
         on_settled: Callable[[TransactionalRun], Awaitable[None]],
     ) -> None:
-        self._state = State.OPEN
+        self._state = State.IDLE
         self.failure: BaseException | None = None  # what the database said, for UNAVAILABLE and REFUSED
         self.recorder = ResponseRecorder(send, max_body=max_body, hold=True)
-        self._transactions = transactions
-        self._claimed = claimed
+        self._store = store
+        self._send_on = send
         self._is_final = is_final
         self._on_settled = on_settled
+        self._connection = contextlib.AsyncExitStack()  # gives the connection back when the run ends
         self._transaction: Transaction | None = None
+        self._claimed: Claimed | None = None
         self._settling: asyncio.Task[None] | None = None
         self._reported = False
         self._receive: Receive | None = None
-        self._left_open = asyncio.Event()  # set once the state is no longer OPEN
+        self._left_open = asyncio.Event()  # set once an open transaction has settled
         self._outer_exception: BaseException | None = None  # being handled around the whole app, if anything
         self._answered_an_exception = False  # the response started while the app handled an exception
 
@@ -99,28 +126,66 @@ class TransactionalRun:
     @state.setter
     def state(self, state: State) -> None:
         self._state = state
-        if state is not State.OPEN:
+        if state not in (State.IDLE, State.OPEN):
             self._left_open.set()
 
     @property
     def status(self) -> int | None:
         return self.recorder.status
 
-    async def run(self, app: ASGIApp, scope: Scope, receive: Receive, lend: Callable[[Transaction], None]) -> None:
-        """Run ``app`` with a transaction of its own, which ``lend`` hands to the handler.
+    @property
+    def reported(self) -> bool:
+        """``on_settled`` ran: the middleware has freed a rolled-back key and reported the outcome."""
+        return self._reported
 
-        Raises what the app raised (or :class:`StoreUnavailable` when no transaction could begin); the state says
-        what became of the transaction either way.
+    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
+        """Take this request's connection and claim the key on it. A claim that is not ours gives the connection
+        back at once: the middleware answers without a transaction."""
+        transaction = await self._lend()
+        try:
+            claim = await transaction.claim(tenant, key, fingerprint, lease=lease, ttl=ttl)
+        except BaseException:
+            await self.close()
+            raise
+        if claim.outcome is ClaimOutcome.OWNED:
+            self._claimed = Claimed(tenant, key, claim.fence)
+        else:
+            await self.close()
+        return claim
+
+    async def begin(self, lend: Callable[[Transaction], None]) -> None:
+        """Begin the handler's transaction (on the claim's connection; a keyless request takes one now) and hand it
+        to the handler through ``lend``. :class:`StoreUnavailable` when the database cannot be reached for it."""
+        try:
+            transaction = self._transaction or await self._lend()
+            await transaction.begin()
+        except StoreUnavailable as error:
+            self.state, self.failure = State.UNAVAILABLE, error
+            raise
+        lend(transaction)
+        self.state = State.OPEN
+
+    async def _lend(self) -> Transaction:
+        try:
+            self._transaction = await self._connection.enter_async_context(self._store.transaction())
+        except StoreUnavailable as error:
+            self.state, self.failure = State.UNAVAILABLE, error
+            raise
+        return self._transaction
+
+    async def close(self) -> None:
+        """Give the connection back (once settled, or when it was never needed)."""
+        self._transaction = None
+        await self._connection.aclose()
+
+    async def run(self, app: ASGIApp, scope: Scope, receive: Receive) -> None:
+        """Run ``app`` with the response held until its transaction settles.
+
+        Raises what the app raised; the state says what became of the transaction either way.
         """
-        async with contextlib.AsyncExitStack() as stack:
-            try:
-                self._transaction = await stack.enter_async_context(self._transactions.transaction())
-            except StoreUnavailable as error:
-                self.state, self.failure = State.UNAVAILABLE, error
-                raise
-            lend(self._transaction)
-            self._receive = receive
-            self._outer_exception = sys.exception()
+        self._receive = receive
+        self._outer_exception = sys.exception()
+        try:
             try:
                 await app(scope, self._receive_held, self._send)
             except BaseException:
@@ -134,11 +199,8 @@ class TransactionalRun:
                 await self._on_settled(self)
             if self.state is State.ROLLED_BACK and not self.recorder.finished:
                 raise RuntimeError("the handler returned without finishing its response")
-
-    @property
-    def reported(self) -> bool:
-        """``on_settled`` ran: the middleware has freed a rolled-back key and reported the outcome."""
-        return self._reported
+        finally:
+            await self.close()
 
     async def _receive_held(self) -> Message:
         """The app's ``receive``: a client that hangs up while the response is held is kept from the app until the
@@ -152,8 +214,12 @@ class TransactionalRun:
         return message
 
     async def _send(self, message: Message) -> None:
-        if self.state in DID_NOT_COMMIT:
-            raise NotCommitted(f"the handler's transaction did not commit ({self.state.value})")
+        state = self.state
+        if state is State.IDLE:  # no transaction began (the app answered before telling its tenant): untouched
+            await self._send_on(message)
+            return
+        if state in DID_NOT_COMMIT:
+            raise NotCommitted(f"the handler's transaction did not commit ({state.value})")
         if message["type"] == "http.response.start":
             handling = sys.exception()  # an exception handler sends its response inside its ``except`` block
             self._answered_an_exception = handling is not None and handling is not self._outer_exception
@@ -210,7 +276,7 @@ class TransactionalRun:
         if self.state is not State.ROLLED_BACK or claimed is None:
             return
         try:
-            recorded = await self._transactions.complete(
+            recorded = await self._store.complete(
                 claimed.tenant, claimed.key, claimed.fence, self.recorder.stored_response()
             )
         except Exception:

@@ -1,6 +1,8 @@
-"""What crosses the wire between a client and the middleware: header names, the key's length, problem codes.
+"""What crosses the wire between a client and the middleware: header names, the key's length, problem codes, and
+the ASGI extensions a response could use to send its body around the middleware.
 
-One home for each, shared by the middleware and the client (``client.py``), so the two cannot drift apart.
+One home for each, shared by the middleware, the response recorder and the client (``client.py``), so they cannot
+drift apart.
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ import enum
 KEY_HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"  # "true" on a replayed response
 MAX_KEY_LENGTH = 255  # characters of a key, after unquoting
+
+# ASGI extensions that send a response's body around ``send`` (a file by its path), where it could not be recorded:
+# the middleware does not offer them to the handler, and the recorder marks a response that used one unreplayable.
+WITHHELD_EXTENSIONS = frozenset({"http.response.pathsend", "http.response.zerocopysend"})
 
 
 class ProblemCode(enum.StrEnum):

@@ -11,6 +11,7 @@ import pytest
 
 from idempotency_mw import PostgresStore
 from idempotency_mw.connections import ConnectionPool, PoolClosed
+from idempotency_mw.connectors import OwnPool
 from idempotency_mw.store import PoolExhausted, StoreUnavailable
 
 
@@ -272,8 +273,9 @@ async def test_connections_being_opened_count_against_the_share_of_other_work(id
 
 async def test_a_lent_connection_goes_back_even_when_its_reset_is_cancelled(idempotency_database_url: str) -> None:
     store = PostgresStore(idempotency_database_url, min_size=0, max_size=2, timeout=1)
-    pool = store._own
-    assert pool is not None
+    connector = store._connector
+    assert isinstance(connector, OwnPool)
+    pool = connector.pool
 
     async def handler() -> None:
         async with store.connection():

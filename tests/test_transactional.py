@@ -18,7 +18,6 @@ from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotency_context
 from idempotency_mw.events import Event, Outcome
-from idempotency_mw.postgres import PostgresTransaction
 from idempotency_mw.store import StoreUnavailable, TransactionEnded
 from tests.conftest import client_for, tenant_of
 
@@ -373,10 +372,11 @@ async def test_a_lent_connection_of_the_apps_own_pool_is_reset_by_that_pool(
 
 
 async def test_a_connection_lost_before_begin_is_store_unavailable(pg_store: PostgresStore) -> None:
-    async with pg_store.connection() as connection:
-        connection.terminate()
+    async with pg_store.transaction() as transaction:
+        transaction.connection.terminate()
         with pytest.raises(StoreUnavailable):
-            await PostgresTransaction(connection, "", timeout=1, schema="public").begin()
+            await transaction.begin()
+        assert transaction.lost
 
 
 async def test_a_handler_failing_after_an_over_cap_commit_keeps_its_record(

@@ -87,6 +87,7 @@ async def test_a_lent_connection_comes_back_healthy_through_pgbouncer(pgbouncer_
             await connection.execute("SET application_name = 'lent'")
             lent = connection.get_server_pid()  # PgBouncer's own key for this client connection
         async with store.transaction() as transaction:
+            await transaction.begin()
             assert transaction.connection.get_server_pid() == lent  # the same connection, kept
             assert await transaction.connection.fetchval("SELECT 1") == 1
             await transaction.commit()

@@ -1,0 +1,68 @@
+"""How the PostgreSQL stores write records and read them back: the claim's fence, the claim's answer row, the
+arguments of a completion, and the header list as the ``headers`` column holds it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import asyncpg
+import orjson
+
+from idempotency_mw.store import Claim, ClaimOutcome, Headers, RecordInfo, StoredResponse
+
+
+def new_fence() -> int:
+    """A claim's fence: a random positive 63-bit token. Only equality is ever asked of fences, so what they need is
+    to be unique per claim of a key, also across a restore or a failover, which a sequence cannot promise."""
+    return int.from_bytes(os.urandom(8)) >> 1 or 1
+
+
+def claim_from_row(row: asyncpg.Record) -> Claim:
+    """The answer of the ``claim`` and ``claim_locked`` statements (``sql/queries.sql``)."""
+    attempts = row["attempts"]
+    if row["owned"]:
+        return Claim(ClaimOutcome.OWNED, fence=row["fence"], attempts=attempts)
+    if not row["same_request"]:
+        return Claim(ClaimOutcome.MISMATCH, attempts=attempts)
+    if not row["completed"]:
+        return Claim(ClaimOutcome.IN_PROGRESS, attempts=attempts)
+    response = StoredResponse(row["status"], decode_headers(row["headers"]), row["body"], row["body_size"])
+    return Claim(ClaimOutcome.COMPLETED, response=response, attempts=attempts)
+
+
+def completion(tenant: str, key: str, fence: int, response: StoredResponse) -> tuple[Any, ...]:
+    """The arguments of the ``complete`` and ``complete_in_transaction`` statements."""
+    headers = encode_headers(response.headers)
+    return (tenant, key, fence, response.status, headers, response.body, response.body_size)
+
+
+def record_from_row(row: asyncpg.Record) -> RecordInfo:
+    """The answer of the ``inspect`` statement."""
+    response = None
+    if row["state"] == "completed":
+        response = StoredResponse(row["status"], decode_headers(row["headers"]), row["body"], row["body_size"])
+    return RecordInfo(
+        tenant=row["tenant"],
+        key=row["key"],
+        state=row["state"],
+        fence=row["fence"],
+        fingerprint=bytes(row["fingerprint"]),
+        attempts=row["attempts"],
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+        lease_expires_at=row["lease_expires_at"],
+        response=response,
+    )
+
+
+def encode_headers(headers: Headers) -> str:
+    """Headers as JSON ``[[name, value], …]``; latin-1 keeps every byte, so the round trip is exact."""
+    return orjson.dumps([[name.decode("latin-1"), value.decode("latin-1")] for name, value in headers]).decode()
+
+
+def decode_headers(encoded: str | bytes | list[list[str]]) -> Headers:
+    """The header list back from the column: its JSON text, or the list itself where the connection decodes jsonb
+    (a SQLAlchemy engine's connections do)."""
+    pairs = orjson.loads(encoded) if isinstance(encoded, str | bytes) else encoded
+    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in pairs]
