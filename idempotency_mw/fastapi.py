@@ -1,9 +1,11 @@
-"""FastAPI integration: the transaction as a dependency, validation errors that free the key, and OpenAPI.
+"""FastAPI integration: the tenant from the app's own authentication, the transaction as a dependency, validation
+errors that free the key, and OpenAPI.
 
-from idempotency_mw.fastapi import IdempotencyConnection, setup
+from idempotency_mw.fastapi import IdempotencyConnection, TenantDependency, setup
 
-app = FastAPI()
-app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+tenant = TenantDependency(current_account, lambda account: account.id)  # the app's auth dependency
+app = FastAPI(dependencies=[Depends(tenant)])
+app.add_middleware(IdempotencyMiddleware, store=store, tenant=tenant, transactional=True)
 setup(app)
 
 @app.post("/v1/charges")
@@ -12,24 +14,97 @@ async def charge(db: IdempotencyConnection) -> dict: ...
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
 import asyncpg
 
 try:
     from fastapi import Depends, FastAPI, Request
+    from fastapi.dependencies.models import Dependant
     from fastapi.exception_handlers import request_validation_exception_handler
     from fastapi.exceptions import RequestValidationError
 except ImportError as error:  # fastapi is an optional dependency of the package
     raise ImportError("idempotency_mw.fastapi needs fastapi: pip install 'idempotency-mw[fastapi]'") from error
 from starlette.responses import Response
 
-from idempotency_mw.context import IdempotencyContext, idempotency_context, mark_not_executed
+from idempotency_mw.context import IdempotencyContext, claim, idempotency_context, mark_not_executed
 from idempotency_mw.middleware import IdempotencyMiddleware
 from idempotency_mw.policy import Policy, PolicyResolver, idempotent
 from idempotency_mw.problems import TYPE_BASE
 from idempotency_mw.routes import iter_routes
+from idempotency_mw.tenants import TenantFromApp
 from idempotency_mw.wire import MAX_KEY_LENGTH, ProblemCode
+
+
+class TenantDependency(TenantFromApp):
+    """The tenant of keyed requests from the app's own authentication dependency: the claim is taken as soon as that
+    dependency has answered, before the handler's body runs, so the app's 401 comes before any answer of the
+    middleware's, and the key is scoped by the account the app resolved.
+
+    ``dependency`` is the app's (``async def current_account(api_key = Header(alias="X-API-Key")) -> Account``, which
+    raises ``HTTPException(401)``); ``tenant`` turns what it returns into the tenant string (``str`` by default;
+    None for no tenant). Use the same object twice: as a dependency of every route the middleware covers (the app's,
+    a router's or the route's own: ``FastAPI(dependencies=[Depends(tenant)])``), which the middleware checks at
+    startup, and as the middleware's ``tenant=``. ``Depends(tenant)`` gives what ``dependency`` returned, and
+    FastAPI runs ``dependency`` once per request for both.
+    """
+
+    def __init__(self, dependency: Callable[..., Any], tenant: Callable[[Any], str | None] = str) -> None:
+        if not callable(dependency):
+            raise TypeError(f"TenantDependency needs the app's dependency (a callable), got {dependency!r}")
+        self.dependency = dependency
+        self.tenant_of = tenant
+        # FastAPI reads the dependency's parameters from its signature: this one's depends on the app's.
+        self.__signature__ = inspect.Signature(
+            [
+                inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request),
+                inspect.Parameter("resolved", inspect.Parameter.KEYWORD_ONLY, default=Depends(dependency)),
+            ]
+        )
+
+    async def __call__(self, request: Request, resolved: Any = None) -> Any:
+        tenant = None if resolved is None else self.tenant_of(resolved)
+        await claim(request, tenant)
+        return resolved
+
+    def __repr__(self) -> str:
+        name = getattr(self.dependency, "__qualname__", repr(self.dependency))
+        return f"TenantDependency({name})"
+
+    def check(self, app: Any, covered: Callable[[Any, str, frozenset[str] | None], bool]) -> None:
+        missing = [
+            f"{'/'.join(sorted(methods or ()))} {path}"
+            for endpoint, path, methods, dependant in _api_routes(app)
+            if covered(endpoint, path, methods) and not _depends_on(dependant, self)
+        ]
+        if missing:
+            raise ValueError(
+                f"the idempotency middleware's tenant is {self!r}, which these covered routes do not depend on, so "
+                f"their keyed requests would never be claimed: {', '.join(missing)}. Add Depends(tenant) to the app "
+                "(FastAPI(dependencies=[...])), their router, or each route"
+            )
+
+
+def _api_routes(app: Any) -> Iterator[tuple[Any, str, frozenset[str] | None, Dependant]]:
+    """(endpoint, full path, methods, dependant with every dependency of the app and its routers) of each route."""
+    try:
+        from fastapi.routing import iter_route_contexts
+    except ImportError:  # an older FastAPI, whose included routes are flat and carry their routers' dependencies
+        contexts: Any = getattr(app, "routes", ())
+    else:
+        contexts = iter_route_contexts(getattr(app, "routes", ()))
+    for context in contexts:
+        dependant = getattr(context, "dependant", None)
+        path = getattr(context, "path_format", None)
+        if isinstance(dependant, Dependant) and path is not None:
+            methods = getattr(context, "methods", None)
+            yield context.endpoint, path, frozenset(methods) if methods else None, dependant
+
+
+def _depends_on(dependant: Dependant, call: Any) -> bool:
+    return any(sub.call is call or _depends_on(sub, call) for sub in dependant.dependencies)
 
 
 def _context(request: Request) -> IdempotencyContext:

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 import asyncpg
+import httpx
 import pytest
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException
 from hypothesis import example, given
 from hypothesis import strategies as st
 from pydantic import BaseModel
 from starlette.responses import JSONResponse
 
-from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotent
-from idempotency_mw.fastapi import Idempotency, IdempotencyConnection, setup
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, header_tenant, idempotent
+from idempotency_mw.fastapi import Idempotency, IdempotencyConnection, TenantDependency, setup
 from idempotency_mw.keys import InvalidKey, parse_key
 from idempotency_mw.policy import RELEASED_STATUSES
 from idempotency_mw.wire import ProblemCode
@@ -281,3 +282,165 @@ def test_whitespace_around_the_value_changes_nothing(value: str, before: str, af
     else:
         with pytest.raises(InvalidKey):
             parse_key(padded)
+
+
+# -- the tenant from the app's own authentication dependency ---------------------------------------------------
+
+ACCOUNTS = {"key_alice": "acct_alice", "key_bob": "acct_bob"}
+
+
+async def current_account(x_api_key: Annotated[str | None, Header()] = None) -> str:
+    """The app's authentication, as a dependency: an API key in X-API-Key, or 401."""
+    account = ACCOUNTS.get(x_api_key or "")
+    if account is None:
+        raise HTTPException(401, "invalid API key")
+    return account
+
+
+def build_with_auth(store: Any, calls: list[str], **options: Any) -> FastAPI:
+    tenant = TenantDependency(current_account)
+    app = FastAPI(dependencies=[Depends(tenant)])
+
+    @app.post("/orders", status_code=201)
+    async def order(body: Charge, account: Annotated[str, Depends(current_account)], info: Idempotency) -> Any:
+        calls.append(account)
+        return {"account": account, "amount": body.amount, "tenant": info.tenant}
+
+    if isinstance(store, PostgresStore):
+
+        @app.post("/refunds", status_code=201)
+        @idempotent(required=True, transactional=True)
+        async def refund(body: Charge, db: IdempotencyConnection) -> dict[str, Any]:
+            await db.execute("CREATE TABLE IF NOT EXISTS fastapi_auth_refunds (amount int)")
+            await db.execute("INSERT INTO fastapi_auth_refunds VALUES ($1)", body.amount)
+            calls.append("refund")
+            return {"refunded": body.amount}
+
+    else:
+
+        @app.post("/refunds", status_code=201)
+        @idempotent(required=True)
+        async def refund_plainly(body: Charge) -> dict[str, Any]:
+            calls.append("refund")
+            return {"refunded": body.amount}
+
+    app.add_middleware(IdempotencyMiddleware, store=store, tenant=tenant, **options)
+    setup(app)
+    return app
+
+
+def as_account(app: FastAPI, api_key: str | None) -> httpx.AsyncClient:
+    client = client_for(app)
+    del client.headers["Authorization"]
+    if api_key is not None:
+        client.headers["X-API-Key"] = api_key
+    return client
+
+
+@pytest.mark.parametrize("idempotency_key", [str(uuid.uuid4()), "not a key", None])
+async def test_the_apps_own_authentication_answers_first(store: Any, idempotency_key: str | None) -> None:
+    """A bad API key gets the app's 401, whatever its Idempotency-Key (none on a route that requires one, or a
+    malformed one): the middleware answers only once the app's authentication has."""
+    calls: list[str] = []
+    client = as_account(build_with_auth(store, calls), "key_mallory")
+    headers = {} if idempotency_key is None else {"Idempotency-Key": idempotency_key}
+    for path in ("/orders", "/refunds"):
+        answer = await client.post(path, json={"amount": 1}, headers=headers)
+        assert (answer.status_code, answer.json()) == (401, {"detail": "invalid API key"})
+    assert calls == []
+
+
+async def test_keys_are_scoped_by_the_account_the_dependency_resolved(store: Any) -> None:
+    calls: list[str] = []
+    app = build_with_auth(store, calls)
+    key = str(uuid.uuid4())
+    alice, bob = as_account(app, "key_alice"), as_account(app, "key_bob")
+    first = await alice.post("/orders", json={"amount": 5}, headers={"Idempotency-Key": key})
+    again = await alice.post("/orders", json={"amount": 5}, headers={"Idempotency-Key": key})
+    other = await bob.post("/orders", json={"amount": 5}, headers={"Idempotency-Key": key})
+    assert (first.status_code, first.json()["tenant"]) == (201, "acct_alice")
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.content == first.content
+    assert (other.status_code, other.json()["tenant"], "idempotent-replayed" in other.headers) == (
+        201,
+        "acct_bob",
+        False,
+    )
+    assert calls == ["acct_alice", "acct_bob"]
+    assert (await alice.post("/orders", json={"amount": 6}, headers={"Idempotency-Key": key})).status_code == 422
+
+
+async def test_after_authentication_the_middleware_refuses_as_usual(store: Any) -> None:
+    calls: list[str] = []
+    client = as_account(build_with_auth(store, calls), "key_alice")
+    invalid = await client.post("/orders", json={"amount": 1}, headers={"Idempotency-Key": "not a key"})
+    assert (invalid.status_code, invalid.json()["code"]) == (400, "idempotency_key_invalid")
+    missing = await client.post("/refunds", json={"amount": 1})
+    assert (missing.status_code, missing.json()["code"]) == (400, "idempotency_key_missing")
+    assert calls == []
+
+
+async def test_a_transactional_route_claims_after_authentication(pg_store: PostgresStore) -> None:
+    calls: list[str] = []
+    client = as_account(build_with_auth(pg_store, calls), "key_alice")
+    key = str(uuid.uuid4())
+    for _ in range(2):
+        answer = await client.post("/refunds", json={"amount": 7}, headers={"Idempotency-Key": key})
+        assert answer.status_code == 201
+    assert calls == ["refund"]
+    info = await pg_store.inspect("acct_alice", key)
+    assert info is not None
+    assert info.state == "completed"
+
+
+async def test_a_covered_route_without_the_tenant_dependency_stops_the_startup(store: Any) -> None:
+    tenant = TenantDependency(current_account)
+    app = FastAPI()
+
+    @app.post("/orders")
+    async def order() -> dict[str, str]:
+        return {}
+
+    @app.get("/orders")
+    async def orders() -> list[str]:
+        return []
+
+    app.add_middleware(IdempotencyMiddleware, store=store, tenant=tenant)
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "lifespan.startup"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+    (failed,) = sent
+    assert failed["type"] == "lifespan.startup.failed"
+    assert re.search(r"do not depend on.*: POST /orders\. Add Depends\(tenant\)", failed["message"])
+
+
+@pytest.mark.parametrize(
+    ("resolver", "detail"),
+    [
+        (header_tenant("X-Account"), "exactly one X-Account header"),
+        (lambda scope: None, "the credentials this API expects"),
+    ],
+)
+async def test_an_unknown_tenant_is_explained_in_the_words_of_the_resolver_configured(
+    caplog: pytest.LogCaptureFixture, resolver: Any, detail: str
+) -> None:
+    app = FastAPI()
+
+    @app.post("/orders")
+    async def order() -> dict[str, str]:
+        return {}
+
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), tenant=resolver)
+    with caplog.at_level("WARNING", logger="idempotency_mw"):
+        answer = await client_for(app).post("/orders", headers={"Idempotency-Key": "k"})
+    assert answer.status_code == 400
+    assert answer.json()["detail"].endswith(f"Send it with {detail}.")
+    (logged,) = [record.getMessage() for record in caplog.records]
+    assert repr(resolver) in logged
+    assert "Authorization" not in logged
