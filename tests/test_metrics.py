@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
 from idempotency_mw import Event, IdempotencyMiddleware, MemoryStore, Outcome, PostgresStore, StoreUnavailable
-from idempotency_mw.events import hash_key, log_event
+from idempotency_mw.events import hash_key, log_event, tenant_tag
 from idempotency_mw.metrics import UNMATCHED, PrometheusMetrics
 from idempotency_mw.telemetry import SpanAttributes, hooks
 from tests.apps import Probe, build_app
@@ -327,5 +327,5 @@ async def test_a_failing_hook_does_not_silence_the_others(caplog: pytest.LogCapt
     assert any("on_event hook" in message and "broken" in message for message in messages)
     logged = [m for m in messages if m.startswith("idempotency executed")]
     assert len(logged) == 1
-    assert f"POST /status/201 key={hash_key('k-1')} status=201" in logged[0]
+    assert f"POST /status/201 tenant={tenant_tag(tenant_of())} key={hash_key('k-1')} status=201" in logged[0]
     assert "k-1 " not in logged[0]
