@@ -11,6 +11,7 @@ import hmac
 import logging
 import os
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,3 +94,65 @@ def log_event(event: Event) -> None:
             event.status,
             event.duration * 1000,
         )
+
+
+class Report:
+    """What one covered request's event will say, filled in as the request goes and sent once, as soon as its
+    outcome is decided: before the answer goes out, while a server span still records."""
+
+    __slots__ = (
+        "_hook",
+        "attempts",
+        "key",
+        "method",
+        "outcome",
+        "path",
+        "reached_store",
+        "route",
+        "started",
+        "status",
+        "store_seconds",
+        "tenant",
+    )  # fmt: skip
+
+    def __init__(self, hook: EventHook | None, method: str, path: str, route: str) -> None:
+        self._hook = hook
+        self.method, self.path, self.route = method, path, route
+        self.started = time.perf_counter()
+        self.outcome: Outcome | None = None
+        self.status: int | None = None
+        self.tenant = ""
+        self.key: str | None = None
+        self.store_seconds = 0.0  # waiting on the store
+        self.attempts = 0  # requests with this key before this one finished
+        self.reached_store = False
+
+    @property
+    def decided(self) -> bool:
+        return self.outcome is not None
+
+    def decide(self, outcome: Outcome, status: int | None) -> None:
+        """The outcome is known: send the event now. Once: the first decision stands."""
+        if self.outcome is not None:
+            return
+        self.outcome, self.status = outcome, status
+        hook = self._hook
+        if hook is None or (hook is log_event and not logger.isEnabledFor(log_level(outcome))):
+            return  # nobody listens, or the default hook would drop this event: do not build it
+        event = Event(
+            outcome,
+            self.method,
+            self.path,
+            self.route,
+            self.tenant,
+            hash_key(self.key),
+            status,
+            time.perf_counter() - self.started,
+            self.store_seconds,
+            self.attempts,
+            self.reached_store,
+        )
+        try:
+            hook(event)
+        except Exception:
+            logger.exception("idempotency on_event hook failed")

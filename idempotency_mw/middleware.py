@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import inspect
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idempotency_mw import problems
+from idempotency_mw.body import BufferedBody, Read
 from idempotency_mw.capture import ResponseRecorder, replay
+from idempotency_mw.claims import OwnedClaim, store_failure
 from idempotency_mw.context import (
     NOT_EXECUTED_KEY,
     PENDING_KEY,
@@ -25,25 +26,29 @@ from idempotency_mw.context import (
     IdempotencyContext,
 )
 from idempotency_mw.eager import outlasting, start_eagerly
-from idempotency_mw.events import Event, EventHook, Outcome, hash_key, log_event, log_level, logger
+from idempotency_mw.events import EventHook, Outcome, Report, log_event, logger
 from idempotency_mw.failures import FailureLog
 from idempotency_mw.fingerprint import fingerprint
 from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers, uuid7_time
-from idempotency_mw.leases import HeldLease, LeaseKeeper
+from idempotency_mw.leases import LeaseKeeper
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
+from idempotency_mw.recording import PlainRun
 from idempotency_mw.routes import RouteMatch, RouteTemplates
 from idempotency_mw.store import (
     Claim,
     ClaimOutcome,
-    PoolExhausted,
     Store,
-    StoreUnavailable,
-    Transaction,
     TransactionalStore,
-    TransactionEnded,
 )
-from idempotency_mw.tenants import AuthorizationTenant, TenantFromApp, TenantResolver, requirement
-from idempotency_mw.transaction import State, TransactionalRun
+from idempotency_mw.tenants import (
+    AuthorizationTenant,
+    TenantFromApp,
+    TenantResolver,
+    awaited_tenant,
+    requirement,
+    unknown_tenant_advice,
+)
+from idempotency_mw.transaction import TransactionalRun
 from idempotency_mw.wire import WITHHELD_EXTENSIONS
 
 T = TypeVar("T")
@@ -196,7 +201,7 @@ class Phase(enum.Enum):
     """Where a covered request is; it only moves forward. What it ends with is its :class:`Outcome`, decided once."""
 
     STARTED = "started"  # key, tenant and body being read; nothing asked of the store yet
-    WAITING = "waiting"  # its tenant is the app's to tell: the app runs, and will claim from inside (claim_for)
+    WAITING = "waiting"  # its tenant is the app's to tell: the app runs, and claims from inside (claim_for)
     CLAIMING = "claiming"  # the claim is on its way to the store
     RUNNING = "running"  # the key is ours: the handler runs, its lease renewed
     SETTLING = "settling"  # its answer is being recorded, or its key released
@@ -207,54 +212,46 @@ class IdempotentRequest:
     """One covered request, from its key to its recorded (or released) response."""
 
     def __init__(
-        self,
-        middleware: IdempotencyMiddleware,
-        policy: Policy,
-        route: str,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
+        self, middleware: IdempotencyMiddleware, policy: Policy, route: str, scope: Scope, receive: Receive, send: Send
     ) -> None:
         self.middleware = middleware
         self.store = middleware.store
         self.policy = policy
-        self.route = route  # the template of the route it is for, to label its event
         self.scope = scope
-        self.path = scope["path"]  # before the router rewrites it
         self.receive = receive
         self.send = send
         self.phase = Phase.STARTED
+        self.report = Report(middleware.on_event, scope["method"], scope["path"], route)
         self.key: str | None = None
         self.tenant = ""
-        self.body = b""
-        self.body_delivered = False
+        self.body = BufferedBody(receive, policy.max_request_bytes)
         self.digest = b""
-        self.fence: int | None = None
-        self.refusal: tuple[problems.Problem, Outcome] | None = None  # a bad key, once the tenant is known
-        self.outcome: Outcome | None = None
-        self.status: int | None = None
-        self.started = time.perf_counter()
-        self.store_seconds = 0.0
-        self.attempts = 0
-        self.reached_store = False
-        self.lease: HeldLease | None = None
-        self.recorder: ResponseRecorder | None = None  # the response on its way out, in plain mode
-        self.transaction: TransactionalRun | None = None  # the request's connection and transaction, if any
-        self.settling: asyncio.Future[Outcome] | None = None
+        self.owned: OwnedClaim | None = None  # the claim, once it is this request's
+        self.refusal: tuple[problems.Problem, Outcome] | None = None  # a bad key, answered once the tenant is known
+        self.plain: PlainRun | None = None  # the handler's run in plain mode (recording.py)
+        self.transaction: TransactionalRun | None = None  # or its connection and transaction (transaction.py)
+        self.abandoning: asyncio.Future[Outcome] | None = None  # the claim of a request cancelled as it claimed
 
     async def run(self) -> None:
         """Steps 1 to 7 of docs/design.md §2, in the order they happen."""
         try:
             if self.policy.transactional:  # its connection and transaction, claimed and begun below
                 self.transaction = self._transactional_run()
+            else:
+                self.plain = PlainRun(
+                    self._downstream(),
+                    max_body=self.policy.max_response_bytes,
+                    settle=self._record_or_release,
+                    on_settled=self._decide,
+                )
             # 1. The key, validated before anything touches the store.
             try:
-                self.key = key_from_headers(self.scope["headers"])
+                self.key = self.report.key = key_from_headers(self.scope["headers"])
             except MissingKey:
                 if self.policy.required:
                     self.refusal = (problems.key_missing(), Outcome.KEY_MISSING)
                 elif self.policy.transactional:
-                    self.body_delivered = True  # nothing was buffered: the handler reads the real channel
+                    self.body.delivered = True  # nothing was buffered: the handler reads the real channel
                     return await self._run_keyless_transaction()
                 else:
                     return await self.middleware.app(self.scope, self.receive, self.send)  # not ours: untouched
@@ -264,8 +261,7 @@ class IdempotentRequest:
             if self.middleware.tenant_from_app is not None:
                 # 2. and 4. inside the app, once its own authentication has answered: it calls claim_for.
                 if await self._read_body():
-                    self.phase = Phase.WAITING
-                    self.scope.setdefault("state", {})[PENDING_KEY] = self
+                    self._wait_for_the_app()
                     await self._execute()
                 return
 
@@ -273,11 +269,11 @@ class IdempotentRequest:
             if self.refusal is None:
                 tenant = self.middleware.tenant(self.scope)  # type: ignore[operator]  # not a TenantFromApp here
                 if tenant is not None and not isinstance(tenant, str):
-                    tenant = await self._awaited_tenant(tenant)
+                    tenant = await awaited_tenant(tenant)
                 if tenant is None:
                     self.refusal = self._tenant_unknown()
                 else:
-                    self.tenant = tenant
+                    self.tenant = self.report.tenant = tenant
             if self.refusal is not None:
                 return await self._refuse(*self.refusal)
 
@@ -288,7 +284,7 @@ class IdempotentRequest:
         finally:
             self._report()
             # What refers back to this request goes, so that it is freed as it ends, not by the cycle collector.
-            self.transaction = None
+            self.transaction = self.plain = None
             self.scope.get("state", {}).pop(PENDING_KEY, None)
 
     async def claim_for(self, tenant: str | None) -> IdempotencyContext:
@@ -305,15 +301,17 @@ class IdempotentRequest:
         if self.refusal is not None:
             await self._refuse(*self.refusal)
             raise ClaimAnswered
-        self.tenant = tenant or ""
-        if self.key is None:  # a keyless request on a transactional route: its transaction, no record
-            if not await self._begin():
-                raise ClaimAnswered
-        elif not await self._claim():
+        self.tenant = self.report.tenant = tenant or ""
+        claimed = await self._begin() if self.key is None else await self._claim()  # keyless: no record
+        if not claimed:
             raise ClaimAnswered
         context = state.get(STATE_KEY)
         assert isinstance(context, IdempotencyContext)
         return context
+
+    def _wait_for_the_app(self) -> None:
+        self.phase = Phase.WAITING
+        self.scope.setdefault("state", {})[PENDING_KEY] = self
 
     # -- 4. the claim -----------------------------------------------------------------------------------------
 
@@ -324,51 +322,48 @@ class IdempotentRequest:
         self.phase = Phase.CLAIMING
         self._notify_started()
         policy = self.policy
-        if self.transaction is not None:
-            claiming = self.transaction.claim(self.tenant, self.key, self.digest, lease=policy.lease, ttl=policy.ttl)
-        else:
-            claiming = self.store.claim(self.tenant, self.key, self.digest, lease=policy.lease, ttl=policy.ttl)
+        claimer = self.transaction if self.transaction is not None else self.store
         started = time.perf_counter()
-        task = start_eagerly(claiming, "idempotency claim")  # a cancellation must not lose a claim that landed
+        task = start_eagerly(  # a task of its own: a cancellation must not lose a claim that landed
+            claimer.claim(self.tenant, self.key, self.digest, lease=policy.lease, ttl=policy.ttl), "idempotency claim"
+        )
         try:
             claim = await outlasting(task)
         except asyncio.CancelledError:
             # Cancelled (a server shutting down, an outer timeout) while the claim was on its way: it may have
             # landed. A claim that turns out to be ours is released, so the key is not left to its lease.
-            self.settling = asyncio.ensure_future(self._abandon(task))
+            self.abandoning = asyncio.ensure_future(self._abandon(task))
             raise
         except (TypeError, ValueError):
             raise  # a store set up wrong (an engine in AUTOCOMMIT, say) says so, rather than as an outage
         except Exception as error:
-            self.store_seconds += time.perf_counter() - started
+            self.report.store_seconds += time.perf_counter() - started
             self.middleware.failures.failed("claim a key", error)
             if policy.fail_open:
-                self._decide(Outcome.UNPROTECTED, None)
-                await self.middleware.app(self.scope, self._receive_buffered, self._send_tracked)
-                return False
-            await self._refuse(problems.store_unavailable(self.middleware.retry_after), _store_failure(error))
+                return await self._run_unprotected()
+            await self._refuse(problems.store_unavailable(self.middleware.retry_after), store_failure(error))
             return False
         del task  # finished: not kept alive through the handler's run
-        self.store_seconds += time.perf_counter() - started
+        self.report.store_seconds += time.perf_counter() - started
+        self.report.attempts = claim.attempts
         self.middleware.failures.succeeded()
-        self.attempts = claim.attempts
         if claim.outcome is not ClaimOutcome.OWNED:
             await self._answer(claim)
             return False
-        self.fence = claim.fence
+        self.owned = self._own(claim)
         if policy.check_uuid7_age and self._key_outlived_retention():
             # No record is left to compare with: running now could repeat an operation whose record was purged.
-            await self._release()
+            await self.owned.release()
             if self.transaction is not None:
                 await self.transaction.close()
             await self._refuse(problems.key_expired(int(policy.ttl)), Outcome.KEY_EXPIRED)
             return False
-        self.lease = self.middleware.leases.hold(self.tenant, self.key, claim.fence, policy.lease)
         self.phase = Phase.RUNNING
-        if self.transaction is None:
-            self._set_context(IdempotencyContext(self.tenant, self.key))
-        elif not await self._begin():
-            return False
+        if self.transaction is not None:
+            return await self._begin()
+        assert self.plain is not None
+        self.plain.claimed()
+        self._set_context(IdempotencyContext(self.tenant, self.key))
         return True
 
     async def _abandon(self, claiming: asyncio.Future[Claim]) -> Outcome:
@@ -377,130 +372,82 @@ class IdempotentRequest:
             claim = await claiming
         except Exception:
             return Outcome.STORE_ERROR  # the claim failed: nothing of it is left
-        if claim.outcome is ClaimOutcome.OWNED:
-            self.fence = claim.fence
-            return await self._release()
-        return Outcome.CANCELLED
+        if claim.outcome is not ClaimOutcome.OWNED:
+            return Outcome.CANCELLED
+        return await self._own(claim).release()
+
+    def _own(self, claim: Claim) -> OwnedClaim:
+        """The claim is ours: renew its lease (``leases.py``) until it settles."""
+        assert self.key is not None
+        middleware = self.middleware
+        return OwnedClaim(
+            self.store,
+            self.tenant,
+            self.key,
+            claim.fence,
+            lease=self.policy.lease,
+            leases=middleware.leases,
+            failures=middleware.failures,
+            report=self.report,
+        )
 
     async def _answer(self, claim: Claim) -> None:
         """A claim that is not ours: a different request (422), one still running (409), or one completed: replayed
         (7.), or a 409 when its response was not stored in full."""
         if claim.outcome is ClaimOutcome.MISMATCH:
-            await self._refuse(problems.key_reused(), Outcome.KEY_REUSED)
-        elif claim.outcome is ClaimOutcome.IN_PROGRESS:
-            await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.IN_PROGRESS)
-        else:
-            response = claim.response
-            assert response is not None  # COMPLETED: the other outcome, OWNED, runs the handler
-            if response.body is None:  # completed, but not stored in full (over the cap, or cut short)
-                problem = problems.response_not_replayable(
-                    response.status, response.body_size, self.policy.max_response_bytes
-                )
-                await self._refuse(problem, Outcome.NOT_REPLAYABLE)
-            else:
-                # 7. Replay.
-                self._decide(Outcome.REPLAYED, response.status)
-                await replay(response, self.send)
+            return await self._refuse(problems.key_reused(), Outcome.KEY_REUSED)
+        if claim.outcome is ClaimOutcome.IN_PROGRESS:
+            return await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.IN_PROGRESS)
+        response = claim.response
+        assert response is not None  # COMPLETED: the other outcome, OWNED, runs the handler
+        if response.body is None:  # completed, but not stored in full (over the cap, or cut short)
+            problem = problems.response_not_replayable(
+                response.status, response.body_size, self.policy.max_response_bytes
+            )
+            return await self._refuse(problem, Outcome.NOT_REPLAYABLE)
+        # 7. Replay.
+        self._decide(Outcome.REPLAYED, response.status)
+        await replay(response, self.send)
+
+    async def _run_unprotected(self) -> bool:
+        """Failing open (the route's ``fail_open``): the handler runs without a record."""
+        status: list[int] = []
+
+        async def send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await self.send(message)
+
+        try:
+            await self.middleware.app(self.scope, self.body.receive, send)
+        finally:
+            self._decide(Outcome.UNPROTECTED, status[0] if status else None)
+        return False
 
     # -- 5. and 6. running the handler, then recording or releasing -----------------------------------------
 
     async def _execute(self) -> None:
-        """Run the handler with its response copied on the way out (plain mode) or held in its transaction."""
+        """Run the handler with its response recorded on the way out (plain mode) or held in its transaction."""
         try:
-            if self.policy.transactional:
-                await self._execute_in_transaction()
+            if self.transaction is not None:
+                await self.transaction.run(self.middleware.app, self._app_scope(), self.body.receive)
             else:
-                await self._execute_plainly()
+                assert self.plain is not None
+                await self.plain.run(self.middleware.app, self._app_scope(), self.body.receive)
         except ClaimAnswered:
             pass  # the middleware answered from inside the app (claim_for): the handler did not run
         finally:
-            self._drop_lease()
+            if self.owned is not None:
+                self.owned.drop_lease()
 
-    async def _execute_plainly(self) -> None:
-        """Settle as the response's final body message passes: before it reaches the client, and before anything the
-        app runs after its response (background tasks). A response that never finished (an error, a cancelled
-        request, a stream cut short) is settled all the same; a cancelled request does not wait for that."""
-        self.recorder = ResponseRecorder(self._downstream(), max_body=self.policy.max_response_bytes)
-        try:
-            await self.middleware.app(self._app_scope(), self._receive_buffered, self._send_recorded)
-        except asyncio.CancelledError:
-            self._start_settling()
-            raise
-        except BaseException:
-            await self._settle()
-            raise
-        await self._settle()
-
-    async def _send_recorded(self, message: Message) -> None:
-        """The handler's ``send``: copy each message, and settle before the final body message goes on."""
-        if self.fence is None:  # the app answered before its tenant claimed the key (its own 401): untouched
-            return await self._send_downstream(message)
-        assert self.recorder is not None
-        going, decide = self.recorder.record(message)
-        if decide:
-            await self._settle()
-        if going is not None:
-            await self.recorder.forward(going)
-
-    async def _settle(self) -> None:
-        """Record a final answer, release anything else, once, and report it before the final body goes out (while
-        a server span still records).
-
-        In a task of its own, waited for through ``outlasting``: a request cancelled while its outcome is being
-        written (a server shutting down, an outer timeout) still finishes writing it, or the key would stay in
-        progress and the handler run again once the lease lapsed. A final answer that started going out is recorded
-        even when it was cut short: its effect has happened, so the retry must not run it again; such a record has
-        no body, and a retry is told that the response cannot be replayed."""
-        if self.fence is None or self.phase is Phase.ANSWERED:
-            return  # nothing of ours to settle: never claimed, or already settled
-        outcome = await outlasting(self._start_settling())
-        self._decide(outcome, self.status)
-
-    def _start_settling(self) -> asyncio.Future[Outcome]:
-        if self.settling is None:
-            self.phase = Phase.SETTLING
-            self.settling = start_eagerly(self._record_or_release(), "idempotency settlement")
-        return self.settling
-
-    async def _record_or_release(self) -> Outcome:
-        recorder = self.recorder
-        assert recorder is not None
-        assert self.key is not None
-        assert self.fence is not None
-        self._drop_lease()
-        self.status = recorder.status
+    async def _record_or_release(self, recorder: ResponseRecorder) -> Outcome:
+        """Record a final answer, release the key for anything else (``recording.py`` calls it, once)."""
+        self.phase = Phase.SETTLING
+        owned = self.owned
+        assert owned is not None
         if not self._is_final(recorder.status):
-            return await self._release()
-        started = time.perf_counter()
-        response = recorder.stored_response()
-        try:
-            try:
-                completed = await self.store.complete(self.tenant, self.key, self.fence, response)
-            except StoreUnavailable:
-                raise
-            except Exception as refused:
-                # The database refused the response itself (a header it cannot hold). The effect has happened: the
-                # key completes all the same, without a response to replay, rather than run again after its lease.
-                self.middleware.failures.failed("store a response (the key completes without it)", refused)
-                completed = await self.store.complete(self.tenant, self.key, self.fence, response.unreplayable())
-        except Exception as error:
-            # The client has its response; the claim stays until its lease lapses, then a retry runs again.
-            self.middleware.failures.failed("record a completed response", error)
-            return _store_failure(error)
-        finally:
-            self.store_seconds += time.perf_counter() - started
-        return Outcome.EXECUTED if completed else Outcome.FENCED_OUT
-
-    async def _release(self) -> Outcome:
-        """Free the key for the retry. Shielded: it must happen even when the request was cancelled."""
-        assert self.key is not None
-        assert self.fence is not None
-        try:
-            await asyncio.shield(self._timed(self.store.release(self.tenant, self.key, self.fence)))
-        except Exception as error:
-            self.middleware.failures.failed("release a key (it frees itself when its lease lapses)", error)
-            return _store_failure(error)
-        return Outcome.RELEASED
+            return await owned.release()
+        return await owned.complete(recorder.stored_response())
 
     # -- 5. and 6. in a transaction (transaction.py) ----------------------------------------------------------
 
@@ -512,101 +459,28 @@ class IdempotentRequest:
             self._downstream(),
             max_body=self.policy.max_response_bytes,
             is_final=self._is_final,
-            on_settled=self._on_transaction_settled,
+            decide=self._decide,
+            refuse=self._refuse,
+            retry_after=self.middleware.retry_after,
+            failures=self.middleware.failures,
         )
 
     async def _run_keyless_transaction(self) -> None:
         """A transactional route called without a key still gets its transaction, with no record in it (begun once
         the app has told its tenant, when that is the app's to tell)."""
         if self.middleware.tenant_from_app is not None:
-            self.phase = Phase.WAITING
-            self.scope.setdefault("state", {})[PENDING_KEY] = self
+            self._wait_for_the_app()
         elif not await self._begin():
             return
         await self._execute()
 
     async def _begin(self) -> bool:
         """Begin the handler's transaction and lend it (``request.state.idempotency.transaction``); False when the
-        database could not be reached for it, and the request was answered (503)."""
+        request was answered instead (503)."""
         run = self.transaction
         assert run is not None
-        try:
-            await run.begin(self._lend)
-        except StoreUnavailable:
-            await self._answer_transaction(run, None)
-            await run.close()
-            return False
-        return True
-
-    async def _execute_in_transaction(self) -> None:
-        """Run the handler in its transaction, then answer by how that transaction ended."""
-        run = self.transaction
-        assert run is not None
-        try:
-            await run.run(self.middleware.app, self._app_scope(), self._receive_buffered)
-        except BaseException as error:
-            if not await self._answer_transaction(run, error):
-                raise  # from here, so its traceback holds no frame that holds it (tests/test_cycles.py)
-            return
-        await self._answer_transaction(run, None)
-
-    async def _answer_transaction(self, run: TransactionalRun, raised: BaseException | None) -> bool:
-        """Answer by how the transaction ended, ``raised`` being what the app raised. True when that answer (a 409
-        or 503) replaces it; False when it is to go on as it is."""
-        self.status = run.status
-        if run.state in (State.COMMITTED, State.RECORDED, State.IDLE):
-            return False  # what the app raised after the commit (a background task) undoes nothing
-        if run.state is State.ROLLED_BACK and raised is None:
-            return False  # a transient answer: released and reported when it settled
-        # Nothing committed: free the key for the retry (unless the rollback's settling freed it already), then
-        # answer as the transaction ended.
-        released = None
-        if self.fence is not None and run.state is not State.FENCED_OUT and not run.reported:
-            released = await self._release()
-        if run.state is State.FENCED_OUT:
-            # A newer claim owns the key: our writes were rolled back, and the client hears what a retry would.
-            await self._refuse(problems.in_progress(self.middleware.retry_after), Outcome.FENCED_OUT)
-            return True
-        if run.state is State.UNAVAILABLE:
-            assert run.failure is not None
-            self.middleware.failures.failed("run the handler's transaction", run.failure)
-            await self._refuse(problems.store_unavailable(self.middleware.retry_after), _store_failure(run.failure))
-            return True
-        if run.state is State.REFUSED:
-            # The database refused the transaction itself: a deferred constraint at COMMIT, or an error the handler
-            # caught but that aborted the transaction. Nothing was committed; the key is free again. Or the
-            # handler ended the transaction itself, and the record was refused (TransactionEnded says so).
-            assert run.failure is not None
-            self._decide(released or Outcome.RELEASED, run.status)
-            if isinstance(run.failure, TransactionEnded):
-                logger.error("idempotency: %s", run.failure)
-                raise run.failure from raised
-            logger.error(
-                "idempotency: the handler's transaction could not commit (%s); nothing was committed. If the "
-                "handler recovers from database errors, run the statements that may fail in a savepoint "
-                "(asyncpg: async with connection.transaction(): ...; "
-                "SQLAlchemy: async with session.begin_nested(): ...)",
-                type(run.failure).__name__,
-            )
-            raise run.failure from raised
-        assert raised is not None  # rolled back because the handler failed, was cancelled, or never finished
-        if released is not None:
-            self._decide(released, run.status)
-        return False
-
-    async def _on_transaction_settled(self, run: TransactionalRun) -> None:
-        """Committed or rolled back, just before the held response goes out: free a released key, report."""
-        self._drop_lease()
-        self.status = run.status
-        if self.fence is None:
-            return  # no key, no record
-        if run.state in (State.COMMITTED, State.RECORDED):
-            self._decide(Outcome.EXECUTED, run.status)
-        else:
-            self._decide(await self._release(), run.status)
-
-    def _lend(self, transaction: Transaction) -> None:
-        self._set_context(IdempotencyContext(self.tenant, self.key, transaction))
+        run.owned = self.owned
+        return await run.begin(lambda lent: self._set_context(IdempotencyContext(self.tenant, self.key, lent)))
 
     # -- the answer, decided once -----------------------------------------------------------------------------
 
@@ -617,53 +491,29 @@ class IdempotentRequest:
     def _decide(self, outcome: Outcome, status: int | None) -> None:
         """The answer is known: report it now, before it goes out (a server span ends with the last body message).
         Once: the first decision stands."""
-        if self.phase is Phase.ANSWERED:
-            return
         self.phase = Phase.ANSWERED
-        self.outcome, self.status = outcome, status
-        self._emit()
+        self.report.decide(outcome, status)
 
     def _report(self) -> None:
-        """On the way out: a request whose settlement goes on after a cancellation reports once that ends."""
+        """On the way out: a request whose settlement (or abandoned claim) goes on after a cancellation reports once
+        that ends."""
         if self.phase is Phase.ANSWERED:
             return
-        settling = self.settling
-        if settling is not None and not settling.done():
-            settling.add_done_callback(self._report_settled)
-        elif settling is not None and not settling.cancelled() and settling.exception() is None:
-            self._decide(settling.result(), self.status)
-        elif self.fence is not None:
-            self._decide(Outcome.STORE_ERROR, self.status)
-
-    def _report_settled(self, settling: asyncio.Future[Outcome]) -> None:
-        if not settling.cancelled() and settling.exception() is None:
-            self._decide(settling.result(), self.status)
-
-    def _emit(self) -> None:
-        """Report the outcome to the ``on_event`` hook."""
-        hook = self.middleware.on_event
-        outcome = self.outcome
-        if hook is None or outcome is None:
+        settling = self.abandoning or (self.plain.settling if self.plain is not None else None)
+        status = self.plain.recorder.status if self.plain is not None else None
+        if settling is None:
+            if self.owned is not None:
+                self._decide(Outcome.STORE_ERROR, status)
             return
-        if hook is log_event and not logger.isEnabledFor(log_level(outcome)):
-            return  # the default hook would drop this event: do not build it
-        event = Event(
-            outcome,
-            self.scope["method"],
-            self.path,
-            self.route,
-            self.tenant,
-            hash_key(self.key),
-            self.status,
-            time.perf_counter() - self.started,
-            self.store_seconds,
-            self.attempts,
-            self.reached_store,
-        )
-        try:
-            hook(event)
-        except Exception:
-            logger.exception("idempotency on_event hook failed")
+
+        def report(settled: asyncio.Future[Outcome]) -> None:
+            if not settled.cancelled() and settled.exception() is None:
+                self._decide(settled.result(), status)
+
+        if settling.done():
+            report(settling)
+        else:
+            settling.add_done_callback(report)
 
     # -- helpers --------------------------------------------------------------------------------------------
 
@@ -679,73 +529,25 @@ class IdempotentRequest:
             return False
         return self.policy.records(status)
 
-    async def _awaited_tenant(self, tenant: object) -> str | None:
-        """What a tenant resolver gave, awaited if it is awaitable and checked: a ``str`` or None. A sync resolver's
-        ``str`` or None needs no coroutine and skips this; anything else it returns comes here to be refused."""
-        if inspect.isawaitable(tenant):
-            tenant = await tenant
-        if tenant is not None and not isinstance(tenant, str):
-            raise TypeError(f"the tenant resolver must return a str or None, not {type(tenant).__name__}")
-        return tenant
-
     def _tenant_unknown(self) -> tuple[problems.Problem, Outcome]:
         """The refusal of a keyed request whose tenant is unknown, in the words of the resolver configured."""
-        resolver = self.middleware.tenant
-        needs = requirement(resolver)
         if not self.middleware.tenant_unknown_logged:
             self.middleware.tenant_unknown_logged = True
-            if isinstance(resolver, AuthorizationTenant):
-                advice = (
-                    "If your clients authenticate otherwise (an API-key header, cookies, a gateway), pass tenant= a "
-                    "resolver that returns their account; to let requests without credentials share one namespace, "
-                    'pass tenant=AuthorizationTenant(anonymous="public").'
-                )
-            else:
-                advice = "It returned None for a keyed request: it is the app's to say whose request this is."
-            logger.warning(
-                "idempotency: a request with an Idempotency-Key got 400 idempotency_tenant_unknown because the "
-                "tenant resolver %r could not tell whose key it is (%s). %s Logged once per middleware.",
-                resolver,
-                f"it needs {needs}" if needs else "it gave no tenant",
-                advice,
-            )
-        return problems.tenant_unknown(needs), Outcome.TENANT_UNKNOWN
+            logger.warning(unknown_tenant_advice(self.middleware.tenant))
+        return problems.tenant_unknown(requirement(self.middleware.tenant)), Outcome.TENANT_UNKNOWN
 
     async def _read_body(self) -> bool:
         """Buffer the request body and fingerprint the request; False when the request ended here (413, or the
-        client left)."""
-        limit = self.policy.max_request_bytes
-        declared = self._header(b"content-length")
-        if declared.isdigit() and int(declared) > limit:
-            await self._refuse(problems.request_too_large(limit), Outcome.REQUEST_TOO_LARGE)
+        client left: nothing ran, nothing was claimed)."""
+        read = await self.body.read(self._header(b"content-length"))
+        if read is Read.TOO_LARGE:
+            await self._refuse(problems.request_too_large(self.policy.max_request_bytes), Outcome.REQUEST_TOO_LARGE)
+        if read is not Read.WHOLE:
             return False
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect":
-                return False  # nothing ran, nothing was claimed
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                await self._refuse(problems.request_too_large(limit), Outcome.REQUEST_TOO_LARGE)
-                return False
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        self.body = b"".join(chunks)
         scope = self.scope
-        self.digest = fingerprint(
-            scope["method"], scope["path"], scope.get("query_string", b""), self._header(b"content-type"), self.body
-        )
+        query = scope.get("query_string", b"")
+        self.digest = fingerprint(scope["method"], scope["path"], query, self._header(b"content-type"), self.body.body)
         return True
-
-    async def _receive_buffered(self) -> Message:
-        """The handler's ``receive``: the buffered body once, then the real channel (for disconnects)."""
-        if not self.body_delivered:
-            self.body_delivered = True
-            return {"type": "http.request", "body": self.body, "more_body": False}
-        return await self.receive()
 
     def _downstream(self) -> Send:
         """Where the app's response goes on to: the client; through a guard where the app tells its tenant, since
@@ -753,15 +555,10 @@ class IdempotentRequest:
         return self.send if self.middleware.tenant_from_app is None else self._send_downstream
 
     async def _send_downstream(self, message: Message) -> None:
-        """What the app sends, on to the client, unless the middleware has answered already (from inside the app:
-        what follows, an exception handler's answer to :class:`ClaimAnswered`, is dropped)."""
-        if self.phase is Phase.ANSWERED and self.fence is None:
+        """What the app sends, on to the client, unless the middleware has answered already from inside the app: what
+        follows (an exception handler's answer to :class:`ClaimAnswered`) is dropped."""
+        if self.phase is Phase.ANSWERED and self.owned is None:
             return
-        await self.send(message)
-
-    async def _send_tracked(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            self.status = message["status"]
         await self.send(message)
 
     def _header(self, name: bytes) -> bytes:
@@ -781,28 +578,11 @@ class IdempotentRequest:
             self.scope["extensions"] = {k: v for k, v in extensions.items() if k not in WITHHELD_EXTENSIONS}
         return self.scope
 
-    def _drop_lease(self) -> None:
-        if self.lease is not None:
-            self.middleware.leases.drop(self.lease)
-            self.lease = None
-
-    async def _timed(self, operation: Awaitable[T]) -> T:
-        started = time.perf_counter()
-        try:
-            return await operation
-        finally:
-            self.store_seconds += time.perf_counter() - started
-
     def _notify_started(self) -> None:
-        self.reached_store = True
+        self.report.reached_store = True
         started = self.middleware.on_started
         if started is not None:
             try:
                 started(self.scope)
             except Exception:
                 logger.exception("idempotency on_event.started hook failed")
-
-
-def _store_failure(error: BaseException) -> Outcome:
-    """An exhausted pool is its own outcome: the fix is a larger ``max_size``, not the database team."""
-    return Outcome.POOL_EXHAUSTED if isinstance(error, PoolExhausted) else Outcome.STORE_ERROR

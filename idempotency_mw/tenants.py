@@ -206,3 +206,30 @@ def requirement(resolver: object) -> str | None:
     """What a client must send for ``resolver`` to find its tenant, for the 400 that tells it (None: unknown)."""
     found = getattr(resolver, "requirement", None)
     return found if isinstance(found, str) else None
+
+
+async def awaited_tenant(tenant: object) -> str | None:
+    """What a tenant resolver gave, awaited if it is awaitable, and checked: a ``str`` or None."""
+    if inspect.isawaitable(tenant):
+        tenant = await tenant
+    if tenant is not None and not isinstance(tenant, str):
+        raise TypeError(f"the tenant resolver must return a str or None, not {type(tenant).__name__}")
+    return tenant
+
+
+def unknown_tenant_advice(resolver: object) -> str:
+    """For the operator, once: why keyed requests get 400 idempotency_tenant_unknown, in the words of ``resolver``."""
+    needs = requirement(resolver)
+    if isinstance(resolver, AuthorizationTenant):
+        advice = (
+            "If your clients authenticate otherwise (an API-key header, cookies, a gateway), pass tenant= a resolver "
+            "that returns their account; to let requests without credentials share one namespace, pass "
+            'tenant=AuthorizationTenant(anonymous="public").'
+        )
+    else:
+        advice = "It gave None for a keyed request: it is the app's to say whose request this is."
+    why = f"it needs {needs}" if needs else "it gave no tenant"
+    return (
+        "idempotency: a request with an Idempotency-Key got 400 idempotency_tenant_unknown because the tenant "
+        f"resolver {resolver!r} could not tell whose key it is ({why}). {advice} Logged once per middleware."
+    )

@@ -28,9 +28,20 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from idempotency_mw import problems
 from idempotency_mw.capture import ResponseRecorder
+from idempotency_mw.claims import OwnedClaim, store_failure
 from idempotency_mw.eager import outlasting
-from idempotency_mw.store import Claim, ClaimOutcome, StoreUnavailable, Transaction, TransactionalStore
+from idempotency_mw.events import Outcome, logger
+from idempotency_mw.failures import FailureLog
+from idempotency_mw.store import (
+    Claim,
+    ClaimOutcome,
+    StoreUnavailable,
+    Transaction,
+    TransactionalStore,
+    TransactionEnded,
+)
 
 
 class State(enum.Enum):
@@ -86,11 +97,11 @@ class TransactionalRun:
     """One request's connection and transaction: its claim, its handler's writes and its record commit together.
 
     :meth:`claim` takes the connection and claims the key on it; :meth:`begin` begins the transaction and lends it
-    to the handler (``lend``); :meth:`run` runs the app with its response held, and settles. The claim and the
-    beginning come before the app runs, or, when the app tells its tenant itself, from inside it (a dependency).
-    ``is_final(status)`` says whether an answer is final (recorded, committed) or transient (rolled back).
-    ``on_settled(run)`` is called once the state is ``COMMITTED``, ``RECORDED`` or ``ROLLED_BACK``, before the held
-    response goes out.
+    to the handler (``lend``); :meth:`run` runs the app with its response held, settles, and answers by how the
+    transaction ended. The claim and the beginning come before the app runs, or, when the app tells its tenant
+    itself, from inside it (a dependency). ``is_final(status)`` says whether an answer is final (recorded,
+    committed) or transient (rolled back). ``owned`` is the claim once it is the request's; ``decide(outcome,
+    status)`` reports the outcome, ``refuse(problem, outcome)`` answers in its place (409, 503).
     """
 
     def __init__(
@@ -100,15 +111,22 @@ class TransactionalRun:
         *,
         max_body: int,
         is_final: Callable[[int | None], bool],
-        on_settled: Callable[[TransactionalRun], Awaitable[None]],
+        decide: Callable[[Outcome, int | None], None],
+        refuse: Callable[[problems.Problem, Outcome], Awaitable[None]],
+        retry_after: int,
+        failures: FailureLog,
     ) -> None:
         self._state = State.IDLE
         self.failure: BaseException | None = None  # what the database said, for UNAVAILABLE and REFUSED
         self.recorder = ResponseRecorder(send, max_body=max_body, hold=True)
+        self.owned: OwnedClaim | None = None
         self._store = store
         self._send_on = send
         self._is_final = is_final
-        self._on_settled = on_settled
+        self._decide = decide
+        self._refuse = refuse
+        self._retry_after = retry_after
+        self._failures = failures
         self._connection = contextlib.AsyncExitStack()  # gives the connection back when the run ends
         self._transaction: Transaction | None = None
         self._claimed: Claimed | None = None
@@ -133,11 +151,6 @@ class TransactionalRun:
     def status(self) -> int | None:
         return self.recorder.status
 
-    @property
-    def reported(self) -> bool:
-        """``on_settled`` ran: the middleware has freed a rolled-back key and reported the outcome."""
-        return self._reported
-
     async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
         """Take this request's connection and claim the key on it. A claim that is not ours gives the connection
         back at once: the middleware answers without a transaction."""
@@ -153,17 +166,21 @@ class TransactionalRun:
             await self.close()
         return claim
 
-    async def begin(self, lend: Callable[[Transaction], None]) -> None:
+    async def begin(self, lend: Callable[[Transaction], None]) -> bool:
         """Begin the handler's transaction (on the claim's connection; a keyless request takes one now) and hand it
-        to the handler through ``lend``. :class:`StoreUnavailable` when the database cannot be reached for it."""
+        to the handler through ``lend``; False when the database could not be reached for it, and the request was
+        answered (503)."""
         try:
             transaction = self._transaction or await self._lend()
             await transaction.begin()
         except StoreUnavailable as error:
             self.state, self.failure = State.UNAVAILABLE, error
-            raise
+            await self._answer(None)
+            await self.close()
+            return False
         lend(transaction)
         self.state = State.OPEN
+        return True
 
     async def _lend(self) -> Transaction:
         try:
@@ -179,28 +196,69 @@ class TransactionalRun:
         await self._connection.aclose()
 
     async def run(self, app: ASGIApp, scope: Scope, receive: Receive) -> None:
-        """Run ``app`` with the response held until its transaction settles.
-
-        Raises what the app raised; the state says what became of the transaction either way.
-        """
+        """Run ``app`` with the response held until its transaction settles, then answer by how it ended: what the
+        app raised goes on, unless the transaction did not commit and a 409 or 503 answers in its place."""
         self._receive = receive
         self._outer_exception = sys.exception()
         try:
             try:
-                await app(scope, self._receive_held, self._send)
-            except BaseException:
-                await self._end()
-                raise
-            await self._end()
-            if not self._reported and self.state in (State.COMMITTED, State.RECORDED, State.ROLLED_BACK):
-                # Settled, but the app cancelled its own send while it waited for that (a streaming response that
-                # stopped on a disconnect): report it now, so a rolled-back key is still released.
-                self._reported = True
-                await self._on_settled(self)
-            if self.state is State.ROLLED_BACK and not self.recorder.finished:
-                raise RuntimeError("the handler returned without finishing its response")
+                try:
+                    await app(scope, self._receive_held, self._send)
+                finally:
+                    await self._end()
+                if not self._reported and self.state in (State.COMMITTED, State.RECORDED, State.ROLLED_BACK):
+                    # Settled, but the app cancelled its own send while it waited for that (a streaming response that
+                    # stopped on a disconnect): report it now, so a rolled-back key is still released.
+                    await self._settled()
+                if self.state is State.ROLLED_BACK and not self.recorder.finished:
+                    raise RuntimeError("the handler returned without finishing its response")
+            except BaseException as error:
+                if not await self._answer(error):
+                    raise  # from here, so its traceback holds no frame that holds it (tests/test_cycles.py)
+                return
+            await self._answer(None)
         finally:
             await self.close()
+
+    async def _answer(self, raised: BaseException | None) -> bool:
+        """Answer by how the transaction ended, ``raised`` being what the app raised. True when that answer (a 409
+        or 503) replaces it; False when it is to go on as it is."""
+        state = self.state
+        if state in (State.COMMITTED, State.RECORDED, State.IDLE) or (state is State.ROLLED_BACK and raised is None):
+            return False  # settled and reported (what the app raised after the commit, a background task, undoes
+            # nothing), or the app answered before any transaction began
+        # Nothing committed: free the key for the retry, unless the rollback's settling freed it already.
+        released = None
+        if self.owned is not None and state is not State.FENCED_OUT and not self._reported:
+            released = await self.owned.release()
+        if state is State.FENCED_OUT:
+            # A newer claim owns the key: our writes were rolled back, and the client hears what a retry would.
+            await self._refuse(problems.in_progress(self._retry_after), Outcome.FENCED_OUT)
+            return True
+        if state is State.UNAVAILABLE:
+            assert self.failure is not None
+            self._failures.failed("run the handler's transaction", self.failure)
+            await self._refuse(problems.store_unavailable(self._retry_after), store_failure(self.failure))
+            return True
+        if released is not None:
+            self._decide(released, self.status)
+        if state is State.REFUSED:
+            # The database refused the transaction: a deferred constraint at COMMIT, an error the handler caught but
+            # that aborted it, or the handler ended it itself (TransactionEnded says so). Nothing was committed.
+            assert self.failure is not None
+            logger.error("idempotency: %s", _refusal(self.failure))
+            raise self.failure from raised
+        assert raised is not None  # rolled back because the handler failed, was cancelled, or never finished
+        return False
+
+    async def _settled(self) -> None:
+        """Committed or rolled back, just before the held response goes out: free a released key, report. Once."""
+        self._reported = True
+        owned = self.owned
+        if owned is not None:  # else no key, no record
+            owned.drop_lease()
+            committed = self.state in (State.COMMITTED, State.RECORDED)
+            self._decide(Outcome.EXECUTED if committed else await owned.release(), self.status)
 
     async def _receive_held(self) -> Message:
         """The app's ``receive``: a client that hangs up while the response is held is kept from the app until the
@@ -241,8 +299,7 @@ class TransactionalRun:
         if self.state in DID_NOT_COMMIT:
             raise NotCommitted(f"the handler's transaction did not commit ({self.state.value})")
         if not self._reported:  # once: a response over the cap settles before its final body message
-            self._reported = True
-            await self._on_settled(self)
+            await self._settled()
 
     async def _commit_or_roll_back(self) -> None:
         assert self._transaction is not None
@@ -302,6 +359,16 @@ class TransactionalRun:
             self._settling = asyncio.ensure_future(self._roll_back(State.ROLLED_BACK))
         if self._settling is not None:
             await _wait_through_cancellation(self._settling)
+
+
+def _refusal(failure: BaseException) -> str:
+    if isinstance(failure, TransactionEnded):
+        return str(failure)
+    return (
+        f"the handler's transaction could not commit ({type(failure).__name__}); nothing was committed. If the "
+        "handler recovers from database errors, run the statements that may fail in a savepoint (asyncpg: async with "
+        "connection.transaction(): ...; SQLAlchemy: async with session.begin_nested(): ...)"
+    )
 
 
 async def _wait_through_cancellation(task: asyncio.Task[None]) -> None:
