@@ -1,9 +1,8 @@
 """The connection pool a :class:`~idempotency_mw.postgres.PostgresStore` opens from a DSN.
 
-Why not asyncpg's ``Pool``: a checkout there costs more CPU than the statement it wraps (measured: about 60 µs per
-acquire and release on top of a 50 µs ``SELECT 1``, from a task for the acquire timeout, another for the shielded
-release, a proxy object and an inactivity timer), and a fresh request checks out twice. Its waiters are not
-served in arrival order either, which stretches the p99 once requests outnumber connections.
+Why not asyncpg's ``Pool``: its checkout does more than the store needs (a task for the acquire timeout, another for
+the shielded release, a proxy object, an inactivity timer), around statements that each take one round trip, and
+its waiters are not served in arrival order, which stretches the p99 once requests outnumber connections.
 
 Here a checkout of an idle connection is a list pop, a check-in is an append or a hand-over to the oldest waiter,
 and only a checkout that has to wait or connect sets a timer. What asyncpg's pool also does and this one does
@@ -36,11 +35,10 @@ class Deadlines:
     """The deadline of the store's own statements, kept by one timer per pool instead of one per statement.
 
     asyncpg's per-call deadline (``timeout=``, or the connection's ``command_timeout``) starts and cancels a timer
-    for every statement, measured at about 5 µs of CPU per statement (benchmarks/storepath.py). Here a statement
-    only notes when it started; a timer that runs while statements are in flight wakes every quarter of
-    ``timeout`` and closes the connection of any statement that has run longer than ``timeout``. The statement then
-    fails at once (asyncpg's "connection was closed in the middle of operation"), so a database that stopped
-    answering still becomes :class:`~idempotency_mw.store.StoreUnavailable` (a 503), after ``timeout`` and at
+    for every statement. Here a statement only notes when it started; a timer that runs while statements are in flight
+    wakes every quarter of ``timeout`` and closes the connection of any statement that has run longer than ``timeout``.
+    The statement then fails at once (asyncpg's "connection was closed in the middle of operation"), so a database that
+    stopped answering still becomes :class:`~idempotency_mw.store.StoreUnavailable` (a 503), after ``timeout`` and at
     most a quarter more.
     """
 
@@ -160,8 +158,8 @@ class ConnectionPool:
         return urgent or len(self._lent) + self._opening < self._normal_cap
 
     def take(self, urgent: bool = False) -> asyncpg.Connection | None:
-        """An idle connection now, or None (then :meth:`acquire` waits or connects): the common case, without the
-        cost of a coroutine."""
+        """An idle connection now, or None (then :meth:`acquire` waits or connects): the common case, without a
+        coroutine."""
         if not self._closed and self._room(urgent):
             return self._take_idle(urgent)
         return None
@@ -237,8 +235,7 @@ class ConnectionPool:
             loop = asyncio.get_running_loop()
             waiter: asyncio.Future[asyncpg.Connection | None] = loop.create_future()
             (self._urgent if urgent else self._normal).append(waiter)
-            # The deadline fails the waiter itself: a plain timer, about a third of the CPU of asyncio.timeout_at,
-            # and a busy pool makes every other checkout wait.
+            # The deadline fails the waiter itself, by a plain timer.
             expiry = loop.call_at(deadline, _expire, waiter)
             try:
                 handed = await waiter

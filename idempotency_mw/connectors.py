@@ -116,9 +116,9 @@ class Connector(Protocol):
 class OwnPool:
     """The connections a DSN-built store opens (``connections.py``), each pinned to READ COMMITTED as it opens.
 
-    Every request runs two statements here, so :meth:`run` is written for speed (benchmarks/storepath.py times it):
-    an idle connection is taken without a coroutine, the statement runs as a prepared-statement object kept on the
-    connection, and its deadline is kept by the pool's one timer (``connections.Deadlines``).
+    Every request runs two statements here: an idle connection is taken without a coroutine, the statement runs as a
+    prepared-statement object kept on the connection, and its deadline is kept by the pool's one timer
+    (``connections.Deadlines``).
 
     ``prepared_statements=False`` (a transaction-pooling proxy in front of the server) keeps no prepared statement
     and sets nothing on the sessions, which such a proxy would hand to other clients: there the store learns the

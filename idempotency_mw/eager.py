@@ -2,18 +2,15 @@
 stop, started eagerly where Python can.
 
 Both must outlive a cancellation of the request (a server shutting down, an outer timeout), so whatever waits goes
-on in a task of its own (started in ``IdempotentRequest.run`` and ``_start_settling``), and the request waits for it
-through :func:`outlasting`. On Python 3.12 and later the task starts eagerly: it runs in the caller's turn of the
-event loop up to its first wait, so one that never waits (``MemoryStore``) is done at once and costs no turn of the
-loop, and one that waits for the database has already sent its statement. Python 3.11 has no eager tasks; there the
-task starts at the loop's next turn.
+on in a task of its own (started in ``IdempotentRequest._claim`` and ``PlainRun.start_settling``), and the request
+waits for it through :func:`outlasting`. On Python 3.12 and later the task starts eagerly: it runs in the caller's
+turn of the event loop up to its first wait, so one that never waits (``MemoryStore``) is done at once, and one that
+waits for the database has already sent its statement. Python 3.11 has no eager tasks; there the task starts at the
+loop's next turn.
 
 Why not emulate eager start on 3.11 by driving the coroutine by hand until it first waits: code that captures the
 current task before that wait (``asyncio.timeout``, which the store's pool uses while waiting for a connection)
 would then cancel the request's task instead of its own. A real eager task is current while it runs.
-
-Every fresh request goes through here twice, so both functions are written for cost (benchmarks/instructions.py
-counts them): a task gets a fixed name, since an unnamed one formats ``Task-N`` as it is created.
 """
 
 from __future__ import annotations
@@ -36,11 +33,9 @@ def start_eagerly(coroutine: Coroutine[Any, Any, T], name: str) -> asyncio.Task[
 
 
 def outlasting(task: asyncio.Future[T]) -> asyncio.Future[T]:
-    """What ``task`` ends with, to wait for: cancelling the wait leaves ``task`` running.
-
-    ``asyncio.shield(task)`` does the same, and costs a request about 3% more instructions: it checks and wraps
-    its argument, makes two closures, and passes the outcome on through two callbacks, one turn of the loop apart.
-    """
+    """What ``task`` ends with, to wait for: cancelling the wait leaves ``task`` running (``asyncio.shield``, minus
+    its argument checks and its second turn of the loop). An error nobody reads after a cancelled wait is marked
+    read, so that asyncio does not log it as lost."""
     if task.done():
         return task
     follower: asyncio.Future[T] = task.get_loop().create_future()

@@ -29,9 +29,7 @@ def fingerprint(method: str, path: str, query_string: bytes, content_type: bytes
     """Return the 32-byte SHA-256 digest that identifies this request's payload."""
     kind, canonical = canonical_body(content_type, body)
     method_bytes, path_bytes, query = method.encode(), path.encode(), canonical_query(query_string)
-    # All lengths first, then the parts: one way to read it back. Counted one by one: ``pack(*map(len, parts))``
-    # builds a tuple by guessing its size and shrinking it, which leaves the cycle collector's count of new objects
-    # one higher in five calls, so that it starts collecting sooner (benchmarks/README.md).
+    # All lengths first, then the parts: one way to read it back.
     lengths = _LENGTHS.pack(len(method_bytes), len(path_bytes), len(query), len(kind), len(canonical))
     return hashlib.sha256(b"".join((lengths, method_bytes, path_bytes, query, kind, canonical))).digest()
 
@@ -89,8 +87,6 @@ _EXACT_BYTES_PER_VALUE = 8
 
 def _canonical_json(body: bytes) -> bytes | None:
     zeros = body.translate(_AS_ZEROS, b".")
-    # find(), not "in": bytes.__contains__ first tries its argument as an integer and clears the TypeError, a
-    # third of the cost of each test.
     if zeros.find(_LONG_MANTISSA) < 0 and zeros.find(b"0e000") < 0 and zeros.find(b"0e-000") < 0:
         return orjson.dumps(orjson.loads(body), option=orjson.OPT_SORT_KEYS)
     if body.count(b",") + body.count(b":") > _EXACT_VALUES_FREE + len(body) // _EXACT_BYTES_PER_VALUE:
