@@ -45,7 +45,7 @@ async def worker(dsn: str, run: str, deadline: float, latencies: list[float], sw
         while time.perf_counter() < deadline:
             i += 1
             started = time.perf_counter()
-            row = await claim.fetchrow(TENANT, f"{run}-{i}", FINGERPRINT, 60.0, 86400.0, new_fence())
+            row = await claim.fetchrow(TENANT, f"{run}-{i}", FINGERPRINT, 60.0, 86400.0, new_fence(), None)
             assert row is not None
             assert row["owned"]  # a new key: inserted, ours
             await complete.fetch(TENANT, f"{run}-{i}", row["fence"], 201, HEADERS, BODY, len(BODY))

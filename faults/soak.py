@@ -79,6 +79,12 @@ def scenarios(
         "outage": [
             (lambda: first(run_outage(mode="stop", clients=10, downtime=5.0, cooldown_calls=10, pg=outage_pg)), True),
             (lambda: first(run_outage(mode="freeze", clients=10, downtime=5.0, cooldown_calls=10, pg=outage_pg)), True),
+            (
+                lambda: first(
+                    run_outage(mode="kill", clients=10, kills=5, downtime=1.0, cooldown_calls=10, pg=outage_pg)
+                ),
+                True,
+            ),
         ],
         "lossy": [(lambda: first(run_lossy(dsn, payments=300, concurrency=20)), True)],
         "zombie": [

@@ -82,6 +82,35 @@ async def charges_per_key(dsn: str, keys: Sequence[str]) -> Counter[str]:
     return Counter({row["key"]: row["n"] for row in rows})
 
 
+async def reruns(dsn: str, keys: Sequence[str]) -> int:
+    """Handlers of these keys that ran again after a run of theirs was cut short (``faults_entries``, written as a
+    handler starts, outside its transaction)."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        count: int = await connection.fetchval(
+            "SELECT coalesce(sum(n - 1), 0) FROM (SELECT count(*) AS n FROM faults_entries "
+            "WHERE key = ANY($1::text[]) GROUP BY key) AS runs",
+            list(keys),
+        )
+    finally:
+        await connection.close()
+    return count
+
+
+async def effects_without_a_record(dsn: str, keys: Sequence[str]) -> int:
+    """Effects of these keys whose key has no completed record: the record of an effect that happened, lost."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        count: int = await connection.fetchval(
+            "SELECT count(*) FROM faults_effects AS e WHERE e.key = ANY($1::text[]) AND NOT EXISTS "
+            "(SELECT FROM idempotency_responses AS s WHERE s.tenant = e.tenant AND s.key = e.key)",
+            list(keys),
+        )
+    finally:
+        await connection.close()
+    return count
+
+
 async def violations(dsn: str, keys: Sequence[str]) -> list[str]:
     """Handlers of these keys that ran without a committed claim (see :mod:`faults.ledger_app`)."""
     connection = await asyncpg.connect(dsn)

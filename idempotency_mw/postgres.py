@@ -201,13 +201,14 @@ class PostgresStore:
     # -- the Store protocol --------------------------------------------------------------------------------
 
     async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
-        return await self._claim(self._connector.run, tenant, key, fingerprint, lease=lease, ttl=ttl)
+        return await self._claim(self._connector.run, tenant, key, fingerprint, lease=lease, ttl=ttl, flush=True)
 
     async def claim_on(
         self, connection: asyncpg.Connection, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float
     ) -> Claim:
-        """The claim, on a connection of the app's engine that a transaction of another kind (SQLAlchemy's) then
-        begins on; under READ COMMITTED whatever the session's default, as every statement of the store's."""
+        """The claim of a transactional request, on a connection of the app's engine that a transaction of another
+        kind (SQLAlchemy's) then begins on; under READ COMMITTED whatever the session's default, as every statement
+        of the store's, and committed without waiting for its flush (see :meth:`_claim`)."""
         if self._explicit_elsewhere is None:
             with reachable():
                 level = await connection.fetchval("SHOW default_transaction_isolation", timeout=self.timeout)
@@ -221,13 +222,19 @@ class PostgresStore:
                 async with connection.transaction(isolation="read_committed"):
                     return await connection.fetchrow(self._sql[name], *args, timeout=self.timeout)
 
-        return await self._claim(run, tenant, key, fingerprint, lease=lease, ttl=ttl)
+        return await self._claim(run, tenant, key, fingerprint, lease=lease, ttl=ttl, flush=False)
 
-    async def _claim(self, run: Run, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
+    async def _claim(
+        self, run: Run, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, flush: bool
+    ) -> Claim:
+        """The claim, by ``run``. Without ``flush`` (a transactional request's) it commits without waiting for its
+        WAL flush, which the handler's COMMIT does for it (``sql/queries.sql``, claim): never for a claim whose
+        effect is outside the database, which a crash could then lose after the effect ran."""
         if self._closing:
             raise StoreUnavailable("the idempotency store is closing: it takes no new claims")
         # max: a record never expires under a live lease (sql/queries.sql, renew)
-        args = (tenant, key, fingerprint, float(lease), float(max(ttl, lease)), new_fence())
+        unflushed = None if flush else "off"
+        args = (tenant, key, fingerprint, float(lease), float(max(ttl, lease)), new_fence(), unflushed)
         row = await run("claim", args)
         if row is None:  # lost a race with a concurrent claim of the key (see sql/queries.sql): lock and look again
             self.claim_races += 1
@@ -335,7 +342,7 @@ class PostgresTransaction:
 
     async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
         with self._reachable():
-            return await self._store._claim(self._run, tenant, key, fingerprint, lease=lease, ttl=ttl)
+            return await self._store._claim(self._run, tenant, key, fingerprint, lease=lease, ttl=ttl, flush=False)
 
     async def begin(self) -> None:
         """BEGIN, at the database's default isolation level (the store's own session reads READ COMMITTED)."""

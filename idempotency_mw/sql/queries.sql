@@ -21,11 +21,19 @@
 -- either.
 -- Every condition that a concurrent write can change is written on the row being updated (r), which the UPDATE
 -- re-reads after waiting for such a write; e is the snapshot's record and response.
--- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds (at least $4, see renew), $6 fence
-WITH inserted AS (
+-- $7 is synchronous_commit for this statement's own commit: NULL keeps the session's. A transactional request
+-- passes 'off': its claim is visible at once, and the handler's COMMIT, which waits for its flush, flushes the claim
+-- before it (WAL is flushed in order), so the claim is durable whenever the effect is, for one flush instead of two.
+-- A crash can only lose a claim whose effect never committed; the retry then runs afresh.
+-- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds (at least $4, see renew), $6 fence,
+-- $7 synchronous_commit
+WITH commit_setting AS MATERIALIZED (
+    SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
+), inserted AS (
     INSERT INTO {schema}.idempotency_records AS r
         (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at)
-    VALUES ($1, $2, $3, $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5))
+    SELECT $1, $2, $3, $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
+    FROM commit_setting
     ON CONFLICT (tenant, key) DO NOTHING
     RETURNING r.fence, r.fingerprint, r.attempts
 ), existing AS (
@@ -85,8 +93,10 @@ FROM found AS f;
 -- concurrent claim or completion, see above): DO UPDATE locks and returns the current row even when it was
 -- committed after this statement's snapshot, so it always answers. It writes the record row in every case, a
 -- replay too (without counting it). A response is read from this statement's snapshot, taken after ``claim``'s.
--- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds, $6 fence
-WITH cleared AS (
+-- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds, $6 fence, $7 synchronous_commit (see claim)
+WITH commit_setting AS MATERIALIZED (
+    SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
+), cleared AS (
     DELETE FROM {schema}.idempotency_responses AS s
     USING {schema}.idempotency_records AS r
     WHERE s.tenant = $1 AND s.key = $2 AND r.tenant = $1 AND r.key = $2 AND r.expires_at <= now()
@@ -97,7 +107,8 @@ WITH cleared AS (
 ), claimed AS (
     INSERT INTO {schema}.idempotency_records AS r
         (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at)
-    VALUES ($1, $2, $3, $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5))
+    SELECT $1, $2, $3, $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
+    FROM commit_setting
     ON CONFLICT (tenant, key) DO UPDATE SET
         fingerprint      = CASE WHEN r.expires_at <= now() THEN excluded.fingerprint ELSE r.fingerprint END,
         fence            = CASE WHEN r.expires_at <= now() OR (NOT EXISTS (SELECT FROM response) AND r.lease_expires_at <= now() AND r.fingerprint = excluded.fingerprint) THEN excluded.fence ELSE r.fence END,

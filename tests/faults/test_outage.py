@@ -34,3 +34,23 @@ async def test_outage_fails_closed_then_recovers_with_nothing_lost(own_postgres:
     assert result.duplicates == 0
     assert result.lost == 0
     assert own_postgres.running
+
+
+async def test_a_database_killed_between_claims_and_commits_loses_no_effect_and_no_record(
+    own_postgres: DisposablePostgres,
+) -> None:
+    """Transactional claims commit without waiting for their WAL flush (the handler's COMMIT flushes them): killed
+    three times with handlers between their claim and their commit, the database may lose claims, but only those
+    whose effect never committed. Every call ends with one effect and its completed record; no effect survives
+    without its record; nothing runs twice."""
+    result, findings = await run_outage(
+        mode="kill", clients=6, kills=3, downtime=0.5, warmup=0.8, cooldown_calls=3, store_timeout=1.0, pg=own_postgres
+    )
+    assert findings.unanswered == 0
+    assert findings.recovered_calls >= 6 * 3
+    assert findings.violations == [], "a handler ran without a committed claim"
+    assert findings.unrecorded == 0, "an effect committed without its record"
+    assert findings.reruns > 0, "no kill found a handler mid-flight: the scenario proved nothing"
+    assert result.duplicates == 0
+    assert result.lost == 0
+    assert own_postgres.running
