@@ -25,9 +25,12 @@ from urllib.parse import parse_qsl
 import orjson
 
 
-def fingerprint(method: str, path: str, query_string: bytes, content_type: bytes, body: bytes) -> bytes:
-    """Return the 32-byte SHA-256 digest that identifies this request's payload."""
-    kind, canonical = canonical_body(content_type, body)
+def fingerprint(
+    method: str, path: str, query_string: bytes, content_type: bytes, body: bytes, exclude: frozenset[str] = frozenset()
+) -> bytes:
+    """Return the 32-byte SHA-256 digest that identifies this request's payload; ``exclude`` names fields of a JSON or
+    form body to leave out (``"meta.attempt_id"`` reaches into objects)."""
+    kind, canonical = canonical_body(content_type, body, exclude)
     method_bytes, path_bytes, query = method.encode(), path.encode(), canonical_query(query_string)
     # All lengths first, then the parts: one way to read it back.
     lengths = _LENGTHS.pack(len(method_bytes), len(path_bytes), len(query), len(kind), len(canonical))
@@ -45,18 +48,18 @@ def canonical_query(query_string: bytes) -> bytes:
     return pairs if pairs is not None else b"as sent:" + query_string
 
 
-def canonical_body(content_type: bytes, body: bytes) -> tuple[bytes, bytes]:
+def canonical_body(content_type: bytes, body: bytes, exclude: frozenset[str] = frozenset()) -> tuple[bytes, bytes]:
     """Return ``(kind, canonical bytes)``; the kind keeps a JSON body and a raw body with equal bytes apart."""
     media_type = content_type.split(b";", 1)[0].strip().lower()
     if media_type == b"application/json" or media_type.endswith(b"+json"):
         try:
-            canonical = _canonical_json(body)
+            canonical = _canonical_json(body, exclude)
         except (ValueError, RecursionError, orjson.JSONEncodeError):  # not JSON, or nested too deep to re-serialise
             canonical = None
         if canonical is not None:
             return b"json", canonical
     elif media_type == b"application/x-www-form-urlencoded":
-        fields = _canonical_form(body)
+        fields = _canonical_form(body, exclude)
         if fields is not None:
             return b"form", fields
     # Bytes the app reads by their content type's parameters (a multipart boundary, a charset) are another
@@ -85,10 +88,10 @@ _EXACT_VALUES_FREE = 1024
 _EXACT_BYTES_PER_VALUE = 8
 
 
-def _canonical_json(body: bytes) -> bytes | None:
+def _canonical_json(body: bytes, exclude: frozenset[str] = frozenset()) -> bytes | None:
     zeros = body.translate(_AS_ZEROS, b".")
     if zeros.find(_LONG_MANTISSA) < 0 and zeros.find(b"0e000") < 0 and zeros.find(b"0e-000") < 0:
-        return orjson.dumps(orjson.loads(body), option=orjson.OPT_SORT_KEYS)
+        return orjson.dumps(_without(orjson.loads(body), exclude), option=orjson.OPT_SORT_KEYS)
     if body.count(b",") + body.count(b":") > _EXACT_VALUES_FREE + len(body) // _EXACT_BYTES_PER_VALUE:
         return None
     # Python's json reads the structure and hands every number over as written; orjson writes the result with
@@ -96,7 +99,19 @@ def _canonical_json(body: bytes) -> bytes | None:
     value = json.loads(
         body.decode(), parse_int=orjson.Fragment, parse_float=orjson.Fragment, parse_constant=_no_constant
     )
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    return orjson.dumps(_without(value, exclude), option=orjson.OPT_SORT_KEYS)
+
+
+def _without(value: object, exclude: frozenset[str]) -> object:
+    """``value`` without the fields ``exclude`` names (dotted names reach into objects, never into arrays)."""
+    for name in exclude:
+        *parents, last = name.split(".")
+        target = value
+        for parent in parents:
+            target = target.get(parent) if isinstance(target, dict) else None
+        if isinstance(target, dict):
+            target.pop(last, None)
+    return value
 
 
 def _no_constant(name: str) -> NoReturn:
@@ -114,16 +129,16 @@ _ESCAPES_FREE = 1024
 _BYTES_PER_ESCAPE = 16
 
 
-def _canonical_form(body: bytes) -> bytes | None:
+def _canonical_form(body: bytes, exclude: frozenset[str] = frozenset()) -> bytes | None:
     """A form body's decoded pairs, sorted by name, as ``request.form()`` reads them; None for a body that looks like
     JSON, which is hashed as sent: Starlette's ``request.json()`` reads any body, ``curl -d '{...}'`` sends JSON typed
     as a form, and decoding it (``+`` to a space, ``%25`` to ``%``) would merge JSON bodies the app reads apart."""
     if body.lstrip()[:1] in (b"{", b"[", b'"'):
         return None
-    return _canonical_pairs(body)
+    return _canonical_pairs(body, exclude)
 
 
-def _canonical_pairs(encoded: bytes) -> bytes | None:
+def _canonical_pairs(encoded: bytes, exclude: frozenset[str] = frozenset()) -> bytes | None:
     """The decoded pairs sorted by name, or None when decoding them would cost too much."""
     if encoded.count(b"&") >= _MAX_FIELDS:
         return None
@@ -133,6 +148,8 @@ def _canonical_pairs(encoded: bytes) -> bytes | None:
     # latin-1, %XX escapes as UTF-8. Where an escape is not UTF-8, Starlette reads U+FFFD, which would merge
     # different bytes; surrogateescape keeps each such byte as its own lone surrogate instead.
     pairs = parse_qsl(encoded.decode("latin-1"), keep_blank_values=True, errors="surrogateescape")
+    if exclude:
+        pairs = [pair for pair in pairs if pair[0] not in exclude]
     pairs.sort(key=lambda pair: pair[0])  # stable: repeated names keep their relative order
     try:
         return orjson.dumps(pairs)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -38,6 +39,7 @@ from idempotency_mw.store import (
     Claim,
     ClaimOutcome,
     Store,
+    StoredResponse,
     TransactionalStore,
 )
 from idempotency_mw.tenants import (
@@ -52,6 +54,9 @@ from idempotency_mw.transaction import TransactionalRun
 from idempotency_mw.wire import WITHHELD_EXTENSIONS
 
 T = TypeVar("T")
+
+DISABLED_VARIABLE = "IDEMPOTENCY_MW_DISABLED"
+ReplayHook = Callable[[Scope, "StoredResponse"], "StoredResponse | None"]
 
 
 class IdempotencyMiddleware:
@@ -70,6 +75,10 @@ class IdempotencyMiddleware:
       has a ``started(scope)`` method, that is called when the request reaches the store (metrics use it for
       an in-flight gauge).
     - ``retry_after``: the ``Retry-After`` seconds sent with 409 and 503.
+    - ``on_replay``: called with the scope and the stored response before a replay goes out; it may return another
+      response to send in its place (an extra header), or None to send it as stored (to count replays, say).
+    - ``enabled``: False (or ``IDEMPOTENCY_MW_DISABLED=1`` in the environment) lets every request through untouched,
+      for tests or an emergency, and says so in a warning as the middleware is built.
     """
 
     def __init__(
@@ -92,6 +101,9 @@ class IdempotencyMiddleware:
         routes: Mapping[str, Mapping[str, Any]] | None = None,
         on_event: EventHook | None = log_event,
         retry_after: int = 1,
+        fingerprint_exclude: Collection[str] = frozenset(),
+        on_replay: ReplayHook | None = None,
+        enabled: bool = True,
     ) -> None:
         if tenant is None:
             tenant = AuthorizationTenant()  # fails here, with what to set, when no secret is configured
@@ -111,6 +123,7 @@ class IdempotencyMiddleware:
             methods=methods,  # type: ignore[arg-type]  # a collection; Policy checks and freezes it
             retry_window=retry_window,
             check_uuid7_age=check_uuid7_age,
+            fingerprint_exclude=fingerprint_exclude,  # type: ignore[arg-type]  # a collection; Policy freezes it
         )
         self.app = app
         self.store = store
@@ -124,7 +137,16 @@ class IdempotencyMiddleware:
         self.on_event = on_event
         self.on_started = getattr(on_event, "started", None)
         self.retry_after = retry_after
+        self.on_replay = on_replay
         self._check_transactional(default, *(p for _, p in self.policies.patterns))
+        self.enabled = enabled and os.environ.get(DISABLED_VARIABLE, "").strip().lower() not in ("1", "true", "yes")
+        if not self.enabled:
+            why = f"{DISABLED_VARIABLE} is set" if enabled else "enabled=False"
+            logger.warning(
+                "idempotency: the Idempotency-Key middleware is DISABLED (%s): every request goes through untouched, "
+                "and a retried request will run again. Never leave it so in production.",
+                why,
+            )
 
     def _check_transactional(self, *policies: Policy) -> None:
         if any(p.transactional for p in policies) and not isinstance(self.store, TransactionalStore):
@@ -135,7 +157,7 @@ class IdempotencyMiddleware:
             )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or not self.enabled:
             if scope["type"] == "lifespan":
                 return await self._lifespan(scope, receive, send)
             return await self.app(scope, receive, send)
@@ -406,6 +428,12 @@ class IdempotentRequest:
             )
             return await self._refuse(problem, Outcome.NOT_REPLAYABLE)
         # 7. Replay.
+        hook = self.middleware.on_replay
+        if hook is not None:
+            try:
+                response = hook(self.scope, response) or response
+            except Exception:
+                logger.exception("idempotency on_replay hook failed (the response is replayed as stored)")
         self._decide(Outcome.REPLAYED, response.status)
         await replay(response, self.send)
 
@@ -546,7 +574,9 @@ class IdempotentRequest:
             return False
         scope = self.scope
         query = scope.get("query_string", b"")
-        self.digest = fingerprint(scope["method"], scope["path"], query, self._header(b"content-type"), self.body.body)
+        content_type = self._header(b"content-type")
+        exclude = self.policy.fingerprint_exclude
+        self.digest = fingerprint(scope["method"], scope["path"], query, content_type, self.body.body, exclude)
         return True
 
     def _downstream(self) -> Send:

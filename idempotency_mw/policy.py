@@ -50,6 +50,9 @@ class Policy:
     # record: its record may have expired. Off by default: SDKs mint random keys in UUID shape, and one in 64 of
     # them reads as a UUIDv7 with a random, usually ancient, "birth time".
     check_uuid7_age: bool = False
+    # Fields of a JSON or form body left out of the fingerprint ("sent_at", "meta.attempt_id": dotted names reach into
+    # objects), for clients that stamp each attempt: a retry that changes only these is still the same request.
+    fingerprint_exclude: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         for name in ("ttl", "lease"):
@@ -84,6 +87,14 @@ class Policy:
         if any(not isinstance(m, str) or not m.isalpha() for m in methods):
             raise ValueError(f"idempotency methods must be HTTP method names, got {sorted(map(str, self.methods))}")
         object.__setattr__(self, "methods", methods)  # empty: the route is not covered at all
+        if isinstance(self.fingerprint_exclude, str | bytes) or any(
+            not isinstance(name, str) or not name or "" in name.split(".") for name in self.fingerprint_exclude
+        ):
+            raise ValueError(
+                "idempotency fingerprint_exclude must be a collection of field names (dotted for nested fields), got "
+                f"{self.fingerprint_exclude!r}"
+            )
+        object.__setattr__(self, "fingerprint_exclude", frozenset(self.fingerprint_exclude))
 
     def records(self, status: int) -> bool:
         """Whether a response with ``status`` is final, so stored and replayed (else: released)."""

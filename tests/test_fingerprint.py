@@ -317,3 +317,33 @@ def test_forms_the_app_reads_differently_never_share_a_fingerprint(bodies: tuple
     first, second = bodies
     assume(starlette_form(first) != starlette_form(second))
     assert fp(first, FORM) != fp(second, FORM)
+
+
+def test_excluded_fields_leave_the_fingerprint_and_nothing_else_does() -> None:
+    exclude = frozenset({"sent_at", "meta.attempt"})
+    base = fingerprint("POST", "/p", b"", JSON, b'{"a": 1, "sent_at": 1, "meta": {"attempt": 1, "b": 2}}', exclude)
+    same = fingerprint("POST", "/p", b"", JSON, b'{"meta": {"b": 2, "attempt": 9}, "a": 1, "sent_at": 7}', exclude)
+    other = fingerprint("POST", "/p", b"", JSON, b'{"a": 1, "sent_at": 1, "meta": {"attempt": 1, "b": 3}}', exclude)
+    assert base == same
+    assert base != other
+    # Without exclusions the digest is what it always was.
+    assert fp(b'{"a": 1}') == fingerprint("POST", "/p", b"", JSON, b'{"a": 1}', frozenset())
+
+
+def test_exclusions_reach_objects_only_and_keep_exact_numbers() -> None:
+    exclude = frozenset({"items.id", "x.y.z"})
+    body = b'{"items": [{"id": 1}], "x": 5}'
+    assert fingerprint("POST", "/p", b"", JSON, body, exclude) != fingerprint(
+        "POST", "/p", b"", JSON, b'{"items": [{"id": 2}], "x": 5}', exclude
+    )  # arrays are not reached into
+    long_a = b'{"amount": 12345678901234567890, "t": 1}'
+    long_b = b'{"amount": 12345678901234567891, "t": 2}'
+    assert fingerprint("POST", "/p", b"", JSON, long_a, frozenset({"t"})) != fingerprint(
+        "POST", "/p", b"", JSON, long_b, frozenset({"t"})
+    )
+
+
+def test_exclusions_do_not_apply_to_raw_bodies() -> None:
+    exclude = frozenset({"t"})
+    raw = b"application/octet-stream"
+    assert fingerprint("POST", "/p", b"", raw, b"t=1", exclude) != fingerprint("POST", "/p", b"", raw, b"t=2", exclude)

@@ -732,3 +732,82 @@ async def test_a_completed_record_replays_even_if_its_fence_is_drawn_again(
     assert again.outcome.value == "completed"
     assert again.response is not None
     assert again.response.body == b"done"
+
+
+# -- fingerprint field selection ----------------------------------------------------------------------------------
+
+
+async def test_fields_left_out_of_the_fingerprint_may_change_between_retries(store: Store, key: str) -> None:
+    """A client that stamps each attempt (a timestamp, a request id inside the body) sends the same request again:
+    a route that leaves those fields out of the fingerprint replays it; any other change is still another request."""
+    probe, client = setup(store, routes={"/charge": {"fingerprint_exclude": {"sent_at", "meta.attempt_id"}}})
+    first = b'{"amount": 10, "sent_at": "2026-11-26T10:00:00Z", "meta": {"attempt_id": "a1", "source": "app"}}'
+    retry = b'{"amount": 10, "sent_at": "2026-11-26T10:00:05Z", "meta": {"attempt_id": "a2", "source": "app"}}'
+    other = b'{"amount": 11, "sent_at": "2026-11-26T10:00:09Z", "meta": {"attempt_id": "a3", "source": "app"}}'
+    headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    assert (await client.post("/charge", content=first, headers=headers)).status_code == 201
+    replayed = await client.post("/charge", content=retry, headers=headers)
+    assert replayed.headers["idempotent-replayed"] == "true"
+    reused = await client.post("/charge", content=other, headers=headers)
+    assert problem(reused)["code"] == "idempotency_key_reused"
+    moved = first.replace(b'"source": "app"', b'"source": "web"')
+    assert problem(await client.post("/charge", content=moved, headers=headers))["status"] == 422
+    assert probe.calls["charge"] == 1
+
+
+async def test_form_fields_left_out_of_the_fingerprint(store: Store, key: str) -> None:
+    probe, client = setup(store, routes={"/charge": {"fingerprint_exclude": {"nonce"}}})
+    form = {"Content-Type": "application/x-www-form-urlencoded", "Idempotency-Key": key}
+    assert (await client.post("/charge", content=b"amount=10&nonce=1", headers=form)).status_code == 201
+    again = await client.post("/charge", content=b"nonce=2&amount=10", headers=form)
+    assert again.headers["idempotent-replayed"] == "true"
+    assert (await client.post("/charge", content=b"amount=11&nonce=3", headers=form)).status_code == 422
+    assert probe.calls["charge"] == 1
+
+
+def test_fingerprint_exclude_takes_field_names() -> None:
+    with pytest.raises(ValueError, match="fingerprint_exclude"):
+        IdempotencyMiddleware(build_app(MemoryStore(), Probe()), store=MemoryStore(), fingerprint_exclude="sent_at")
+
+
+# -- the replay hook, and turning the middleware off --------------------------------------------------------------
+
+
+async def test_the_replay_hook_sees_and_may_change_each_replay(store: Store, key: str) -> None:
+    seen: list[tuple[str, int]] = []
+
+    def on_replay(scope: Scope, response: StoredResponse) -> StoredResponse:
+        seen.append((scope["path"], response.status))
+        return StoredResponse(
+            response.status, [*response.headers, (b"x-replays-seen", b"1")], response.body, response.body_size
+        )
+
+    probe, client = setup(store, on_replay=on_replay)
+    live = await client.post("/charge", content=b"{}", headers={"Idempotency-Key": key})
+    replay = await client.post("/charge", content=b"{}", headers={"Idempotency-Key": key})
+    assert "x-replays-seen" not in live.headers
+    assert (replay.headers["x-replays-seen"], replay.headers["idempotent-replayed"]) == ("1", "true")
+    assert replay.content == live.content
+    assert seen == [("/charge", 201)]
+    assert probe.calls["charge"] == 1
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+async def test_a_disabled_middleware_lets_everything_through_and_says_so(
+    store: Store, key: str, how: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """For tests, or an emergency: every request runs as if the middleware were not there, and the operator is
+    told at start, loudly, that retries now run again."""
+    options: dict[str, Any] = {}
+    if how == "argument":
+        options["enabled"] = False
+    else:
+        monkeypatch.setenv("IDEMPOTENCY_MW_DISABLED", "1")
+    with caplog.at_level("WARNING", logger="idempotency_mw"):
+        probe, client = setup(store, **options)
+    for _ in range(2):
+        assert (await client.post("/charge", content=b"{}", headers={"Idempotency-Key": key})).status_code == 201
+    assert probe.calls["charge"] == 2
+    (warning,) = [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+    assert "DISABLED" in warning.getMessage()
+    assert "run again" in warning.getMessage()
