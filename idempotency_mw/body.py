@@ -4,8 +4,13 @@ as it came, once, before the real channel (which still tells of a client that ha
 from __future__ import annotations
 
 import enum
+from typing import Any
+from urllib.parse import parse_qsl
 
+import orjson
 from starlette.types import Message, Receive
+
+from idempotency_mw.keys import InvalidKey
 
 
 class Read(enum.Enum):
@@ -19,9 +24,10 @@ class BufferedBody:
         self._receive = receive
         self._limit = limit
         self.body = b""
+        self.read = False  # the whole body is in ``body``
         self.delivered = False  # handed to the handler (or never buffered: it reads the real channel)
 
-    async def read(self, declared_length: bytes) -> Read:
+    async def read_all(self, declared_length: bytes) -> Read:
         """Read the whole body, refusing one over the cap by its ``Content-Length`` before reading it."""
         if declared_length.isdigit() and int(declared_length) > self._limit:
             return Read.TOO_LARGE
@@ -39,7 +45,19 @@ class BufferedBody:
             if not message.get("more_body", False):
                 break
         self.body = b"".join(chunks)
+        self.read = True
         return Read.WHOLE
+
+    def payload(self, content_type: bytes) -> Any:
+        """The body as an app reads it, for a route that takes its key from it: the parsed JSON (any content type,
+        as ``request.json()`` reads it), or a form's fields by name; :class:`InvalidKey` for anything else."""
+        try:
+            return orjson.loads(self.body)
+        except orjson.JSONDecodeError:
+            pass
+        if content_type.split(b";", 1)[0].strip().lower() == b"application/x-www-form-urlencoded":
+            return dict(parse_qsl(self.body.decode("latin-1"), keep_blank_values=True))
+        raise InvalidKey("this route takes its idempotency key from the body, which must be JSON or a form")
 
     async def receive(self) -> Message:
         """The handler's ``receive``: the buffered body once, then the real channel."""

@@ -23,16 +23,16 @@ class MissingKey(LookupError):
     """The request carries no ``Idempotency-Key`` header."""
 
 
-def key_from_headers(headers: list[tuple[bytes, bytes]]) -> str:
-    """Return the key carried by raw ASGI ``headers``.
+def key_from_headers(headers: list[tuple[bytes, bytes]], header: bytes = HEADER) -> str:
+    """Return the key carried by raw ASGI ``headers`` (in ``Idempotency-Key``, or another lower-cased ``header``).
 
     Raises :class:`MissingKey` when there is none and :class:`InvalidKey` when the header is repeated or malformed.
     """
     found: bytes | None = None
     for name, value in headers:
-        if name == HEADER:  # ASGI servers lower-case header names
+        if name == header:  # ASGI servers lower-case header names
             if found is not None:
-                raise InvalidKey("the Idempotency-Key header must appear exactly once")
+                raise InvalidKey(f"the {header.decode('latin-1')} header must appear exactly once")
             found = value
     if found is None:
         raise MissingKey()
@@ -52,6 +52,18 @@ def parse_key(raw: bytes) -> str:
 
 # Visible ASCII except the comma: every byte a bare key may hold (the loop below only runs to say what is wrong).
 _BARE_TOKEN = re.compile(rb"[\x21-\x2b\x2d-\x7e]+")
+
+
+def key_from_payload(value: object) -> str:
+    """A key a route takes from the request body (a webhook's event id): a string of 1 to 255 visible ASCII
+    characters, taken as it is (no quoting applies to it)."""
+    if not isinstance(value, str):
+        raise InvalidKey(f"the key taken from the body must be a string, not {type(value).__name__}")
+    if not 1 <= len(value) <= MAX_KEY_LENGTH:
+        raise InvalidKey(f"an idempotency key is 1 to {MAX_KEY_LENGTH} characters long, this one has {len(value)}")
+    if not value.isascii() or not value.isprintable() or " " in value:
+        raise InvalidKey("an idempotency key must be visible ASCII, without spaces or control characters")
+    return value
 
 
 def _parse_token(value: bytes) -> str:

@@ -30,7 +30,7 @@ from idempotency_mw.eager import outlasting, start_eagerly
 from idempotency_mw.events import EventHook, Outcome, Report, log_event, logger
 from idempotency_mw.failures import FailureLog
 from idempotency_mw.fingerprint import fingerprint
-from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers, uuid7_time
+from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers, key_from_payload, uuid7_time
 from idempotency_mw.leases import LeaseKeeper
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
 from idempotency_mw.recording import PlainRun
@@ -187,8 +187,10 @@ class IdempotencyMiddleware:
 
     def _covers(self, endpoint: Any, path: str, methods: frozenset[str] | None) -> bool:
         """Whether a route (its endpoint, path template and methods) takes requests this middleware covers."""
-        covered = self.policies.for_endpoint(endpoint, path).methods
-        return bool(covered) if methods is None else not covered.isdisjoint(methods)
+        policy = self.policies.for_endpoint(endpoint, path)
+        if policy.tenant is not None:
+            return False  # its tenant is its own: the app need not tell it
+        return bool(policy.methods) if methods is None else not policy.methods.isdisjoint(methods)
 
     def route_of(self, method: str, path: str, root_path: str) -> RouteMatch:
         """The route a request is for (its template, ``/v1/charges/{id}``, or ``<unmatched>``), and whether one takes
@@ -266,21 +268,24 @@ class IdempotentRequest:
                     settle=self._record_or_release,
                     on_settled=self._decide,
                 )
-            # 1. The key, validated before anything touches the store.
+            # 1. The key, validated before anything touches the store (unless it is in the body: a webhook's).
+            if callable(self.policy.key_from) and not await self._read_body():
+                return
             try:
-                self.key = self.report.key = key_from_headers(self.scope["headers"])
+                self.key = self.report.key = self._key()
             except MissingKey:
                 if self.policy.required:
                     self.refusal = (problems.key_missing(), Outcome.KEY_MISSING)
                 elif self.policy.transactional:
-                    self.body.delivered = True  # nothing was buffered: the handler reads the real channel
+                    self.body.delivered = not self.body.read  # unread: the handler reads the real channel
                     return await self._run_keyless_transaction()
-                else:
-                    return await self.middleware.app(self.scope, self.receive, self.send)  # not ours: untouched
+                else:  # not ours: untouched
+                    receive = self.body.receive if self.body.read else self.receive
+                    return await self.middleware.app(self.scope, receive, self.send)
             except InvalidKey as error:
                 self.refusal = (problems.key_invalid(str(error)), Outcome.KEY_INVALID)
 
-            if self.middleware.tenant_from_app is not None:
+            if self._tenant_from_app():
                 # 2. and 4. inside the app, once its own authentication has answered: it calls claim_for.
                 if await self._read_body():
                     self._wait_for_the_app()
@@ -289,7 +294,8 @@ class IdempotentRequest:
 
             # 2. The tenant: none means the key cannot be scoped, and an unscoped key must never meet another's.
             if self.refusal is None:
-                tenant = self.middleware.tenant(self.scope)  # type: ignore[operator]  # not a TenantFromApp here
+                resolver = self.policy.tenant or self.middleware.tenant
+                tenant = resolver(self.scope)  # type: ignore[operator]  # not a TenantFromApp here
                 if tenant is not None and not isinstance(tenant, str):
                     tenant = await awaited_tenant(tenant)
                 if tenant is None:
@@ -330,6 +336,22 @@ class IdempotentRequest:
         context = state.get(STATE_KEY)
         assert isinstance(context, IdempotencyContext)
         return context
+
+    def _key(self) -> str:
+        """The key: from the Idempotency-Key header, another header the route names, or the body (``key_from``)."""
+        source = self.policy.key_from
+        if source is None:
+            return key_from_headers(self.scope["headers"])
+        if isinstance(source, str):
+            return key_from_headers(self.scope["headers"], source.lower().encode("latin-1"))
+        key = source(self.body.payload(self._header(b"content-type")))
+        if key is None:
+            raise MissingKey
+        return key_from_payload(key)
+
+    def _tenant_from_app(self) -> bool:
+        """Whether the app tells this request's tenant from inside (the route names no tenant of its own)."""
+        return self.middleware.tenant_from_app is not None and self.policy.tenant is None
 
     def _wait_for_the_app(self) -> None:
         self.phase = Phase.WAITING
@@ -496,7 +518,7 @@ class IdempotentRequest:
     async def _run_keyless_transaction(self) -> None:
         """A transactional route called without a key still gets its transaction, with no record in it (begun once
         the app has told its tenant, when that is the app's to tell)."""
-        if self.middleware.tenant_from_app is not None:
+        if self._tenant_from_app():
             self._wait_for_the_app()
         elif not await self._begin():
             return
@@ -559,15 +581,18 @@ class IdempotentRequest:
 
     def _tenant_unknown(self) -> tuple[problems.Problem, Outcome]:
         """The refusal of a keyed request whose tenant is unknown, in the words of the resolver configured."""
+        resolver = self.policy.tenant or self.middleware.tenant
         if not self.middleware.tenant_unknown_logged:
             self.middleware.tenant_unknown_logged = True
-            logger.warning(unknown_tenant_advice(self.middleware.tenant))
-        return problems.tenant_unknown(requirement(self.middleware.tenant)), Outcome.TENANT_UNKNOWN
+            logger.warning(unknown_tenant_advice(resolver))
+        return problems.tenant_unknown(requirement(resolver)), Outcome.TENANT_UNKNOWN
 
     async def _read_body(self) -> bool:
         """Buffer the request body and fingerprint the request; False when the request ended here (413, or the
         client left: nothing ran, nothing was claimed)."""
-        read = await self.body.read(self._header(b"content-length"))
+        if self.body.read:
+            return True
+        read = await self.body.read_all(self._header(b"content-length"))
         if read is Read.TOO_LARGE:
             await self._refuse(problems.request_too_large(self.policy.max_request_bytes), Outcome.REQUEST_TOO_LARGE)
         if read is not Read.WHOLE:

@@ -53,6 +53,12 @@ class Policy:
     # Fields of a JSON or form body left out of the fingerprint ("sent_at", "meta.attempt_id": dotted names reach into
     # objects), for clients that stamp each attempt: a retry that changes only these is still the same request.
     fingerprint_exclude: frozenset[str] = frozenset()
+    # Where the key comes from: None for the Idempotency-Key header; the name of another header; or a function of the
+    # request body as the app reads it (the parsed JSON) that returns the key or None, for webhooks, whose providers
+    # put the event's id in the body.
+    key_from: str | Callable[[Any], Any] | None = None
+    # Who owns the route's keys, when not the middleware's resolver (a provider's webhooks carry no credentials).
+    tenant: Callable[[Scope], Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("ttl", "lease"):
@@ -95,6 +101,15 @@ class Policy:
                 f"{self.fingerprint_exclude!r}"
             )
         object.__setattr__(self, "fingerprint_exclude", frozenset(self.fingerprint_exclude))
+        if isinstance(self.key_from, str):
+            if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", self.key_from):
+                raise ValueError(f"idempotency key_from must be a header name or a function, got {self.key_from!r}")
+        elif self.key_from is not None and not callable(self.key_from):
+            raise ValueError(f"idempotency key_from must be a header name or a function, got {self.key_from!r}")
+        if self.tenant is not None and not callable(self.tenant):
+            raise ValueError(
+                f"idempotency tenant must be a resolver (a callable taking the scope), got {self.tenant!r}"
+            )
 
     def records(self, status: int) -> bool:
         """Whether a response with ``status`` is final, so stored and replayed (else: released)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 import httpx
@@ -811,3 +812,54 @@ async def test_a_disabled_middleware_lets_everything_through_and_says_so(
     (warning,) = [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
     assert "DISABLED" in warning.getMessage()
     assert "run again" in warning.getMessage()
+
+
+# -- keys from the payload (webhooks) -----------------------------------------------------------------------------
+
+
+def webhook_routes(**extra: Any) -> dict[str, Any]:
+    """A provider's webhooks: the key is the event's id, in the body; the provider sends no credentials, so the
+    route names the tenant its keys belong to."""
+    return {"/charge": {"key_from": lambda event: event.get("id"), "tenant": lambda scope: "provider", **extra}}
+
+
+async def test_a_webhook_route_takes_its_key_from_the_body(store: Store) -> None:
+    probe, client = setup(store, routes=webhook_routes())
+    event = {"id": f"evt_{uuid.uuid4().hex}", "type": "charge.succeeded"}
+    first = await client.post("/charge", json=event, headers={"Authorization": ""})
+    again = await client.post("/charge", json=event, headers={"Authorization": ""})
+    other = await client.post("/charge", json={**event, "id": f"evt_{uuid.uuid4().hex}"})
+    assert first.status_code == 201
+    assert (again.headers["idempotent-replayed"], again.content) == ("true", first.content)
+    assert "idempotent-replayed" not in other.headers
+    assert probe.calls["charge"] == 2
+    reused = await client.post("/charge", json={**event, "type": "charge.refunded"})
+    assert problem(reused)["code"] == "idempotency_key_reused"
+    info = await store.inspect("provider", event["id"])
+    assert info is not None
+    assert info.state == "completed"
+
+
+async def test_an_event_without_a_key_runs_unless_the_route_requires_one(store: Store) -> None:
+    probe, client = setup(store, routes=webhook_routes())
+    assert (await client.post("/charge", json={"type": "ping"})).status_code == 201
+    assert probe.calls["charge"] == 1
+    probe, client = setup(store, routes=webhook_routes(required=True))
+    missing = await client.post("/charge", json={"type": "ping"})
+    assert problem(missing)["code"] == "idempotency_key_missing"
+    not_json = await client.post("/charge", content=b"id=evt_1", headers={"Content-Type": "text/plain"})
+    assert problem(not_json)["code"] == "idempotency_key_invalid"
+    bad = await client.post("/charge", json={"id": "evt 1"})
+    assert problem(bad)["code"] == "idempotency_key_invalid"
+    assert probe.calls["charge"] == 0
+
+
+async def test_a_route_may_take_its_key_from_another_header(store: Store) -> None:
+    probe, client = setup(store, routes={"/charge": {"key_from": "X-Event-Id"}})
+    event_id = str(uuid.uuid4())
+    for _ in range(2):
+        answer = await client.post("/charge", content=b"{}", headers={"X-Event-Id": event_id})
+        assert answer.status_code == 201
+    assert probe.calls["charge"] == 1
+    ignored = await client.post("/charge", content=b"{}", headers={"Idempotency-Key": event_id})
+    assert "idempotent-replayed" not in ignored.headers  # this route's key is X-Event-Id only
