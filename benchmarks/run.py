@@ -199,6 +199,31 @@ def header(meta: dict[str, Any]) -> str:
     )
 
 
+def measurement_meta(
+    *,
+    began: float,
+    mode: str,
+    postgres: str,
+    database: str,
+    load_before: str,
+    versions: dict[str, str],
+    seconds: float,
+) -> dict[str, Any]:
+    """What ``write`` records beside a measurement's result: when, how, on what."""
+    return {
+        "started": datetime.datetime.fromtimestamp(began).strftime("%Y-%m-%d %H:%M"),
+        "mode": mode,
+        "minutes": (time.time() - began) / 60,
+        "machine": machine(),
+        "postgres": postgres,
+        "database": database,
+        "load_start": load_before,
+        "load_end": load_average(),
+        "versions": {k: versions.get(k) for k in VERSIONS},
+        "seconds_per_run": seconds,
+    }
+
+
 def write(name: str, markdown: str, result: dict[str, Any], meta: dict[str, Any]) -> None:
     RAW.mkdir(parents=True, exist_ok=True)
     (RAW / f"{name}.json").write_text(json.dumps({"meta": meta, "result": result}, indent=1, default=str) + "\n")
@@ -315,18 +340,15 @@ def main() -> None:
                 log(f"{name} FAILED: {error!r}")
                 failed.append(name)
                 continue
-            meta = {
-                "started": datetime.datetime.fromtimestamp(began).strftime("%Y-%m-%d %H:%M"),
-                "mode": mode,
-                "minutes": (time.time() - began) / 60,
-                "machine": machine(),
-                "postgres": postgres,
-                "database": "embedded, shared_buffers=1GB, pg_stat_statements" if db.embedded else "DATABASE_URL",
-                "load_start": load_before,
-                "load_end": load_average(),
-                "versions": {k: versions.get(k) for k in VERSIONS},
-                "seconds_per_run": seconds,
-            }
+            meta = measurement_meta(
+                began=began,
+                mode=mode,
+                postgres=postgres,
+                database="embedded, shared_buffers=1GB, pg_stat_statements" if db.embedded else "DATABASE_URL",
+                load_before=load_before,
+                versions=versions,
+                seconds=seconds,
+            )
             write(name, STEPS[name][1](result, ctx), result, meta)
             log(f"{name} done in {time.time() - began:.0f} s")
     (RESULTS / "README.md").write_text(summary() + "\n")
