@@ -11,7 +11,9 @@ Steps: the load generator (wrk) and the benchmark venv with the peers are made r
 the fingerprint's cost per body shape (issue 10) run;
 then one PostgreSQL (embedded, restarted with pg_stat_statements; or ``DATABASE_URL``) serves every other
 measurement: round trips, end to end, scale, garbage collection, memory, and (in the full run, or with
-``--only instructions``) the instructions per request that valgrind counts. Each measurement writes
+``--only instructions``) the instructions per request that valgrind counts. The durable commits of transactional
+requests (``durability.py``; in the full run, or with ``--only durability``) run on a PostgreSQL of their own, with
+a shim that slows its flushes. Each measurement writes
 ``results/<name>.md`` and its raw numbers to ``results/raw/<name>.json``; ``results/README.md`` is the summary.
 ``--only name,name`` re-runs some measurements and keeps the others' previous results.
 """
@@ -28,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import durability
 import endtoend
 import fingerprint
 import fixes
@@ -59,8 +62,10 @@ MEASUREMENTS = (
     "gc",
     "memory",
     "instructions",
+    "durability",
 )  # the order they run in
-QUICK_SKIPS = ("instructions",)  # about 3 minutes: in the full run, or the quick one with --only instructions
+# About 3 and 4 minutes: in the full run, or the quick one with --only instructions / --only durability.
+QUICK_SKIPS = ("instructions", "durability")
 # issue 5's, then 10's and 14's
 ISSUE_ORDER = (
     "roundtrips",
@@ -73,6 +78,7 @@ ISSUE_ORDER = (
     "storepath",
     "fixes",
     "instructions",
+    "durability",
 )
 VERSIONS = (
     "starlette",
@@ -176,6 +182,7 @@ STEPS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[dict[str, 
     "gc": (purge.measure, purge.render),
     "memory": (rss.measure, rss.render),
     "instructions": (run_instructions, lambda result, ctx: instructions.render(result)),
+    "durability": (durability.measure, durability.render),
 }
 
 
@@ -242,6 +249,7 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "gc": purge.targets,
     "memory": rss.targets,
     "instructions": lambda r: [],  # attribution of 14.1 and 14.2, judged on time elsewhere
+    "durability": durability.targets,
 }
 
 
@@ -340,14 +348,20 @@ def main() -> None:
                 log(f"{name} FAILED: {error!r}")
                 failed.append(name)
                 continue
+            version, database, per_run = postgres, "embedded, shared_buffers=1GB, pg_stat_statements", seconds
+            if not db.embedded:
+                database = "DATABASE_URL"
+            if name == "durability":  # measured on a server of its own, with the slow-flush shim, in short slices
+                version, database = result["server"]["version"], durability.SERVER_DESCRIPTION
+                per_run = result["settings"]["slice_seconds"]
             meta = measurement_meta(
                 began=began,
                 mode=mode,
-                postgres=postgres,
-                database="embedded, shared_buffers=1GB, pg_stat_statements" if db.embedded else "DATABASE_URL",
+                postgres=version,
+                database=database,
                 load_before=load_before,
                 versions=versions,
-                seconds=seconds,
+                seconds=per_run,
             )
             write(name, STEPS[name][1](result, ctx), result, meta)
             log(f"{name} done in {time.time() - began:.0f} s")
