@@ -47,7 +47,7 @@ from idempotency_mw.connectors import OwnPool, StoreConnection
 from idempotency_mw.context import idempotency_context
 from idempotency_mw.eager import outlasting, start_eagerly
 from idempotency_mw.leases import LeaseKeeper
-from idempotency_mw.middleware import IdempotentRequest
+from idempotency_mw.recording import PlainRun
 
 TENANT = AuthorizationTenant(TENANT_SECRET)
 CONCURRENCY = 16
@@ -184,38 +184,25 @@ async def reset_cost(dsn: str, pid: int | None, rounds: int, requests: int) -> d
 
 
 async def settle_cost(dsn: str, rounds: int, requests: int) -> dict[str, Any]:
-    """Fresh requests on MemoryStore and on PostgresStore: the settle task (as shipped) against awaiting the
-    settlement directly.
+    """Fresh requests on MemoryStore and on PostgresStore: the settle task (as shipped, ``PlainRun._settle``) against
+    awaiting the settlement directly, and against the settle task as first written (a task and asyncio.shield)."""
+    shipped = PlainRun._settle
 
-    The shipped ``_send_recorded`` settles inline, without calling ``_settle``; here every variant, the shipped
-    settlement included, is called from the same stand-in ``_send_recorded``, so they differ only in how they
-    settle."""
-    shipped = IdempotentRequest._settle
-    shipped_send = IdempotentRequest._send_recorded
+    async def direct(self: PlainRun) -> None:  # no task, no shield: the guarantee is gone
+        if not self._claimed or self._settled:
+            return
+        self._settled = True
+        self._on_settled(await self._settle_with(self.recorder), self.recorder.status)
 
-    def sending(settle: Callable[[IdempotentRequest], Any]) -> Callable[..., Any]:
-        async def send_recorded(self: IdempotentRequest, message: Any) -> None:
-            assert self.recorder is not None
-            going, decide = self.recorder.record(message)
-            if decide:
-                await settle(self)
-            if going is not None:
-                await self.recorder.forward(going)
-
-        return send_recorded
-
-    async def direct(self: IdempotentRequest) -> None:  # no task, no shield: the guarantee is gone
-        # Settled once, as the final body passes; the call after the handler returns only reports (as shipped).
-        if not getattr(self, "settled_directly", False):
-            setattr(self, "settled_directly", True)  # noqa: B010  # not an attribute the class declares
-            await self._record_or_release()
-        self._emit()
-
-    async def from_the_start(self: IdempotentRequest) -> None:  # the settle task as first written
+    async def from_the_start(self: PlainRun) -> None:  # the settle task as first written
+        if not self._claimed:
+            return
         if self.settling is None:
-            self.settling = asyncio.ensure_future(self._record_or_release())
-        await asyncio.shield(self.settling)
-        self._emit()
+            self.settling = asyncio.ensure_future(self._settle_with(self.recorder))
+        outcome = await asyncio.shield(self.settling)
+        if not self._settled:
+            self._settled = True
+            self._on_settled(outcome, self.recorder.status)
 
     def app(store: Any) -> Starlette:
         async def order(request: Request) -> Response:
@@ -239,8 +226,7 @@ async def settle_cost(dsn: str, rounds: int, requests: int) -> dict[str, Any]:
         for r in range(rounds):
             for s, (store_name, make) in enumerate(stores.items()):
                 for n, name in enumerate(settles if r % 2 == 0 else list(settles)[::-1]):
-                    IdempotentRequest._settle = settles[name]  # type: ignore[method-assign]
-                    IdempotentRequest._send_recorded = sending(settles[name])  # type: ignore[method-assign]
+                    PlainRun._settle = settles[name]  # type: ignore[method-assign]
                     target = app(make())
                     await drive(target, 100, f"{run}-warm-{r}-{s}-{n}")
                     started = time.process_time()
@@ -248,8 +234,7 @@ async def settle_cost(dsn: str, rounds: int, requests: int) -> dict[str, Any]:
                     per[store_name][name].append((time.process_time() - started) / requests * 1e6)
                     assert created == requests
     finally:
-        IdempotentRequest._settle = shipped  # type: ignore[method-assign]
-        IdempotentRequest._send_recorded = shipped_send  # type: ignore[method-assign]
+        PlainRun._settle = shipped  # type: ignore[method-assign]
         await postgres.close()
     out: dict[str, Any] = {}
     for store_name, runs in per.items():

@@ -75,7 +75,7 @@ def _ablated_app(dsn: str, ablation: str) -> tuple[Any, Any, Any]:
     if ablation == "tasks":
         _inline_tasks(middleware)
     elif ablation == "fingerprint":
-        middleware.fingerprint = lambda method, path, query, content_type, body: hashlib.sha256(body).digest()
+        middleware.fingerprint = lambda method, path, query, content_type, body, *exclude: hashlib.sha256(body).digest()
     elif ablation == "tenant":
         options["tenant"] = lambda scope: "bench-tenant"
     elif ablation == "events":
@@ -106,10 +106,13 @@ class _Inline:
 
 
 def _inline_tasks(middleware: Any) -> None:
-    """The middleware's tasks (``start_eagerly``) and the waits that outlast a cancellation (``outlasting``) become
-    plain awaits."""
-    middleware.start_eagerly = _Inline
-    middleware.outlasting = lambda task: task
+    """The middleware's tasks (``start_eagerly``: the claim's, and plain mode's settlement in recording.py) and the
+    waits that outlast a cancellation (``outlasting``) become plain awaits."""
+    import idempotency_mw.recording as recording
+
+    for module in (middleware, recording):
+        module.start_eagerly = _Inline
+        module.outlasting = lambda task: task
 
 
 async def _requests(dsn: str, variant: str, count: int) -> None:

@@ -47,11 +47,14 @@ async def run_crash(
     lease: float = 2.0,
     kill_after: float = 10.0,
     sqlalchemy: bool = False,
+    on_conflict: str = "reject",
 ) -> tuple[Result, CrashFindings]:
     """One crash round. The worker is killed once most handlers are mid-flight, or ``kill_after`` seconds in."""
     run = uuid.uuid4().hex[:12]
     keys = [f"crash-{run}-{i}" for i in range(operations)]
-    worker = ledger_worker(dsn, transactional=transactional, lease=lease, sqlalchemy=sqlalchemy)
+    worker = ledger_worker(
+        dsn, transactional=transactional, lease=lease, sqlalchemy=sqlalchemy, on_conflict=on_conflict
+    )
     rss = PeakRss(lambda: [worker.process.pid] if worker.process is not None else [])
     connection = await asyncpg.connect(dsn)
     unanswered = 0
@@ -99,7 +102,7 @@ async def run_crash(
         unanswered=unanswered,
     )
     mode = ("transactional" if transactional else "plain") + (", SQLAlchemy" if sqlalchemy else "")
-    mode += await isolation_label(dsn)
+    mode += (", duplicates waiting" if on_conflict == "wait" else "") + await isolation_label(dsn)
     result = Result(
         f"crash (kill -9), {mode}",
         operations=operations,

@@ -184,6 +184,7 @@ def create_app(
         lease=lease,
         max_response_bytes=max_response_bytes,
         max_request_bytes=max_request_bytes,
+        on_conflict=os.environ.get("FAULTS_ON_CONFLICT", "").strip() or "reject",
         on_event=None,
     )
     return app

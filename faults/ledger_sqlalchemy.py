@@ -111,6 +111,12 @@ def create_app() -> Starlette:
         lifespan=lifespan,
     )
     app.add_middleware(
-        IdempotencyMiddleware, store=store, tenant=harness_tenant, transactional=True, lease=lease, on_event=None
+        IdempotencyMiddleware,
+        store=store,
+        tenant=harness_tenant,
+        transactional=True,
+        lease=lease,
+        on_conflict=os.environ.get("FAULTS_ON_CONFLICT", "").strip() or "reject",
+        on_event=None,
     )
     return app

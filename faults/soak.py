@@ -65,6 +65,10 @@ def scenarios(
     return {
         "storm": [(lambda: first(run_storm(dsn, payments=500, copies=5, in_flight=25)), True)],
         "pgbouncer": [(lambda: first(run_storm(dsn, payments=500, copies=5, in_flight=25, pgbouncer=bouncer())), True)],
+        "storm-wait": [(lambda: first(run_storm(dsn, payments=500, copies=5, in_flight=25, on_conflict="wait")), True)],
+        "crash-wait": [
+            (lambda: first(run_crash(dsn, transactional=True, operations=60, lease=2.0, on_conflict="wait")), True),
+        ],
         "storm-rr": [(lambda: first(run_storm(repeatable, payments=500, copies=5, in_flight=25)), True)],
         "crash-rr": [
             (lambda: first(run_crash(repeatable, transactional=True, operations=60, lease=2.0)), True),
@@ -228,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=5.0, help="how long to keep starting rounds (default 5)")
     parser.add_argument(
         "--only",
-        help="comma-separated groups: storm, storm-rr, crash, crash-rr, outage, lossy, zombie, failover, pgbouncer, "
-        "big",
+        help="comma-separated groups: storm, storm-wait, storm-rr, crash, crash-wait, crash-rr, outage, lossy, zombie, "
+        "failover, pgbouncer, big",
     )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"Markdown file (default {DEFAULT_OUTPUT})")
     args = parser.parse_args(argv)

@@ -36,9 +36,16 @@ def _form(index: int) -> dict[str, str]:
 
 
 async def run_storm(
-    dsn: str, *, payments: int = 200, copies: int = 5, in_flight: int = 20, pgbouncer: str | None = None
+    dsn: str,
+    *,
+    payments: int = 200,
+    copies: int = 5,
+    in_flight: int = 20,
+    pgbouncer: str | None = None,
+    on_conflict: str = "reject",
 ) -> tuple[Result, StormAnswers]:
-    """``pgbouncer``: the DSN of a transaction-pooling PgBouncer in front of ``dsn``, which the workers then use
+    """``on_conflict="wait"``: copies wait for the one that runs instead of answering 409.
+    ``pgbouncer``: the DSN of a transaction-pooling PgBouncer in front of ``dsn``, which the workers then use
     (without prepared statements); the ledger is counted on ``dsn`` itself."""
     run = uuid.uuid4().hex[:12]
     auth = {"Authorization": f"Bearer sk_test_storm_{run}"}
@@ -46,8 +53,8 @@ async def run_storm(
     answers = StormAnswers()
     app_dsn = pgbouncer or dsn
     prepared = pgbouncer is None
-    first = payments_worker(app_dsn, prepared_statements=prepared)
-    second = payments_worker(app_dsn, prepared_statements=prepared)
+    first = payments_worker(app_dsn, prepared_statements=prepared, on_conflict=on_conflict)
+    second = payments_worker(app_dsn, prepared_statements=prepared, on_conflict=on_conflict)
     rss = PeakRss(lambda: [p.process.pid for p in (first, second) if p.process is not None])
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(first)  # one after the other: the first applies migrations and schema
@@ -96,7 +103,10 @@ async def run_storm(
     counts = await charges_per_key(dsn, keys)
     duplicates, lost = tally(counts, keys)
     result = Result(
-        "storm across processes" + (" through PgBouncer" if pgbouncer else "") + await isolation_label(dsn),
+        "storm across processes"
+        + (" through PgBouncer" if pgbouncer else "")
+        + (", copies waiting" if on_conflict == "wait" else "")
+        + await isolation_label(dsn),
         operations=payments,
         faults=f"{copies} concurrent copies of each payment over 2 worker processes"
         + (" via PgBouncer (transaction pooling)" if pgbouncer else ""),

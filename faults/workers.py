@@ -14,9 +14,11 @@ import asyncpg
 from faults.server import ServerProcess
 
 
-def payments_worker(dsn: str, *, pool_size: int = 20, prepared_statements: bool = True) -> ServerProcess:
+def payments_worker(
+    dsn: str, *, pool_size: int = 20, prepared_statements: bool = True, on_conflict: str = "reject"
+) -> ServerProcess:
     """The payments example (transactional, Stripe-style) on ``dsn``; ``prepared_statements=False`` when ``dsn`` is
-    a transaction-pooling PgBouncer."""
+    a transaction-pooling PgBouncer; ``on_conflict="wait"`` has duplicates wait for their original."""
     return ServerProcess(
         "examples.payments.app:app",
         env={
@@ -24,6 +26,7 @@ def payments_worker(dsn: str, *, pool_size: int = 20, prepared_statements: bool 
             "PAYMENTS_POOL_SIZE": str(pool_size),
             "PAYMENTS_MIGRATE": "1",
             "PAYMENTS_PREPARED_STATEMENTS": "1" if prepared_statements else "0",
+            "PAYMENTS_ON_CONFLICT": on_conflict,
         },
     )
 
@@ -37,6 +40,7 @@ def ledger_worker(
     max_response_bytes: int = 8 * 1024 * 1024,
     port: int = 0,
     sqlalchemy: bool = False,
+    on_conflict: str = "reject",
 ) -> ServerProcess:
     """The ledger app (:mod:`faults.ledger_app`) on ``dsn``; with ``sqlalchemy``, its SQLAlchemy variant
     (:mod:`faults.ledger_sqlalchemy`, transactional only)."""
@@ -52,6 +56,7 @@ def ledger_worker(
             "FAULTS_LEASE": str(lease),
             "FAULTS_STORE_TIMEOUT": str(store_timeout),
             "FAULTS_MAX_RESPONSE_BYTES": str(max_response_bytes),
+            "FAULTS_ON_CONFLICT": on_conflict,
         },
     )
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Protocol, cast
 
 import asyncpg
@@ -61,6 +61,8 @@ ASYNCPG_ISOLATION = {
 }
 
 PIN_RESTORE = "SELECT set_config('default_transaction_isolation', 'read committed', false);"
+
+Listener = Callable[[Any, int, str, object], None]  # asyncpg's: (connection, pid, channel, payload)
 
 
 @contextlib.contextmanager
@@ -111,6 +113,12 @@ class Connector(Protocol):
 
     def session(self) -> contextlib.AbstractAsyncContextManager[asyncpg.Connection]:
         """A connection for the store's own multi-statement work (migrations); closed after an error."""
+
+    def listening(
+        self, channel: str, notified: Listener
+    ) -> contextlib.AbstractAsyncContextManager[asyncpg.Connection | None]:
+        """A connection that LISTENs on ``channel`` (``notified`` gets each notification) for as long as the block
+        lasts; None where no session can listen (a transaction-pooling proxy)."""
 
 
 class OwnPool:
@@ -243,6 +251,19 @@ class OwnPool:
         finally:
             self.pool.release(connection, broken=broken)
 
+    @contextlib.asynccontextmanager
+    async def listening(self, channel: str, notified: Listener) -> AsyncIterator[asyncpg.Connection | None]:
+        if not self._prepare:  # behind a transaction-pooling proxy: a LISTEN would outlive no transaction
+            yield None
+            return
+        with reachable():
+            connection: asyncpg.Connection = await asyncpg.connect(self.pool.dsn, timeout=self.timeout)
+        try:
+            await connection.add_listener(channel, notified)
+            yield connection
+        finally:
+            connection.terminate()
+
 
 class AppPool:
     """An asyncpg pool of the app's, which stays the app's (it is not closed here).
@@ -321,6 +342,19 @@ class AppPool:
             connection.terminate()
             raise
         finally:
+            await self._release(connection)
+
+    @contextlib.asynccontextmanager
+    async def listening(self, channel: str, notified: Listener) -> AsyncIterator[asyncpg.Connection | None]:
+        with reachable():
+            proxy = await self._pool.acquire(timeout=self.timeout)  # held for as long as requests wait
+        connection = cast(asyncpg.Connection, proxy)
+        try:
+            await connection.add_listener(channel, notified)
+            yield connection
+        finally:
+            with contextlib.suppress(Exception):
+                await connection.remove_listener(channel, notified)
             await self._release(connection)
 
     async def _acquire(self, urgent: bool) -> asyncpg.Connection:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from idempotency_mw.store import Claim, ClaimOutcome, RecordInfo, StoredResponse
+from idempotency_mw.waiting import Waiters
 
 
 @dataclass(slots=True)
@@ -39,6 +40,7 @@ class MemoryStore:
         self._expiries: list[tuple[float, tuple[str, str]]] = []
         self._fences = itertools.count(1)
         self._clock = clock
+        self._waiters = Waiters()
 
     def __len__(self) -> int:
         return len(self._records)
@@ -90,13 +92,18 @@ class MemoryStore:
             return False
         record.response = StoredResponse(response.status, list(response.headers), response.body, response.body_size)
         record.lease_expires_at = None
+        self._waiters.wake(tenant, key)
         return True
 
     async def release(self, tenant: str, key: str, fence: int) -> bool:
         if self._held(tenant, key, fence) is None:
             return False
         del self._records[(tenant, key)]
+        self._waiters.wake(tenant, key)
         return True
+
+    async def wait(self, tenant: str, key: str, within: float) -> None:
+        await self._waiters.wait(tenant, key, within)
 
     async def forget(self, tenant: str, key: str) -> bool:
         return self._records.pop((tenant, key), None) is not None

@@ -102,6 +102,8 @@ class IdempotencyMiddleware:
         on_event: EventHook | None = log_event,
         retry_after: int = 1,
         fingerprint_exclude: Collection[str] = frozenset(),
+        on_conflict: str = "reject",
+        wait: float = 5.0,
         on_replay: ReplayHook | None = None,
         enabled: bool = True,
     ) -> None:
@@ -124,6 +126,8 @@ class IdempotencyMiddleware:
             retry_window=retry_window,
             check_uuid7_age=check_uuid7_age,
             fingerprint_exclude=fingerprint_exclude,  # type: ignore[arg-type]  # a collection; Policy freezes it
+            on_conflict=on_conflict,
+            wait=wait,
         )
         self.app = app
         self.store = store
@@ -366,11 +370,9 @@ class IdempotentRequest:
         self.phase = Phase.CLAIMING
         self._notify_started()
         policy = self.policy
-        claimer = self.transaction if self.transaction is not None else self.store
         started = time.perf_counter()
-        task = start_eagerly(  # a task of its own: a cancellation must not lose a claim that landed
-            claimer.claim(self.tenant, self.key, self.digest, lease=policy.lease, ttl=policy.ttl), "idempotency claim"
-        )
+        # A task of its own: a cancellation must not lose a claim that landed.
+        task = start_eagerly(self._claim_or_wait(), "idempotency claim")
         try:
             claim = await outlasting(task)
         except asyncio.CancelledError:
@@ -409,6 +411,21 @@ class IdempotentRequest:
         self.plain.claimed()
         self._set_context(IdempotencyContext(self.tenant, self.key))
         return True
+
+    async def _claim_or_wait(self) -> Claim:
+        """The claim; on a route that waits for a running original instead of answering 409, claimed again each time
+        the original may have settled, until it has, or the route's ``wait`` is over."""
+        assert self.key is not None
+        policy = self.policy
+        claimer = self.transaction if self.transaction is not None else self.store
+        claim = await claimer.claim(self.tenant, self.key, self.digest, lease=policy.lease, ttl=policy.ttl)
+        if claim.outcome is ClaimOutcome.IN_PROGRESS and policy.on_conflict == "wait":
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + policy.wait
+            while claim.outcome is ClaimOutcome.IN_PROGRESS and (left := deadline - loop.time()) > 0:
+                await self.store.wait(self.tenant, self.key, left)
+                claim = await claimer.claim(self.tenant, self.key, self.digest, lease=policy.lease, ttl=policy.ttl)
+        return claim
 
     async def _abandon(self, claiming: asyncio.Future[Claim]) -> Outcome:
         """The claim of a request that was cancelled: released once it is known to be ours."""

@@ -59,6 +59,11 @@ class Policy:
     key_from: str | Callable[[Any], Any] | None = None
     # Who owns the route's keys, when not the middleware's resolver (a provider's webhooks carry no credentials).
     tenant: Callable[[Scope], Any] | None = None
+    # A duplicate that arrives while the original runs: "reject" answers it 409 with Retry-After; "wait" waits for the
+    # original to settle, ``wait`` seconds at most, then replays its answer (or runs, if it was released), else 409.
+    # For clients that ignore Retry-After (the official Stripe SDK does): they get their answer on the first retry.
+    on_conflict: str = "reject"
+    wait: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("ttl", "lease"):
@@ -106,6 +111,10 @@ class Policy:
                 raise ValueError(f"idempotency key_from must be a header name or a function, got {self.key_from!r}")
         elif self.key_from is not None and not callable(self.key_from):
             raise ValueError(f"idempotency key_from must be a header name or a function, got {self.key_from!r}")
+        if self.on_conflict not in ("reject", "wait"):
+            raise ValueError(f'idempotency on_conflict is "reject" or "wait", got {self.on_conflict!r}')
+        if not isinstance(self.wait, int | float) or self.wait <= 0:
+            raise ValueError(f"idempotency wait must be a positive number of seconds, got {self.wait!r}")
         if self.tenant is not None and not callable(self.tenant):
             raise ValueError(
                 f"idempotency tenant must be a resolver (a callable taking the scope), got {self.tenant!r}"

@@ -29,6 +29,7 @@ from idempotency_mw.store import (
     TransactionEnded,
 )
 from idempotency_mw.transaction import Settlement
+from idempotency_mw.waiting import CHANNEL, Waiters
 
 # How a completion in a handler's transaction learns, under REPEATABLE READ or SERIALIZABLE, that another claim of
 # the key completed first (its response meets ours), or that the record was deleted meanwhile (the foreign key):
@@ -98,6 +99,9 @@ class PostgresStore:
         self._all_settled: asyncio.Event | None = None  # set when the last one settles while close() waits
         self._closing = False
         self.claim_races = 0  # claims that found no row to answer from and ran claim_locked (benchmarks count them)
+        self._waiters = Waiters()  # requests waiting for a claim of another's to settle (waiting.py)
+        self._listening: asyncio.Task[None] | None = None  # the notifications of other processes' settlements
+        self._listen_ended: asyncio.Event | None = None
         self._explicit_elsewhere: bool | None = None  # claims on connections of no connector's (SQLAlchemy's)
 
     @property
@@ -127,6 +131,10 @@ class PostgresStore:
         restart would get 409 until then.
         """
         self._closing = True
+        if self._listen_ended is not None:
+            self._listen_ended.set()
+        if self._listening is not None:
+            await asyncio.wait({self._listening}, timeout=self.timeout)
         if self._unsettled:
             self._all_settled = asyncio.Event()
             with contextlib.suppress(TimeoutError):
@@ -141,6 +149,32 @@ class PostgresStore:
         self._unsettled.discard((tenant, key, fence))
         if not self._unsettled and self._all_settled is not None:
             self._all_settled.set()
+        self._waiters.wake(tenant, key)
+
+    async def wait(self, tenant: str, key: str, within: float) -> None:
+        """See :meth:`Store.wait`: woken by this store's settlements, and by other processes' through LISTEN on one
+        connection of its own (opened on the first wait; none behind a transaction-pooling proxy, where waiters wake
+        at their deadline)."""
+        if (self._listening is None or self._listening.done()) and not self._closing:
+            self._listening = asyncio.ensure_future(self._listen())
+        await self._waiters.wait(tenant, key, within)
+
+    async def _listen(self) -> None:
+        """Hold a connection that listens for settlements until the store closes, or the connection is lost (then
+        the next wait listens again). Where no session can listen, waiters wake at their deadline."""
+        prefix = f"{self.schema}:"
+
+        def notified(connection: object, pid: int, channel: str, payload: object) -> None:
+            if isinstance(payload, str) and payload.startswith(prefix):
+                self._waiters.wake_tag(payload[len(prefix) :])
+
+        ended = self._listen_ended = asyncio.Event()
+        async with self._connector.listening(CHANNEL, notified) as connection:
+            if connection is None:
+                await ended.wait()
+                return
+            connection.add_termination_listener(lambda _: ended.set())
+            await ended.wait()
 
     async def __aenter__(self) -> PostgresStore:
         await self.open()
@@ -259,12 +293,12 @@ class PostgresStore:
 
     async def release(self, tenant: str, key: str, fence: int) -> bool:
         try:
-            status = await self._connector.run("release", (tenant, key, fence), urgent=True, status=True)
+            row = await self._connector.run("release", (tenant, key, fence), urgent=True)
         except asyncpg.ForeignKeyViolationError:
             return False  # its response committed while the release ran: completed, not released
         finally:
             self.settled(tenant, key, fence)
-        return bool(status == "DELETE 1")
+        return bool(row is not None and row["released"] == 1)
 
     async def forget(self, tenant: str, key: str, *, connection: asyncpg.Connection | None = None) -> bool:
         """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names."""

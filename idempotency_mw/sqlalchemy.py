@@ -188,6 +188,9 @@ class SQLAlchemyStore:
     async def purge_expired(self, *, batch_size: int = 1000) -> int:
         return await self.store.purge_expired(batch_size=batch_size)
 
+    async def wait(self, tenant: str, key: str, within: float) -> None:
+        await self.store.wait(tenant, key, within)
+
 
 class SQLAlchemyTransaction:
     """A transaction on a connection of the app's engine, lent to a transactional handler: ``session`` (an

@@ -135,6 +135,11 @@ class Store(Protocol):
     async def purge_expired(self, *, batch_size: int = 1000) -> int:
         """Delete up to ``batch_size`` expired records; return how many went."""
 
+    async def wait(self, tenant: str, key: str, within: float) -> None:
+        """Return once the claim of ``(tenant, key)`` that another request holds may have settled (completed or
+        released, here or in another process), or after ``within`` seconds; without polling, and without holding a
+        connection meanwhile (``waiting.py``)."""
+
     async def close(self) -> None:
         """Release resources the store opened itself."""
 

@@ -22,11 +22,11 @@ async def test_fixes_py_settles_every_request_in_each_of_its_variants(
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import fixes
 
-    from idempotency_mw.middleware import IdempotentRequest
+    from idempotency_mw.recording import PlainRun
 
-    shipped = IdempotentRequest._settle, IdempotentRequest._send_recorded
+    shipped = PlainRun._settle
     result = await fixes.settle_cost(migrated_url, rounds=1, requests=20)  # asserts 20 answers of 201
-    assert (IdempotentRequest._settle, IdempotentRequest._send_recorded) == shipped  # both put back
+    assert PlainRun._settle == shipped  # put back
     for store in ("MemoryStore", "PostgresStore"):
         assert {fixes.SHIPPED, fixes.FROM_THE_START, fixes.DIRECT} <= set(result[store])
         assert all(result[store][name] > 0 for name in (fixes.SHIPPED, fixes.FROM_THE_START, fixes.DIRECT))

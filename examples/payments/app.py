@@ -855,7 +855,14 @@ async def _health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-def create_app(dsn: str, *, pool_size: int = 20, migrate: bool = True, prepared_statements: bool = True) -> FastAPI:
+def create_app(
+    dsn: str,
+    *,
+    pool_size: int = 20,
+    migrate: bool = True,
+    prepared_statements: bool = True,
+    on_conflict: str = "reject",
+) -> FastAPI:
     """The payments API on the PostgreSQL at ``dsn``.
 
     With ``migrate`` (the default) the lifespan startup applies the idempotency migrations and the payments schema
@@ -904,7 +911,9 @@ def create_app(dsn: str, *, pool_size: int = 20, migrate: bool = True, prepared_
     # The last added is the outermost: StampHeaders inside the middleware (what it adds is recorded and replayed),
     # StripeEdge outside (it sees, and speaks Stripe for, the middleware's own answers).
     app.add_middleware(edge.StampHeaders)
-    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=wire.tenant)
+    app.add_middleware(
+        IdempotencyMiddleware, store=store, transactional=True, tenant=wire.tenant, on_conflict=on_conflict
+    )
     app.add_middleware(edge.StripeEdge)
     setup(app)
     app.add_exception_handler(StripeError, _stripe_error)
@@ -952,7 +961,8 @@ def __getattr__(name: str) -> FastAPI:
     """``app``: the API on ``$DATABASE_URL``, built on first use (``uvicorn examples.payments.app:app``).
 
     ``PAYMENTS_POOL_SIZE`` (20) is the store's ``max_size``; ``PAYMENTS_MIGRATE=0`` keeps DDL out of the startup;
-    ``PAYMENTS_PREPARED_STATEMENTS=0`` is for a transaction-pooling PgBouncer at ``$DATABASE_URL``.
+    ``PAYMENTS_PREPARED_STATEMENTS=0`` is for a transaction-pooling PgBouncer at ``$DATABASE_URL``;
+    ``PAYMENTS_ON_CONFLICT=wait`` makes a duplicate wait for its original instead of answering 409.
     """
     global _default_app
     if name != "app":
@@ -966,5 +976,6 @@ def __getattr__(name: str) -> FastAPI:
             pool_size=_positive("PAYMENTS_POOL_SIZE", 20),
             migrate=_flag("PAYMENTS_MIGRATE", True),
             prepared_statements=_flag("PAYMENTS_PREPARED_STATEMENTS", True),
+            on_conflict=os.environ.get("PAYMENTS_ON_CONFLICT", "").strip() or "reject",
         )
     return _default_app

@@ -34,7 +34,8 @@ def check_schema(schema: str) -> str:
 
 def _load(filename: str, schema: str) -> str:
     text = resources.files(__package__).joinpath(filename).read_text()
-    return text.replace(PLACEHOLDER, f'"{check_schema(schema)}"')
+    checked = check_schema(schema)  # a plain lower-case identifier: safe quoted, and inside a string literal
+    return text.replace(PLACEHOLDER, f'"{checked}"').replace("{schema_name}", checked)
 
 
 def _split(text: str) -> dict[str, str]:

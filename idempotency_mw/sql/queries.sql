@@ -1,7 +1,7 @@
 -- Every statement the PostgreSQL store runs for requests and operators, loaded by name (the "-- name:" lines);
 -- migrate() runs migrate.sql and migrations/. Parameters are numbered; each statement is one round trip and is
 -- prepared once per connection. {schema} is the store's schema (PostgresStore(schema=...)), so no statement
--- depends on the session's search_path.
+-- depends on the session's search_path; {schema_name} is its plain name, inside a string.
 
 -- name: claim
 -- Insert a fresh record; or take over an expired record, or a lapsed lease of the same request; or count the
@@ -151,15 +151,20 @@ WHERE tenant = $1 AND key = $2 AND fence = $3 AND lease_expires_at IS NOT NULL;
 -- The completion of a request whose effect is outside the database. It ends the lease on the record row in the
 -- same statement, so a concurrent claim that would take a lapsed lease over waits for it and then finds the lease
 -- ended; a response that exists already (a handler's transaction that completed the record first) is kept.
+-- A record that had duplicates (attempts) may have waiters in other processes (waiting.py): it notifies them, as it
+-- commits. One without costs nothing (a notification takes a lock as it commits).
 -- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size
 WITH owned AS (
-    UPDATE {schema}.idempotency_records
+    UPDATE {schema}.idempotency_records AS r
     SET lease_expires_at = NULL
-    WHERE tenant = $1 AND key = $2 AND fence = $3 AND lease_expires_at IS NOT NULL
-    RETURNING tenant, key
+    WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
+    RETURNING r.tenant, r.key, r.attempts
 )
 INSERT INTO {schema}.idempotency_responses (tenant, key, fence, status, headers, body, body_size, completed_at)
-SELECT tenant, key, $3, $4, $5, $6, $7, now() FROM owned
+SELECT r.tenant, r.key, $3, $4, $5, $6, $7, now()
+FROM owned AS r, LATERAL (
+    SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || left(encode(sha256(convert_to(length(r.tenant)::text || ':' || r.tenant || r.key, 'UTF8')), 'hex'), 32)) END
+) AS notified
 ON CONFLICT (tenant, key) DO NOTHING;
 
 -- name: complete_in_transaction
@@ -172,17 +177,27 @@ ON CONFLICT (tenant, key) DO NOTHING;
 -- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size
 INSERT INTO {schema}.idempotency_responses (tenant, key, fence, status, headers, body, body_size, completed_at)
 SELECT r.tenant, r.key, $3, $4, $5, $6, $7, now()
-FROM {schema}.idempotency_records AS r
+FROM {schema}.idempotency_records AS r, LATERAL (
+    SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || left(encode(sha256(convert_to(length(r.tenant)::text || ':' || r.tenant || r.key, 'UTF8')), 'hex'), 32)) END
+) AS notified
 WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
 ON CONFLICT (tenant, key) DO NOTHING;
 
 -- name: release
 -- A record with a response is never released: the foreign key refuses to delete one whose response committed
--- while this statement ran (postgres.py answers False).
+-- while this statement ran (postgres.py answers False). Waiters of a record that had duplicates are notified, as
+-- for a completion: one of them claims the key afresh.
 -- $1 tenant, $2 key, $3 fence
-DELETE FROM {schema}.idempotency_records AS r
-WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
-  AND NOT EXISTS (SELECT FROM {schema}.idempotency_responses AS s WHERE s.tenant = $1 AND s.key = $2);
+WITH released AS (
+    DELETE FROM {schema}.idempotency_records AS r
+    WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
+      AND NOT EXISTS (SELECT FROM {schema}.idempotency_responses AS s WHERE s.tenant = $1 AND s.key = $2)
+    RETURNING r.tenant, r.key, r.attempts
+)
+SELECT count(*) AS released
+FROM released AS r, LATERAL (
+    SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || left(encode(sha256(convert_to(length(r.tenant)::text || ':' || r.tenant || r.key, 'UTF8')), 'hex'), 32)) END
+) AS notified;
 
 -- name: forget
 -- $1 tenant, $2 key

@@ -54,3 +54,18 @@ async def test_plain_mode_can_only_repeat_effects_committed_before_the_crash(ide
     assert findings.violations == []
     assert result.duplicates <= findings.effects_committed_at_kill
     assert findings.worst_lease_overhang <= LEASE + 1.0
+
+
+async def test_transactional_mode_with_waiting_duplicates_takes_every_operation_once(
+    idempotency_database_url: str,
+) -> None:
+    """The crash with on_conflict="wait": retries that meet a claim of the dead worker wait (woken when its lease
+    is taken over, or at their bound) rather than answer 409, and still nothing runs twice or is lost."""
+    result, findings = await run_crash(
+        idempotency_database_url, transactional=True, operations=30, lease=LEASE, on_conflict="wait"
+    )
+    assert findings.mid_flight_at_kill > 0, "the kill found no handler mid-flight: the scenario proved nothing"
+    assert findings.unanswered == 0
+    assert result.duplicates == 0
+    assert result.lost == 0
+    assert findings.violations == []

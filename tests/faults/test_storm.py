@@ -31,3 +31,15 @@ async def test_a_storm_on_a_repeatable_read_database_takes_effect_once(isolation
     assert result.lost == 0
     assert not answers.other, f"copies answered with something else than 409 or a replay: {answers.other}"
     assert answers.originals + answers.replays + answers.conflicts == 100 * 5
+
+
+async def test_a_storm_whose_copies_wait_takes_effect_once(idempotency_database_url: str) -> None:
+    """The same storm with on_conflict="wait": the copies wait for the one that runs, in its process or the other
+    (woken by the database), and are answered with its replay instead of 409."""
+    result, answers = await run_storm(idempotency_database_url, payments=100, copies=5, on_conflict="wait")
+    assert result.scenario == "storm across processes, copies waiting"
+    assert result.duplicates == 0
+    assert result.lost == 0
+    assert not answers.other, f"copies answered with something else than 409 or a replay: {answers.other}"
+    assert answers.replays > answers.conflicts, (answers.replays, answers.conflicts)
+    assert answers.originals + answers.replays + answers.conflicts == 100 * 5

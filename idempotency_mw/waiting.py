@@ -1,0 +1,59 @@
+"""Requests that wait for another request's claim of their key to settle (``on_conflict="wait"``), instead of a 409.
+
+Waiters of one key in one process share one event, which the settlement wakes: in process, the store's own
+completion or release; across processes, the database's notification of it (``sql/queries.sql``: a completion or
+release of a record that had duplicates notifies). No waiter polls, and none holds a connection while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+
+CHANNEL = "idempotency_mw_settled"  # the LISTEN/NOTIFY channel; payloads are "<schema>:<tag>"
+
+
+def settlement_tag(tenant: str, key: str) -> str:
+    """What a notification names a record by: as ``sql/queries.sql`` computes it (the tenant's length in characters
+    first, so that no two (tenant, key) pairs meet)."""
+    return hashlib.sha256(f"{len(tenant)}:{tenant}{key}".encode()).hexdigest()[:32]
+
+
+class Waiters:
+    """The events waiters of each record wait on, by :func:`settlement_tag`."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, tuple[asyncio.Event, int]] = {}  # tag -> (event, waiters)
+
+    async def wait(self, tenant: str, key: str, within: float) -> None:
+        """Until the record's claim settles, or ``within`` seconds."""
+        tag = settlement_tag(tenant, key)
+        event, count = self._events.get(tag, (None, 0))
+        if event is None:
+            event = asyncio.Event()
+        self._events[tag] = (event, count + 1)
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(within):
+                    await event.wait()
+        finally:
+            current = self._events.get(tag)
+            if current is not None and current[0] is event:
+                if current[1] <= 1:
+                    del self._events[tag]
+                else:
+                    self._events[tag] = (event, current[1] - 1)
+
+    def wake(self, tenant: str, key: str) -> None:
+        """The record's claim settled here (completed, released, or fenced out)."""
+        self.wake_tag(settlement_tag(tenant, key))
+
+    def wake_tag(self, tag: str) -> None:
+        found = self._events.pop(tag, None)
+        if found is not None:
+            found[0].set()
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self._events)
