@@ -263,15 +263,6 @@ class IdempotentRequest:
     async def run(self) -> None:
         """Steps 1 to 7 of docs/design.md §2, in the order they happen."""
         try:
-            if self.policy.transactional:  # its connection and transaction, claimed and begun below
-                self.transaction = self._transactional_run()
-            else:
-                self.plain = PlainRun(
-                    self._downstream(),
-                    max_body=self.policy.max_response_bytes,
-                    settle=self._record_or_release,
-                    on_settled=self._decide,
-                )
             # 1. The key, validated before anything touches the store (unless it is in the body: a webhook's).
             if callable(self.policy.key_from) and not await self._read_body():
                 return
@@ -370,6 +361,7 @@ class IdempotentRequest:
         self.phase = Phase.CLAIMING
         self._notify_started()
         policy = self.policy
+        self._start_run()
         started = time.perf_counter()
         # A task of its own: a cancellation must not lose a claim that landed.
         task = start_eagerly(self._claim_or_wait(), "idempotency claim")
@@ -417,7 +409,7 @@ class IdempotentRequest:
         the original may have settled, until it has, or the route's ``wait`` is over."""
         assert self.key is not None
         policy = self.policy
-        claimer = self.transaction if self.transaction is not None else self.store
+        claimer: Store | TransactionalRun = self.transaction if self.transaction is not None else self.store
         claim = await claimer.claim(self.tenant, self.key, self.digest, lease=policy.lease, ttl=policy.ttl)
         if claim.outcome is ClaimOutcome.IN_PROGRESS and policy.on_conflict == "wait":
             loop = asyncio.get_running_loop()
@@ -493,8 +485,23 @@ class IdempotentRequest:
 
     # -- 5. and 6. running the handler, then recording or releasing -----------------------------------------
 
+    def _start_run(self) -> None:
+        """The handler's run: plain (``recording.py``), or its connection and transaction (``transaction.py``)."""
+        if self.transaction is not None or self.plain is not None:
+            return
+        if self.policy.transactional:
+            self.transaction = self._transactional_run()
+        else:
+            self.plain = PlainRun(
+                self._downstream(),
+                max_body=self.policy.max_response_bytes,
+                settle=self._record_or_release,
+                on_settled=self._decide,
+            )
+
     async def _execute(self) -> None:
         """Run the handler with its response recorded on the way out (plain mode) or held in its transaction."""
+        self._start_run()
         try:
             if self.transaction is not None:
                 await self.transaction.run(self.middleware.app, self._app_scope(), self.body.receive)
@@ -535,6 +542,7 @@ class IdempotentRequest:
     async def _run_keyless_transaction(self) -> None:
         """A transactional route called without a key still gets its transaction, with no record in it (begun once
         the app has told its tenant, when that is the app's to tell)."""
+        self._start_run()
         if self._tenant_from_app():
             self._wait_for_the_app()
         elif not await self._begin():
