@@ -129,11 +129,33 @@ class ConnectionPool:
         self._connecting = 0  # connections being opened, for any checkout
         self._normal_cap = max_size - 1 if max_size > 1 else max_size  # the last one is kept for urgent work
         self._closed = False
+        self._members: set[asyncpg.Connection] = set()  # every connection open and not yet closed
         self.deadlines = Deadlines(timeout)
 
     @property
     def size(self) -> int:
         return self._size
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def owns(self, connection: asyncpg.Connection) -> bool:
+        """Whether ``connection`` was opened by this pool and is still open (a pool that replaced a closed one is
+        given back the closed one's connections too)."""
+        return connection in self._members
+
+    def fresh(self) -> ConnectionPool:
+        """A new pool, not opened yet, with this one's settings: what a closed store opens again with."""
+        return ConnectionPool(
+            self.dsn,
+            min_size=self.min_size,
+            max_size=self.max_size,
+            timeout=self.timeout,
+            connection_class=self.connection_class,
+            prepared_statements=self.prepared_statements,
+            setup=self.setup,
+        )
 
     @property
     def idle(self) -> int:
@@ -176,6 +198,7 @@ class ConnectionPool:
             connection = self._idle.pop()  # the most recently used: its server backend is the warmest
             if connection.is_closed():
                 self._size -= 1  # the server closed it while it was idle (a restart, an admin): forget it
+                self._members.discard(connection)
                 continue
             if not urgent:
                 self._lent.add(connection)
@@ -187,6 +210,7 @@ class ConnectionPool:
         self._lent.discard(connection)
         if broken or self._closed or connection.is_closed():
             connection.terminate()
+            self._members.discard(connection)
             self._size -= 1
             self._hand_over(None)  # a waiter may open a connection in its place
             return
@@ -199,17 +223,18 @@ class ConnectionPool:
         self._closed = True
         idle, self._idle = self._idle, []
         self._size -= len(idle)
+        self._members.difference_update(idle)
         for waiters in (self._urgent, self._normal):
             while waiters:
                 waiter = waiters.popleft()
                 if not waiter.done():
-                    waiter.set_exception(PoolClosed("the idempotency store's pool was closed"))
+                    waiter.set_exception(PoolClosed("the idempotency store was closed"))
         await asyncio.gather(*(connection.close(timeout=self.timeout) for connection in idle), return_exceptions=True)
 
     async def _wait_or_connect(self, urgent: bool, deadline: float) -> asyncpg.Connection:
         while True:
             if self._closed:
-                raise PoolClosed("the idempotency store's pool is closed")
+                raise PoolClosed("the idempotency store is closed: open() it again to use it")
             if self._room(urgent):
                 if (idle := self._take_idle(urgent)) is not None:
                     return idle
@@ -300,6 +325,7 @@ class ConnectionPool:
             except BaseException:
                 connection.terminate()
                 raise
+        self._members.add(connection)
         return connection
 
 

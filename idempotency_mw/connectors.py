@@ -163,11 +163,20 @@ class OwnPool:
         self._explicit: bool | None = False if prepared_statements else None
 
     async def open(self) -> None:
+        if self.pool.closed:  # opened again after a close: its connections may belong to an event loop that is gone
+            self.pool = self.pool.fresh()
         with reachable():
             await self.pool.open()
 
     async def close(self) -> None:
         await self.pool.close()
+
+    def _release(self, connection: asyncpg.Connection, *, broken: bool = False) -> None:
+        """Back to the pool it came from: out when the store closed and back after it opened again, it is closed."""
+        if self.pool.owns(connection):
+            self.pool.release(connection, broken=broken)
+        else:
+            connection.terminate()
 
     async def _pin(self, connection: asyncpg.Connection) -> None:
         self.database_isolation = await connection.fetchval(session()["pin_read_committed"], timeout=self.timeout)
@@ -238,7 +247,7 @@ class OwnPool:
         except Exception:  # lost, broken or busy: a fresh connection is cheaper than a doubtful one
             pass
         finally:
-            self.pool.release(connection, broken=not healthy)
+            self._release(connection, broken=not healthy)
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[asyncpg.Connection]:
@@ -249,7 +258,7 @@ class OwnPool:
             yield connection
             broken = False
         finally:
-            self.pool.release(connection, broken=broken)
+            self._release(connection, broken=broken)
 
     @contextlib.asynccontextmanager
     async def listening(self, channel: str, notified: Listener) -> AsyncIterator[asyncpg.Connection | None]:

@@ -113,8 +113,15 @@ class PostgresStore:
         """Connect now (``min_size`` connections) and check that the tables exist, so that a database that cannot
         be reached, or was never migrated, fails at startup: :class:`StoreNotMigrated` names the command to run.
 
-        :meth:`migrate` needs no ``open()`` first (it would refuse a database that is not migrated yet).
+        :meth:`migrate` needs no ``open()`` first (it would refuse a database that is not migrated yet). A closed
+        store opens again (a lifespan run once per test): on new connections, and without the claims of before the
+        close, which had their grace then.
         """
+        if self._closing:
+            self._closing = False
+            self._unsettled.clear()
+            self._all_settled = None
+            self._listening = self._listen_ended = None
         await self._connector.open()
         row = await self._connector.run("migrated", ())
         if row is None or not row[0]:
@@ -123,7 +130,8 @@ class PostgresStore:
     async def close(self, *, grace: float | None = None) -> None:
         """Refuse new claims, give the claims still being settled up to ``grace`` seconds (default: ``timeout``) to
         complete or release, then close the connections the store opened, those still in use as they come back (a
-        pool passed in is the app's to close). A closed store answers every call with :class:`StoreUnavailable`.
+        pool passed in is the app's to close). A closed store answers every call with :class:`StoreUnavailable`,
+        until :meth:`open` opens it again.
 
         The grace is for a server's graceful shutdown: it cancels the requests still running and then runs the
         app's shutdown at once; each cancelled request releases its key on its way out, and needs a connection for

@@ -499,6 +499,77 @@ async def test_close_lets_unsettled_claims_finish_and_refuses_new_ones(idempoten
     assert time.monotonic() - started < 5  # bounded by the grace, not by the lease
 
 
+async def test_a_closed_store_opens_again(idempotency_database_url: str) -> None:
+    """A module-level store opened and closed in the app's lifespan, run once per test: the second open() found the
+    pool closed ("the idempotency store's pool is closed") and the app could not start."""
+    store = PostgresStore(idempotency_database_url, min_size=1, max_size=2)
+    for _ in range(3):
+        await store.open()
+        key = str(uuid.uuid4())
+        claim = await store.claim("t-reopen", key, FINGERPRINT, lease=30, ttl=60)
+        assert await store.complete("t-reopen", key, claim.fence, RESPONSE)
+        await store.close()
+        with pytest.raises(StoreUnavailable):  # closed means closed, until the next open()
+            await store.inspect("t-reopen", key)
+
+
+def test_a_closed_store_opens_again_on_another_event_loop(idempotency_database_url: str) -> None:
+    """The same, each lifespan on an event loop of its own (``with TestClient(app):`` per test): the connections of
+    the first loop are closed with it, the second open() makes new ones."""
+    store = PostgresStore(idempotency_database_url, min_size=1, max_size=2)
+
+    async def lifespan() -> None:
+        async with store:
+            key = str(uuid.uuid4())
+            claim = await store.claim("t-reopen", key, FINGERPRINT, lease=30, ttl=60)
+            assert await store.complete("t-reopen", key, claim.fence, RESPONSE)
+
+    asyncio.run(lifespan())
+    asyncio.run(lifespan())
+
+
+async def test_reopening_keeps_the_grace_for_new_claims_and_not_for_old_ones(idempotency_database_url: str) -> None:
+    """close() waits (up to ``grace``) for the claims of the store's current opening: a claim left over from before
+    an earlier close() had its grace then, and is not waited for again."""
+    store = PostgresStore(idempotency_database_url, max_size=2)
+    await store.open()
+    await store.claim("t-reopen", str(uuid.uuid4()), FINGERPRINT, lease=30, ttl=60)  # never settled
+    await store.close(grace=0.1)
+    await store.open()
+    started = time.monotonic()
+    await store.close(grace=10)
+    assert time.monotonic() - started < 5  # the old claim is not waited for a second time
+
+    await store.open()
+    key = str(uuid.uuid4())
+    claim = await store.claim("t-reopen", key, FINGERPRINT, lease=30, ttl=60)
+    closing = asyncio.create_task(store.close(grace=10))
+    await asyncio.sleep(0.05)
+    assert not closing.done()  # waiting for the new claim, as documented
+    assert await store.release("t-reopen", key, claim.fence)
+    await asyncio.wait_for(closing, 5)
+
+
+async def test_a_connection_lent_before_a_reopen_is_closed_when_it_comes_back(idempotency_database_url: str) -> None:
+    """A connection still out when the store closed belongs to the pool that was closed: given back after the store
+    opened again, it is closed, not mixed into the new pool (where it could outnumber ``max_size``, or belong to an
+    event loop that is gone)."""
+    store = PostgresStore(idempotency_database_url, min_size=0, max_size=2)
+    await store.open()
+    async with store.connection() as connection:
+        pid = await connection.fetchval("SELECT pg_backend_pid()")
+        await store.close(grace=0)
+        await store.open()
+    for _ in range(100):
+        if not await fetch(idempotency_database_url, "SELECT 1 FROM pg_stat_activity WHERE pid = $1", pid):
+            break
+        await asyncio.sleep(0.02)
+    else:
+        raise AssertionError("the connection of the closed pool was kept")
+    assert await store.inspect("t-reopen", "absent") is None  # the new pool works
+    await store.close()
+
+
 async def test_checkouts_behind_connection_attempts_to_a_silent_database_are_not_pool_exhausted(
     silent_server: str,
 ) -> None:

@@ -685,6 +685,22 @@ async def test_close_leaves_the_engine_to_the_app(idempotency_database_url: str,
         assert (await connection.execute(text("SELECT 1"))).scalar_one() == 1
 
 
+async def test_a_closed_store_opens_again(
+    idempotency_database_url: str, engine: AsyncEngine, db: asyncpg.Connection
+) -> None:
+    """The guide's lifespan (open the store; close it and dispose of the engine) run once per test on a module-level
+    store: the second open() found the PostgresStore's pool closed."""
+    store = SQLAlchemyStore(PostgresStore(idempotency_database_url, max_size=2), engine)
+    for _ in range(2):
+        await store.open()
+        key = str(uuid.uuid4())
+        response = await client_for(build(store)).post("/write", headers={"Idempotency-Key": key})
+        assert response.status_code == 201
+        assert await effects(db, key) == 1
+        await store.close()
+        await engine.dispose()
+
+
 def test_bad_arguments_are_refused_with_what_is_needed(idempotency_database_url: str) -> None:
     async_engine = create_async_engine(sqlalchemy_url(idempotency_database_url))
     with pytest.raises(TypeError, match="PostgresStore"):
