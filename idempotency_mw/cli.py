@@ -72,7 +72,8 @@ def _global_options(*, after_command: bool = False) -> argparse.ArgumentParser:
         "--database-url",
         metavar="URL",
         default=argparse.SUPPRESS if after_command else None,
-        help="PostgreSQL URL, postgresql://user:password@host:port/database (default: $DATABASE_URL)",
+        help="PostgreSQL URL, postgresql://user:password@host:port/database; SQLAlchemy's postgresql+asyncpg://… "
+        "(any +driver) is taken too (default: $DATABASE_URL)",
     )
     parser.add_argument(
         "--timeout",
@@ -215,7 +216,10 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
     url = args.database_url or os.environ.get("DATABASE_URL")
     if not url:
         raise CommandError("no database: pass --database-url or set DATABASE_URL", EXIT_USAGE)
-    store = PostgresStore(url, timeout=args.timeout, min_size=1, max_size=1, schema=args.schema)
+    try:
+        store = PostgresStore(url, timeout=args.timeout, min_size=1, max_size=1, schema=args.schema)
+    except ValueError as error:  # not a PostgreSQL URL
+        raise CommandError(f"invalid database URL: {error}") from error
     try:
         try:
             await store.open()

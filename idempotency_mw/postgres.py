@@ -29,6 +29,7 @@ from idempotency_mw.store import (
     TransactionEnded,
 )
 from idempotency_mw.transaction import Settlement
+from idempotency_mw.urls import postgres_url
 from idempotency_mw.waiting import CHANNEL, Waiters
 
 # How a completion in a handler's transaction learns, under REPEATABLE READ or SERIALIZABLE, that another claim of
@@ -47,8 +48,10 @@ class PostgresStore:
     """Records in PostgreSQL (see ``sql/migrations``).
 
     ``PostgresStore("postgresql://…")`` opens its own connections on first use, at most ``max_size`` (see
-    ``connections.py`` for why they are not an asyncpg pool); ``PostgresStore(pool)`` uses an asyncpg pool the app
-    already has and leaves closing it to the app. ``timeout`` bounds every database call in seconds, connecting
+    ``connections.py`` for why they are not an asyncpg pool); SQLAlchemy's spelling of the URL
+    (``postgresql+asyncpg://…``, one ``DATABASE_URL`` for the app's engine and the store) is taken too, and a URL
+    of another database is a ``ValueError``. ``PostgresStore(pool)`` uses an asyncpg pool the app already has and
+    leaves closing it to the app. ``timeout`` bounds every database call in seconds, connecting
     and waiting for a free connection included. ``schema`` is where the tables live; every statement names it,
     so a handler that changes ``search_path`` on a connection the store then uses changes nothing.
 
@@ -79,7 +82,7 @@ class PostgresStore:
         self._connector: Connector
         if isinstance(dsn_or_pool, str):
             self._connector = OwnPool(
-                dsn_or_pool,
+                postgres_url(dsn_or_pool),
                 self._sql,
                 self.schema,
                 timeout=timeout,

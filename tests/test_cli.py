@@ -404,8 +404,8 @@ def test_database_url_from_the_environment(
 @pytest.mark.parametrize(
     ("dsn", "message"),
     [
-        ("notadsn", 'invalid database URL: invalid DSN: scheme is expected to be either "postgresql" or "postgres"'),
-        ("mysql://localhost/db", "invalid database URL: invalid DSN: scheme is expected"),
+        ("notadsn", "invalid database URL: not a PostgreSQL URL (no scheme)"),
+        ("mysql://localhost/db", "invalid database URL: not a PostgreSQL URL (scheme 'mysql')"),
         ("postgresql://u@127.0.0.1:port/db", "invalid database URL: invalid literal for int()"),
         ("postgresql://u@[::1/db", "invalid database URL: Invalid IPv6 URL"),
         ("postgresql://u@127.0.0.1:99999/db", "invalid database URL: connect(): port must be 0-65535"),
@@ -416,6 +416,17 @@ def test_bad_database_url(capsys: pytest.CaptureFixture[str], dsn: str, message:
     assert (code, out) == (3, "")
     assert err.startswith(f"idempotency-mw: {message}")
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("scheme", ["postgresql+asyncpg", "postgres+psycopg2"])
+def test_the_sqlalchemy_spelling_of_the_url_is_accepted(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, db: Database, scheme: str
+) -> None:
+    """One DATABASE_URL for the app's engine and for this command: asyncpg refused SQLAlchemy's spelling."""
+    url = scheme + db.url[db.url.index("://") :]
+    assert cli(capsys, "--database-url", url, "--schema", db.schema, "migrate") == (0, "up to date\n", "")
+    monkeypatch.setenv("DATABASE_URL", url)
+    assert cli(capsys, "--schema", db.schema, "stats", "--json")[0] == 0
 
 
 def test_connection_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from idempotency_mw.devdb import local_database
+
 STARTS_A_SERVER = """
 import warnings
 warnings.simplefilter("always")
@@ -28,3 +30,10 @@ def test_the_embedded_server_starts_without_a_runtime_dir_warning() -> None:
     )
     assert (done.returncode, done.stdout) == (0, "True\n"), done.stderr
     assert done.stderr == ""
+
+
+def test_a_database_url_in_sqlalchemy_spelling_is_given_as_postgresql(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The URL goes to asyncpg (the store, the test suite, the demo), which takes no ``+driver``."""
+    monkeypatch.setenv("DATABASE_URL", "postgresql+asyncpg://app@db/app")
+    with local_database() as url:
+        assert url == "postgresql://app@db/app"

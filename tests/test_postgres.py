@@ -499,6 +499,42 @@ async def test_close_lets_unsettled_claims_finish_and_refuses_new_ones(idempoten
     assert time.monotonic() - started < 5  # bounded by the grace, not by the lease
 
 
+def spelled(url: str, scheme: str) -> str:
+    """``url`` with another scheme (``postgresql+asyncpg``, as SQLAlchemy writes it)."""
+    return scheme + url[url.index("://") :]
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    ["postgresql", "postgres", "postgresql+asyncpg", "postgresql+psycopg", "postgresql+psycopg2", "postgres+pg8000"],
+)
+async def test_the_sqlalchemy_spellings_of_a_postgresql_url_are_accepted(
+    idempotency_database_url: str, scheme: str
+) -> None:
+    """A deploy shares one DATABASE_URL between the engine and the store, in SQLAlchemy's spelling: asyncpg refused
+    it ("scheme is expected to be either postgresql or postgres")."""
+    async with PostgresStore(spelled(idempotency_database_url, scheme), min_size=1, max_size=1) as store:
+        assert await store.inspect("t-url", "absent") is None
+
+
+@pytest.mark.parametrize(
+    ("url", "named"),
+    [
+        ("mysql://app:s3cret@db/app", "'mysql'"),
+        ("sqlite+aiosqlite:///app.db", "'sqlite+aiosqlite'"),
+        ("postgresql+://app:s3cret@db/app", "'postgresql+'"),
+        ("app:s3cret@db/app", "no scheme"),
+    ],
+)
+def test_a_url_of_another_database_is_refused_with_what_to_give(url: str, named: str) -> None:
+    with pytest.raises(ValueError, match="PostgreSQL URL") as refused:
+        PostgresStore(url)
+    message = str(refused.value)
+    assert named in message
+    assert "postgresql+asyncpg://" in message  # the spellings it takes
+    assert "s3cret" not in message  # never the password
+
+
 async def test_a_closed_store_opens_again(idempotency_database_url: str) -> None:
     """A module-level store opened and closed in the app's lifespan, run once per test: the second open() found the
     pool closed ("the idempotency store's pool is closed") and the app could not start."""

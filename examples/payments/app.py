@@ -34,6 +34,7 @@ from idempotency_mw import IdempotencyMiddleware, PostgresStore, __version__
 from idempotency_mw.context import mark_not_executed
 from idempotency_mw.fastapi import Idempotency, IdempotencyConnection, setup
 from idempotency_mw.routes import iter_routes
+from idempotency_mw.urls import postgres_url
 
 # The smallest charge (in the currency's smallest unit) is 50 everywhere here; Stripe's minimums vary a little.
 CURRENCIES = ("chf", "eur", "gbp", "jpy", "usd")
@@ -879,6 +880,7 @@ def create_app(
     ``prepared_statements=False`` is for a transaction-pooling PgBouncer at ``dsn``: neither the store nor the read
     pool then keeps named prepared statements (docs/operations.md, "Connection poolers").
     """
+    dsn = postgres_url(dsn)  # the read pool is asyncpg's, which takes no postgresql+asyncpg://
     store = PostgresStore(dsn, min_size=2, max_size=pool_size, prepared_statements=prepared_statements)
     statement_cache_size = 100 if prepared_statements else 0  # 100: asyncpg's default
 

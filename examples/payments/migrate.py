@@ -16,6 +16,7 @@ import asyncpg
 
 from examples.payments import ledger
 from idempotency_mw import PostgresStore
+from idempotency_mw.urls import postgres_url
 
 
 async def apply_migrations(store: PostgresStore, pool: asyncpg.Pool) -> list[str]:
@@ -29,6 +30,7 @@ STATEMENT_TIMEOUT = 30.0  # seconds for connecting and for each statement; DDL m
 
 
 async def migrate(dsn: str) -> list[str]:
+    dsn = postgres_url(dsn)  # asyncpg's pool takes no postgresql+asyncpg://
     store = PostgresStore(dsn, min_size=1, max_size=1, timeout=STATEMENT_TIMEOUT)  # not opened: open() wants tables
     try:
         async with asyncpg.create_pool(dsn, min_size=1, max_size=1, timeout=STATEMENT_TIMEOUT) as pool:

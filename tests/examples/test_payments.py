@@ -654,7 +654,7 @@ async def test_startup_without_migrate_runs_no_ddl(fresh_url: str) -> None:
 
 
 async def test_startup_migrates_by_default(fresh_url: str) -> None:
-    app = create_app(fresh_url)
+    app = create_app(fresh_url.replace("postgresql://", "postgresql+asyncpg://", 1))  # one DATABASE_URL for all
     async with app.router.lifespan_context(app), client_for(app, f"sk_test_{uuid.uuid4().hex}") as client:
         assert (await pay(client))["status"] == "succeeded"
     connection = await asyncpg.connect(fresh_url)
@@ -680,7 +680,7 @@ def test_the_migrate_command_creates_the_tables_then_is_up_to_date(fresh_url: st
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith("idempotency tables: applied 0001_initial.sql")
     assert first.stdout.endswith("\npayments schema: up to date\n")
-    again = migrate({"DATABASE_URL": fresh_url})
+    again = migrate({"DATABASE_URL": fresh_url.replace("postgresql://", "postgresql+psycopg://", 1)})
     assert again.stdout == "idempotency tables: up to date\npayments schema: up to date\n"
     missing = migrate({"DATABASE_URL": ""})
     assert missing.returncode == 2
