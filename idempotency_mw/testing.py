@@ -1,7 +1,7 @@
 """A pytest plugin for apps that use idempotency_mw (installed with the package, loaded by pytest itself).
 
-It needs the ``testing`` extra (``pip install 'idempotency-mw[testing]'``: pytest, pytest-asyncio, and an embedded
-PostgreSQL for when ``DATABASE_URL`` is not set).
+It needs the ``testing`` extra (``pip install 'idempotency-mw[testing]'``: pytest, pytest-asyncio, httpx to call the
+app in process, and an embedded PostgreSQL for when ``DATABASE_URL`` is not set).
 
 Fixtures:
 
@@ -11,13 +11,15 @@ Fixtures:
   fixture declared with pytest-asyncio's own decorator, so it works in pytest-asyncio's default strict mode (mark
   the test ``@pytest.mark.asyncio``) as well as in auto mode.
 
-Helper: :func:`assert_idempotent` fires one request many times, concurrently, and checks that the endpoint ran
-once and every answer was the first response or a 409 in-progress.
+Helpers: :func:`assert_idempotent` fires one request many times, concurrently, and checks that the endpoint ran
+once and every answer was the first response or a 409 in-progress. :func:`run_lifespan` runs an app's lifespan
+around a block, which httpx's ``ASGITransport`` does not: an app that opens its store at startup needs it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -43,16 +45,18 @@ def _async_fixture(function: Callable[..., Any]) -> Any:
     except ImportError:
         name = function.__name__
 
-        @pytest.fixture(name=name)
         def unavailable() -> None:
             pytest.fail(f"{name} needs pytest-asyncio: pip install 'idempotency-mw[testing]'", pytrace=False)
 
-        return unavailable
+        unavailable.__doc__ = function.__doc__  # what `pytest --fixtures` shows
+        return pytest.fixture(name=name)(unavailable)
     return pytest_asyncio.fixture(function)
 
 
 @pytest.fixture(scope="session")
 def idempotency_database_url() -> Iterator[str]:
+    """URL of a PostgreSQL with the store's tables migrated, for the whole session: $DATABASE_URL if set (in
+    asyncpg's spelling), else an embedded server started for the session and removed after it."""
     with local_database() as url:
         asyncio.run(_migrate(url))
         yield url
@@ -68,6 +72,8 @@ async def _migrate(url: str) -> None:
 
 @_async_fixture
 async def idempotency_store(idempotency_database_url: str) -> AsyncIterator[PostgresStore]:
+    """A PostgresStore on idempotency_database_url, opened for the test on its event loop and closed after it
+    without the shutdown grace (a claim a test leaves in progress has nothing coming to settle it)."""
     store = PostgresStore(idempotency_database_url)
     await store.open()
     try:
@@ -75,6 +81,46 @@ async def idempotency_store(idempotency_database_url: str) -> AsyncIterator[Post
     finally:
         # No shutdown grace: a test may leave a claim in progress on purpose, and nothing is coming to settle it.
         await store.close(grace=0)
+
+
+@contextlib.asynccontextmanager
+async def run_lifespan(app: Any) -> AsyncIterator[None]:
+    """Run ``app``'s lifespan around the block as a server does: startup before it, shutdown after it, through the
+    whole ASGI app (its middleware see both, as under uvicorn). httpx's ``ASGITransport`` sends no lifespan
+    events, so an app that opens its store at startup would have none. A startup or shutdown that fails raises
+    ``RuntimeError`` with the app's message."""
+    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
+    running = asyncio.create_task(app(scope, inbox.get, outbox.put))
+    try:
+        await _lifespan_step(running, inbox, outbox, "startup")
+        yield
+        await _lifespan_step(running, inbox, outbox, "shutdown")
+    finally:
+        if not running.done():
+            running.cancel()
+        with contextlib.suppress(BaseException):  # its error, if any, was raised above
+            await running
+
+
+async def _lifespan_step(
+    running: asyncio.Task[Any], inbox: asyncio.Queue[dict[str, Any]], outbox: asyncio.Queue[dict[str, Any]], step: str
+) -> None:
+    """Send ``lifespan.<step>`` and wait for the app's answer; a failure, or an app that ended without answering,
+    raises."""
+    await inbox.put({"type": f"lifespan.{step}"})
+    answer = asyncio.ensure_future(outbox.get())
+    await asyncio.wait({answer, running}, return_when=asyncio.FIRST_COMPLETED)
+    if not answer.done():
+        answer.cancel()
+        error = running.exception()
+        raise RuntimeError(f"the app's lifespan ended without answering lifespan.{step}: {error!r}") from error
+    message = answer.result()
+    if message["type"] == f"lifespan.{step}.failed":
+        raise RuntimeError(f"the app's lifespan {step} failed: {message.get('message', '')}")
+    if message["type"] != f"lifespan.{step}.complete":
+        raise RuntimeError(f"the app answered lifespan.{step} with {message['type']}")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The docs cannot drift from the code: every snippet parses, imports what exists and calls with real keywords;
 every ``idempotency-mw`` command line parses; every local link leads somewhere; nothing cites a file outside the
-repository. (Snippets that are run as written have tests of their own: tests/test_readme_snippets.py.)"""
+repository; the testing guide's examples run as a user's test files. (The README's snippets are run as written by
+tests/test_readme_snippets.py.)"""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import ast
 import dataclasses
 import importlib
 import inspect
+import os
 import re
 import shlex
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -150,3 +154,102 @@ def test_nothing_cites_files_outside_the_repository() -> None:
         str(path.relative_to(ROOT)) for path in tracked if path != Path(__file__) and pattern.search(path.read_text())
     ]
     assert offenders == []
+
+
+# -- the testing guide's examples, run as a user's project runs them ---------------------------------------------
+
+GUIDE = ROOT / "docs" / "guide.md"
+
+# The app the examples test, as the guide names it: ``myapp.create_app(store=...)`` (a factory), and ``myapp.main``,
+# the README's shape: a module-level store built from DATABASE_URL, opened and closed by the app's lifespan.
+MYAPP = {
+    "myapp/__init__.py": """
+from typing import Any
+
+from fastapi import FastAPI
+from sqlalchemy import text
+
+from idempotency_mw import IdempotencyMiddleware, idempotent
+from idempotency_mw.fastapi import setup
+from idempotency_mw.sqlalchemy import IdempotencySession
+
+
+def create_app(store: Any, **options: Any) -> FastAPI:
+    app = FastAPI(**options)
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    setup(app)
+    charges: list[int] = []
+
+    @app.post("/v1/charges", status_code=201)
+    async def create_charge(charge: dict[str, int]) -> dict[str, Any]:
+        charges.append(charge["amount"])
+        return {"id": f"ch_{len(charges)}", **charge}
+
+    @app.post("/v1/transfers", status_code=201)
+    @idempotent(transactional=True)
+    async def transfer(body: dict[str, int], session: IdempotencySession) -> dict[str, Any]:
+        return {"id": (await session.execute(text("SELECT txid_current()"))).scalar_one(), **body}
+
+    return app
+""",
+    "myapp/main.py": """
+import contextlib
+import os
+
+from idempotency_mw import PostgresStore
+from myapp import create_app
+
+store = PostgresStore(os.environ["DATABASE_URL"])
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app):
+    await store.open()
+    try:
+        yield
+    finally:
+        await store.close()
+
+
+app = create_app(store, lifespan=lifespan)
+""",
+}
+
+
+def guide_testing_files() -> dict[str, str]:
+    """The python blocks of the guide's testing section that open with ``# <file>.py``, by file name."""
+    text = GUIDE.read_text()
+    section = text[text.index("## 6. Testing your app") :]
+    files = {}
+    for match in FENCE.finditer(section):
+        code = textwrap.dedent(match.group(3))
+        first = code.splitlines()[0] if code else ""
+        if match.group(2) == "python" and re.fullmatch(r"# [\w/]+\.py", first):
+            files[first[2:]] = code
+    return files
+
+
+@pytest.mark.slow
+def test_the_testing_guides_examples_run(tmp_path: Path, idempotency_database_url: str) -> None:
+    """The guide's tests, its conftest.py and an app of the shape they expect, in a project of their own: its own
+    pytest.ini (pytest-asyncio's default strict mode), the plugin as installed. The snippet once used httpx
+    without importing it."""
+    files = guide_testing_files()
+    assert {"conftest.py", "test_charges.py", "test_lifespan.py", "test_transfers.py"} <= set(files)
+    for name, code in {**MYAPP, **files}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(code)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    env = {**os.environ, "DATABASE_URL": idempotency_database_url, "PYTHONPATH": str(tmp_path)}
+    del env["IDEMPOTENCY_TENANT_SECRET"]  # the guide's conftest.py sets it
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-W", "error::DeprecationWarning"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    tests = sum(code.count("\nasync def test_") + code.count("\ndef test_") for code in files.values())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{tests} passed" in done.stdout, done.stdout
