@@ -14,6 +14,8 @@ the app directly. Requests no route matches, and every request of an app without
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
@@ -27,6 +29,7 @@ from starlette.types import Scope
 
 from idempotency_mw.events import Event, Outcome
 from idempotency_mw.routes import UNMATCHED
+from idempotency_mw.store import StoreUnavailable
 
 __all__ = ["UNMATCHED", "PrometheusMetrics", "StatsSource"]
 
@@ -35,6 +38,8 @@ STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 ATTEMPT_BUCKETS = (0, 1, 2, 3, 5, 10, 25, 100)
 # Whole requests: a replay takes about a store round trip, an execution whatever the handler takes.
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+logger = logging.getLogger("idempotency_mw")
 
 
 class StatsSource(Protocol):
@@ -148,10 +153,30 @@ class PrometheusMetrics:
 
     async def update_from_store(self, store: StatsSource) -> None:
         """Refresh the record gauges from ``store.stats()`` (one scan of the table: call it every minute or so,
-        from one process, not per request)."""
+        from one process, not per request). A store without ``stats()`` is a ``TypeError`` that says which have
+        it: a loop that keeps calling this must not fail the same way unseen."""
+        if not callable(getattr(store, "stats", None)):
+            raise TypeError(
+                f"update_from_store needs a store that can summarise its table (a PostgresStore or SQLAlchemyStore), "
+                f"not {type(store).__name__}"
+            )
         stats = await store.stats()
         for state in ("in_progress", "completed", "expired"):
             self.records.labels(state).set(stats[state])
         self.records_past_lease.set(stats["past_lease"])
         self.oldest_in_progress.set(stats["oldest_in_progress_seconds"] or 0.0)
         self.record_attempts.set(stats["attempts"])
+
+    async def refresh_from_store(self, store: StatsSource, *, every: float = 60.0) -> None:
+        """Run :meth:`update_from_store` every ``every`` seconds until cancelled: start it as a task from the
+        lifespan of one process. A store that cannot be reached is logged as a warning, in one line; any other
+        error (a bug, a store without ``stats()``) with its traceback, each time, so that gauges that stopped
+        moving always say why. The loop goes on after both."""
+        while True:
+            try:
+                await self.update_from_store(store)
+            except StoreUnavailable as error:
+                logger.warning("idempotency: the metrics could not read the store's stats: %s", error)
+            except Exception:
+                logger.exception("idempotency: refreshing the metrics from the store failed")
+            await asyncio.sleep(every)

@@ -191,6 +191,20 @@ class SQLAlchemyStore:
     async def wait(self, tenant: str, key: str, within: float) -> None:
         await self.store.wait(tenant, key, within)
 
+    # -- what the docs call on a store, kept by the PostgresStore too ------------------------------------------
+
+    async def migrate(self) -> list[str]:
+        """Create or upgrade the store's tables (:meth:`PostgresStore.migrate
+        <idempotency_mw.postgres.PostgresStore.migrate>`); needs no :meth:`open` first."""
+        return await self.store.migrate()
+
+    async def count_expired(self) -> int:
+        return await self.store.count_expired()
+
+    async def stats(self) -> dict[str, Any]:
+        """The table's summary, for ``PrometheusMetrics.update_from_store`` and ``idempotency-mw stats``."""
+        return await self.store.stats()
+
 
 class SQLAlchemyTransaction:
     """A transaction on a connection of the app's engine, lent to a transactional handler: ``session`` (an

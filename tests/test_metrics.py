@@ -4,6 +4,7 @@ real middleware on a Starlette (or FastAPI) app."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import sys
@@ -271,6 +272,55 @@ async def test_store_gauges_come_from_the_store_stats(db: Database) -> None:  # 
     oldest = m.value("idempotency_oldest_in_progress_seconds")
     assert oldest is not None
     assert 3600 <= oldest < 3660
+
+
+class Flaky:
+    """A store whose stats() fails: first as a database would, then as a bug would."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def stats(self) -> dict[str, Any]:
+        self.calls += 1
+        if self.calls == 1:
+            raise StoreUnavailable("connection refused")
+        if self.calls == 2:
+            raise KeyError("in_progress")
+        return {
+            "in_progress": 1,
+            "completed": 2,
+            "expired": 3,
+            "past_lease": 0,
+            "oldest_in_progress_seconds": None,
+            "attempts": 4,
+        }
+
+
+async def test_the_refresh_loop_logs_what_fails_and_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    """The documented loop suppressed every exception: with a store that had no stats() the gauges never moved and
+    nothing said why. A database blip is a warning, anything else an error with its traceback; the loop goes on."""
+    m = Registry()
+    store = Flaky()
+    with caplog.at_level(logging.WARNING, logger="idempotency_mw"):
+        refresh = asyncio.create_task(m.metrics.refresh_from_store(store, every=0.01))
+        for _ in range(500):
+            if store.calls >= 3:
+                break
+            await asyncio.sleep(0.01)
+        refresh.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await refresh
+    assert m.value("idempotency_records", {"state": "completed"}) == 2
+    failures = [record for record in caplog.records if record.name == "idempotency_mw"]
+    assert [record.levelno for record in failures[:2]] == [logging.WARNING, logging.ERROR]
+    assert "connection refused" in failures[0].getMessage()
+    assert failures[0].exc_info is None  # a blip: one line
+    assert failures[1].exc_info is not None  # a bug: its traceback
+
+
+async def test_updating_from_a_store_without_stats_says_which_stores_have_them() -> None:
+    with pytest.raises(TypeError, match="PostgresStore or SQLAlchemyStore"):
+        await Registry().metrics.update_from_store(MemoryStore())  # type: ignore[arg-type]
 
 
 def test_importing_without_prometheus_client_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import asyncpg
 import pytest
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 from sqlalchemy import MetaData, UniqueConstraint, event, exc, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
@@ -30,8 +31,9 @@ from starlette.routing import Route
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotency_context, idempotent
 from idempotency_mw.events import Outcome
 from idempotency_mw.fastapi import IdempotencyConnection, setup
+from idempotency_mw.metrics import PrometheusMetrics
 from idempotency_mw.sqlalchemy import IdempotencySession, SQLAlchemyStore, idempotency_session
-from idempotency_mw.store import TransactionalStore, TransactionEnded
+from idempotency_mw.store import StoredResponse, TransactionalStore, TransactionEnded
 from tests.conftest import client_for, tenant_of
 from tests.test_transactional import SESSION_LEAKS, SESSION_STATE
 
@@ -699,6 +701,53 @@ async def test_a_closed_store_opens_again(
         assert await effects(db, key) == 1
         await store.close()
         await engine.dispose()
+
+
+async def test_what_the_docs_call_on_a_store_works_on_a_sqlalchemy_store(
+    idempotency_database_url: str, engine: AsyncEngine, db: asyncpg.Connection
+) -> None:
+    """The guide's ``await store.migrate()``, the metrics' ``update_from_store(store)`` (``stats()``) and the
+    operator calls raised AttributeError on a SQLAlchemyStore."""
+    schema = f"imw_sqla_ops_{uuid.uuid4().hex[:8]}"
+    store = SQLAlchemyStore(PostgresStore(idempotency_database_url, max_size=2, schema=schema), engine)
+    try:
+        assert await store.migrate() != []  # needs no open() first, as with a PostgresStore
+        assert await store.migrate() == []
+        await store.open()
+        claim = await store.claim("t-ops", "kept", b"f" * 32, lease=30, ttl=60)
+        assert await store.complete("t-ops", "kept", claim.fence, StoredResponse(201, [], b"{}", 2))
+        await store.claim("t-ops", "gone", b"f" * 32, lease=0.01, ttl=0.01)
+        await asyncio.sleep(0.05)
+        assert (await store.stats())["completed"] == 1
+        assert await store.count_expired() == 1
+        metrics = PrometheusMetrics(CollectorRegistry())
+        await metrics.update_from_store(store)
+        assert metrics.records.labels("completed")._value.get() == 1
+        assert await store.purge_expired(batch_size=10) == 1
+        info = await store.inspect("t-ops", "kept")
+        assert info is not None
+        assert info.state == "completed"
+        assert await store.forget("t-ops", "kept")
+        assert await store.inspect("t-ops", "kept") is None
+    finally:
+        await store.close(grace=0)
+        await db.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+# What a PostgresStore has that a SQLAlchemyStore leaves out, and why. Anything else the docs may call on a store.
+NOT_ON_A_SQLALCHEMY_STORE = {
+    "connection": "an asyncpg connection: a SQLAlchemy app deletes through its session (the guide says how)",
+    "settled": "how a transaction of another kind tells the PostgresStore a claim settled",
+    "statement": "the store's SQL, for a transaction the store does not own",
+}
+
+
+def test_a_sqlalchemy_store_has_every_operation_of_a_postgres_store() -> None:
+    public = {
+        name for name in vars(PostgresStore) if not name.startswith("_") and callable(getattr(PostgresStore, name))
+    }
+    missing = {name for name in public if not hasattr(SQLAlchemyStore, name)}
+    assert missing == set(NOT_ON_A_SQLALCHEMY_STORE)
 
 
 def test_bad_arguments_are_refused_with_what_is_needed(idempotency_database_url: str) -> None:
