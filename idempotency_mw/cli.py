@@ -453,3 +453,7 @@ def _duration(seconds: float) -> str:
 
 def _s(count: int) -> str:
     return "" if count == 1 else "s"
+
+
+if __name__ == "__main__":  # python -m idempotency_mw.cli: the console script's twin
+    sys.exit(main())

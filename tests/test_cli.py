@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -520,6 +521,39 @@ def test_help_lists_the_operators_commands_only(capsys: pytest.CaptureFixture[st
         main(["demo"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'demo'" in capsys.readouterr().err
+
+
+# -- the entry points -------------------------------------------------------------------------------------------
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+ENTRY_POINTS = {
+    "idempotency-mw": [str(Path(sys.executable).parent / "idempotency-mw")],
+    "python -m idempotency_mw.cli": [sys.executable, "-m", "idempotency_mw.cli"],
+    "python -m idempotency_mw": [sys.executable, "-m", "idempotency_mw"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_every_entry_point_runs_the_command_line(entry: str, empty_db: Database) -> None:
+    """``python -m idempotency_mw.cli migrate`` exited 0 having done nothing (the module had no ``__main__``
+    guard), and ``python -m idempotency_mw`` did not exist."""
+    command = ENTRY_POINTS[entry]
+    done = subprocess.run([*command, *empty_db.options, "migrate"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.startswith("applied 0001_initial.sql\n")
+    refused = subprocess.run([*command, "frobnicate"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2
+    assert "invalid choice: 'frobnicate'" in refused.stderr
+
+
+def test_every_entry_point_the_docs_name_is_tested() -> None:
+    """The package's ``python -m`` commands that the README and the docs show are the ones run above (the command
+    line) and in tests/test_devdb.py (``idempotency_mw.devdb``)."""
+    pages = [REPOSITORY / "README.md", *(REPOSITORY / "docs").glob("*.md")]
+    named = {match for page in pages for match in re.findall(r"python -m (idempotency_mw[\w.]*)", page.read_text())}
+    tested = {" ".join(command[1:]).removeprefix("-m ") for command in ENTRY_POINTS.values() if len(command) > 1}
+    assert named <= tested | {"idempotency_mw.devdb"}
 
 
 # -- the installed script ---------------------------------------------------------------------------------------
