@@ -62,6 +62,15 @@ async def run_storm(
         limits = httpx.Limits(max_connections=in_flight * copies, max_keepalive_connections=in_flight * copies)
         http = await stack.enter_async_context(httpx.AsyncClient(timeout=30, limits=limits, headers=auth))
         await stack.enter_async_context(rss.watching())
+        # The account exists before the storm (the example creates it with its first write, in that request's
+        # transaction): the storm is about copies of one payment, not about first writes of one account at once,
+        # which fail to serialize under REPEATABLE READ as the app's own conflict.
+        opened = await http.post(
+            first.base_url + "/v1/customers",
+            data={"name": "storm"},
+            headers={"Idempotency-Key": f"storm-{run}-account"},
+        )
+        opened.raise_for_status()
         gate = asyncio.Semaphore(in_flight)
         urls = [first.base_url, second.base_url]
         unsettled: list[int] = []

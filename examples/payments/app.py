@@ -84,19 +84,6 @@ async def _query(request: Request) -> wire.Params:
 
 
 Account = Annotated[str, Depends(_account)]
-
-
-async def _writing_account(request: Request, account: Account) -> str:
-    """The account of a request that writes, created on its first write (a demo convenience: no sign-up). In a READ
-    COMMITTED transaction of its own, outside the request's: two first writes of an account at once both insert
-    it, and under REPEATABLE READ or SERIALIZABLE the second would fail to serialize instead of finding it."""
-    pool: asyncpg.Pool = request.app.state.pool
-    async with pool.acquire() as connection, connection.transaction(isolation="read_committed"):
-        await ledger.ensure_account(connection, account)
-    return account
-
-
-WritingAccount = Annotated[str, Depends(_writing_account)]
 Params = Annotated[wire.Params, Depends(_params)]
 Query = Annotated[wire.Params, Depends(_query)]
 
@@ -348,13 +335,14 @@ _CUSTOMER_FIELDS = {"email": 512, "name": 256, "description": 1000}  # and their
         kind="customer",
     ),
 )
-async def create_customer(account: WritingAccount, params: Params, db: IdempotencyConnection) -> Response:
+async def create_customer(account: Account, params: Params, db: IdempotencyConnection) -> Response:
     email = params.string("email", max_length=512, unsettable=True)
     name = params.string("name", max_length=256, unsettable=True)
     description = params.string("description", max_length=1000, unsettable=True)
     metadata = params.metadata()
     expand = expansion.paths(params, "customer")
     params.done()
+    await ledger.ensure_account(db, account)
     row = await ledger.insert_customer(db, account, email=email, name=name, description=description, metadata=metadata)
     return await _render(db, account, "customer", objects.customer(row), expand)
 
@@ -440,7 +428,7 @@ async def update_customer(customer: str, account: Account, params: Params, db: I
     ),
 )
 async def create_payment_intent(
-    account: WritingAccount, params: Params, db: IdempotencyConnection, idempotency: Idempotency
+    account: Account, params: Params, db: IdempotencyConnection, idempotency: Idempotency
 ) -> Response:
     amount = params.integer("amount", required=True)
     currency = (params.string("currency", required=True, max_length=3) or "").lower()
@@ -462,6 +450,7 @@ async def create_payment_intent(
         payment_method = DEFAULT_PAYMENT_METHOD
     _check_payment_method(payment_method)
 
+    await ledger.ensure_account(db, account)
     if customer is not None and await ledger.find_customer(db, account, customer) is None:
         raise wire.missing("customer", customer, "customer")
     intent = await ledger.insert_payment_intent(
@@ -591,7 +580,7 @@ async def update_payment_intent(intent: str, account: Account, params: Params, d
     ),
 )
 async def create_refund(
-    account: WritingAccount, params: Params, db: IdempotencyConnection, idempotency: Idempotency
+    account: Account, params: Params, db: IdempotencyConnection, idempotency: Idempotency
 ) -> Response:
     intent_id = params.string("payment_intent", required=True, max_length=255)
     amount = params.integer("amount")
@@ -603,6 +592,7 @@ async def create_refund(
     if amount is not None and not 1 <= amount <= MAX_AMOUNT:
         raise wire.invalid("Invalid positive integer", code="parameter_invalid_integer", param="amount")
 
+    await ledger.ensure_account(db, account)
     intent = await ledger.find_payment_intent(db, account, intent_id, lock=True)  # concurrent refunds take turns
     if intent is None:
         raise wire.missing("payment_intent", intent_id, "payment_intent")
