@@ -5,6 +5,7 @@ Events carry the route and the outcome, never the key (only a short hash of it) 
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import hashlib
 import hmac
@@ -14,6 +15,8 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from starlette.types import Scope
 
 logger = logging.getLogger("idempotency_mw")
 
@@ -102,6 +105,7 @@ class Report:
 
     __slots__ = (
         "_hook",
+        "_started_hook",
         "attempts",
         "key",
         "method",
@@ -117,6 +121,7 @@ class Report:
 
     def __init__(self, hook: EventHook | None, method: str, path: str, route: str) -> None:
         self._hook = hook
+        self._started_hook = getattr(hook, "started", None)
         self.method, self.path, self.route = method, path, route
         self.started = time.perf_counter()
         self.outcome: Outcome | None = None
@@ -130,6 +135,28 @@ class Report:
     @property
     def decided(self) -> bool:
         return self.outcome is not None
+
+    def reach_store(self, scope: Scope) -> None:
+        """The request reaches the store: the hook's ``started(scope)``, if it has one, hears of it (an in-flight
+        gauge)."""
+        self.reached_store = True
+        if self._started_hook is not None:
+            try:
+                self._started_hook(scope)
+            except Exception:
+                logger.exception("idempotency on_event.started hook failed")
+
+    def decide_after(self, settling: asyncio.Future[Outcome], status: int | None) -> None:
+        """Decide once ``settling`` ends: a settlement (or an abandoned claim) that outlasts its cancelled request."""
+
+        def decide(settled: asyncio.Future[Outcome]) -> None:
+            if not settled.cancelled() and settled.exception() is None:
+                self.decide(settled.result(), status)
+
+        if settling.done():
+            decide(settling)
+        else:
+            settling.add_done_callback(decide)
 
     def decide(self, outcome: Outcome, status: int | None) -> None:
         """The outcome is known: send the event now. Once: the first decision stands."""

@@ -23,6 +23,9 @@ from typing import NoReturn
 from urllib.parse import parse_qsl
 
 import orjson
+from starlette.types import Scope
+
+from idempotency_mw.wire import header
 
 
 def fingerprint(
@@ -38,6 +41,12 @@ def fingerprint(
 
 
 _LENGTHS = struct.Struct(">5Q")
+
+
+def request_fingerprint(scope: Scope, body: bytes, exclude: frozenset[str] = frozenset()) -> bytes:
+    """The :func:`fingerprint` of an ASGI request whose whole ``body`` was read."""
+    query = scope.get("query_string", b"")
+    return fingerprint(scope["method"], scope["path"], query, header(scope, b"content-type"), body, exclude)
 
 
 def canonical_query(query_string: bytes) -> bytes:

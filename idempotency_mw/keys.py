@@ -8,7 +8,10 @@ with a reason, never repaired: a key we rewrote silently could collide with anot
 from __future__ import annotations
 
 import re
+import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from idempotency_mw.wire import KEY_HEADER, MAX_KEY_LENGTH
 
@@ -37,6 +40,21 @@ def key_from_headers(headers: list[tuple[bytes, bytes]], header: bytes = HEADER)
     if found is None:
         raise MissingKey()
     return parse_key(found)
+
+
+def request_key(
+    headers: list[tuple[bytes, bytes]], key_from: str | Callable[[Any], Any] | None, payload: Callable[[], Any]
+) -> str:
+    """A request's key: from the ``Idempotency-Key`` header, the header a route names instead, or what a route's
+    function finds in the body's ``payload()`` (a webhook's event id; None when it has none)."""
+    if key_from is None:
+        return key_from_headers(headers)
+    if isinstance(key_from, str):
+        return key_from_headers(headers, key_from.lower().encode("latin-1"))
+    key = key_from(payload())
+    if key is None:
+        raise MissingKey()
+    return key_from_payload(key)
 
 
 def parse_key(raw: bytes) -> str:
@@ -119,3 +137,9 @@ def uuid7_time(key: str) -> float | None:
     if value.version != 7 or value.variant != uuid.RFC_4122:
         return None
     return (value.int >> 80) / 1000
+
+
+def outlived(key: str, ttl: float) -> bool:
+    """Whether a UUIDv7 key was born more than ``ttl`` seconds ago: a record of it may have expired already."""
+    born = uuid7_time(key)
+    return born is not None and time.time() - born > ttl

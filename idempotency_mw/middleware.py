@@ -29,11 +29,11 @@ from idempotency_mw.context import (
 from idempotency_mw.eager import outlasting, start_eagerly
 from idempotency_mw.events import EventHook, Outcome, Report, log_event, logger
 from idempotency_mw.failures import FailureLog
-from idempotency_mw.fingerprint import fingerprint
-from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers, key_from_payload, uuid7_time
+from idempotency_mw.fingerprint import request_fingerprint
+from idempotency_mw.keys import InvalidKey, MissingKey, outlived, request_key
 from idempotency_mw.leases import LeaseKeeper
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
-from idempotency_mw.recording import PlainRun
+from idempotency_mw.recording import PlainRun, run_unprotected
 from idempotency_mw.routes import RouteMatch, RouteTemplates
 from idempotency_mw.store import (
     Claim,
@@ -46,12 +46,13 @@ from idempotency_mw.tenants import (
     AuthorizationTenant,
     TenantFromApp,
     TenantResolver,
-    awaited_tenant,
     requirement,
+    resolve_tenant,
     unknown_tenant_advice,
 )
 from idempotency_mw.transaction import TransactionalRun
-from idempotency_mw.wire import WITHHELD_EXTENSIONS
+from idempotency_mw.waiting import claim_or_wait
+from idempotency_mw.wire import handler_scope, header
 
 T = TypeVar("T")
 
@@ -139,7 +140,6 @@ class IdempotencyMiddleware:
         self.leases = LeaseKeeper(store, self.failures)  # renews the lease of every handler still running
         self.routes = RouteTemplates(app)  # until the routes are scanned (at startup, or the first request)
         self.on_event = on_event
-        self.on_started = getattr(on_event, "started", None)
         self.retry_after = retry_after
         self.on_replay = on_replay
         self._check_transactional(default, *(p for _, p in self.policies.patterns))
@@ -204,6 +204,24 @@ class IdempotencyMiddleware:
             path = path[len(root_path) :]
         return self.routes.match(method, path)
 
+    def tenant_unknown(self, resolver: object) -> tuple[problems.Problem, Outcome]:
+        """The refusal of a keyed request whose tenant is unknown, in the words of the ``resolver`` that could not
+        tell it; the operator hears how to fix it once, not per request."""
+        if not self.tenant_unknown_logged:
+            self.tenant_unknown_logged = True
+            logger.warning(unknown_tenant_advice(resolver))
+        return problems.tenant_unknown(requirement(resolver)), Outcome.TENANT_UNKNOWN
+
+    def replayed(self, scope: Scope, response: StoredResponse) -> StoredResponse:
+        """The response a replay sends: as stored, or as the ``on_replay`` hook would have it."""
+        if self.on_replay is None:
+            return response
+        try:
+            return self.on_replay(scope, response) or response
+        except Exception:
+            logger.exception("idempotency on_replay hook failed (the response is replayed as stored)")
+            return response
+
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Check the per-route policies at startup, so a bad one stops the server instead of the first payment."""
         first = await receive()
@@ -267,7 +285,8 @@ class IdempotentRequest:
             if callable(self.policy.key_from) and not await self._read_body():
                 return
             try:
-                self.key = self.report.key = self._key()
+                payload = lambda: self.body.payload(header(self.scope, b"content-type"))  # noqa: E731
+                self.key = self.report.key = request_key(self.scope["headers"], self.policy.key_from, payload)
             except MissingKey:
                 if self.policy.required:
                     self.refusal = (problems.key_missing(), Outcome.KEY_MISSING)
@@ -290,11 +309,9 @@ class IdempotentRequest:
             # 2. The tenant: none means the key cannot be scoped, and an unscoped key must never meet another's.
             if self.refusal is None:
                 resolver = self.policy.tenant or self.middleware.tenant
-                tenant = resolver(self.scope)  # type: ignore[operator]  # not a TenantFromApp here
-                if tenant is not None and not isinstance(tenant, str):
-                    tenant = await awaited_tenant(tenant)
+                tenant = await resolve_tenant(resolver, self.scope)  # type: ignore[arg-type]  # not a TenantFromApp
                 if tenant is None:
-                    self.refusal = self._tenant_unknown()
+                    self.refusal = self.middleware.tenant_unknown(resolver)
                 else:
                     self.tenant = self.report.tenant = tenant
             if self.refusal is not None:
@@ -320,7 +337,7 @@ class IdempotentRequest:
         if tenant is not None and not isinstance(tenant, str):
             raise TypeError(f"the tenant of a request must be a str or None, not {type(tenant).__name__}")
         if self.refusal is None and tenant is None and self.key is not None:
-            self.refusal = self._tenant_unknown()
+            self.refusal = self.middleware.tenant_unknown(self.middleware.tenant)
         if self.refusal is not None:
             await self._refuse(*self.refusal)
             raise ClaimAnswered
@@ -331,18 +348,6 @@ class IdempotentRequest:
         context = state.get(STATE_KEY)
         assert isinstance(context, IdempotencyContext)
         return context
-
-    def _key(self) -> str:
-        """The key: from the Idempotency-Key header, another header the route names, or the body (``key_from``)."""
-        source = self.policy.key_from
-        if source is None:
-            return key_from_headers(self.scope["headers"])
-        if isinstance(source, str):
-            return key_from_headers(self.scope["headers"], source.lower().encode("latin-1"))
-        key = source(self.body.payload(self._header(b"content-type")))
-        if key is None:
-            raise MissingKey
-        return key_from_payload(key)
 
     def _tenant_from_app(self) -> bool:
         """Whether the app tells this request's tenant from inside (the route names no tenant of its own)."""
@@ -359,12 +364,21 @@ class IdempotentRequest:
         replay, a conflict, a refusal; or, failing open, the handler ran unprotected)."""
         assert self.key is not None
         self.phase = Phase.CLAIMING
-        self._notify_started()
+        self.report.reach_store(self.scope)
         policy = self.policy
         self._start_run()
+        claimer: Store | TransactionalRun = self.transaction or self.store
+        key, tenant, digest = self.key, self.tenant, self.digest
         started = time.perf_counter()
         # A task of its own: a cancellation must not lose a claim that landed.
-        task = start_eagerly(self._claim_or_wait(), "idempotency claim")
+        task = start_eagerly(
+            claim_or_wait(
+                lambda: claimer.claim(tenant, key, digest, lease=policy.lease, ttl=policy.ttl),
+                lambda within: self.store.wait(tenant, key, within),
+                policy.wait if policy.on_conflict == "wait" else None,
+            ),
+            "idempotency claim",
+        )
         try:
             claim = await outlasting(task)
         except asyncio.CancelledError:
@@ -378,7 +392,8 @@ class IdempotentRequest:
             self.report.store_seconds += time.perf_counter() - started
             self.middleware.failures.failed("claim a key", error)
             if policy.fail_open:
-                return await self._run_unprotected()
+                await run_unprotected(self.middleware.app, self.scope, self.body.receive, self.send, self._decide)
+                return False
             await self._refuse(problems.store_unavailable(self.middleware.retry_after), store_failure(error))
             return False
         del task  # finished: not kept alive through the handler's run
@@ -389,7 +404,7 @@ class IdempotentRequest:
             await self._answer(claim)
             return False
         self.owned = self._own(claim)
-        if policy.check_uuid7_age and self._key_outlived_retention():
+        if policy.check_uuid7_age and outlived(key, policy.ttl):
             # No record is left to compare with: running now could repeat an operation whose record was purged.
             await self.owned.release()
             if self.transaction is not None:
@@ -403,21 +418,6 @@ class IdempotentRequest:
         self.plain.claimed()
         self._set_context(IdempotencyContext(self.tenant, self.key))
         return True
-
-    async def _claim_or_wait(self) -> Claim:
-        """The claim; on a route that waits for a running original instead of answering 409, claimed again each time
-        the original may have settled, until it has, or the route's ``wait`` is over."""
-        assert self.key is not None
-        policy = self.policy
-        claimer: Store | TransactionalRun = self.transaction if self.transaction is not None else self.store
-        claim = await claimer.claim(self.tenant, self.key, self.digest, lease=policy.lease, ttl=policy.ttl)
-        if claim.outcome is ClaimOutcome.IN_PROGRESS and policy.on_conflict == "wait":
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + policy.wait
-            while claim.outcome is ClaimOutcome.IN_PROGRESS and (left := deadline - loop.time()) > 0:
-                await self.store.wait(self.tenant, self.key, left)
-                claim = await claimer.claim(self.tenant, self.key, self.digest, lease=policy.lease, ttl=policy.ttl)
-        return claim
 
     async def _abandon(self, claiming: asyncio.Future[Claim]) -> Outcome:
         """The claim of a request that was cancelled: released once it is known to be ours."""
@@ -459,29 +459,9 @@ class IdempotentRequest:
             )
             return await self._refuse(problem, Outcome.NOT_REPLAYABLE)
         # 7. Replay.
-        hook = self.middleware.on_replay
-        if hook is not None:
-            try:
-                response = hook(self.scope, response) or response
-            except Exception:
-                logger.exception("idempotency on_replay hook failed (the response is replayed as stored)")
+        response = self.middleware.replayed(self.scope, response)
         self._decide(Outcome.REPLAYED, response.status)
         await replay(response, self.send)
-
-    async def _run_unprotected(self) -> bool:
-        """Failing open (the route's ``fail_open``): the handler runs without a record."""
-        status: list[int] = []
-
-        async def send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status.append(message["status"])
-            await self.send(message)
-
-        try:
-            await self.middleware.app(self.scope, self.body.receive, send)
-        finally:
-            self._decide(Outcome.UNPROTECTED, status[0] if status else None)
-        return False
 
     # -- 5. and 6. running the handler, then recording or releasing -----------------------------------------
 
@@ -490,7 +470,18 @@ class IdempotentRequest:
         if self.transaction is not None or self.plain is not None:
             return
         if self.policy.transactional:
-            self.transaction = self._transactional_run()
+            store = self.store
+            assert isinstance(store, TransactionalStore)  # checked when the middleware was built
+            self.transaction = TransactionalRun(
+                store,
+                self._downstream(),
+                max_body=self.policy.max_response_bytes,
+                is_final=self._is_final,
+                decide=self._decide,
+                refuse=self._refuse,
+                retry_after=self.middleware.retry_after,
+                failures=self.middleware.failures,
+            )
         else:
             self.plain = PlainRun(
                 self._downstream(),
@@ -503,11 +494,9 @@ class IdempotentRequest:
         """Run the handler with its response recorded on the way out (plain mode) or held in its transaction."""
         self._start_run()
         try:
-            if self.transaction is not None:
-                await self.transaction.run(self.middleware.app, self._app_scope(), self.body.receive)
-            else:
-                assert self.plain is not None
-                await self.plain.run(self.middleware.app, self._app_scope(), self.body.receive)
+            run = self.transaction or self.plain
+            assert run is not None
+            await run.run(self.middleware.app, handler_scope(self.scope), self.body.receive)
         except ClaimAnswered:
             pass  # the middleware answered from inside the app (claim_for): the handler did not run
         finally:
@@ -522,22 +511,6 @@ class IdempotentRequest:
         if not self._is_final(recorder.status):
             return await owned.release()
         return await owned.complete(recorder.stored_response())
-
-    # -- 5. and 6. in a transaction (transaction.py) ----------------------------------------------------------
-
-    def _transactional_run(self) -> TransactionalRun:
-        store = self.store
-        assert isinstance(store, TransactionalStore)  # checked when the middleware was built
-        return TransactionalRun(
-            store,
-            self._downstream(),
-            max_body=self.policy.max_response_bytes,
-            is_final=self._is_final,
-            decide=self._decide,
-            refuse=self._refuse,
-            retry_after=self.middleware.retry_after,
-            failures=self.middleware.failures,
-        )
 
     async def _run_keyless_transaction(self) -> None:
         """A transactional route called without a key still gets its transaction, with no record in it (begun once
@@ -576,27 +549,12 @@ class IdempotentRequest:
             return
         settling = self.abandoning or (self.plain.settling if self.plain is not None else None)
         status = self.plain.recorder.status if self.plain is not None else None
-        if settling is None:
-            if self.owned is not None:
-                self._decide(Outcome.STORE_ERROR, status)
-            return
-
-        def report(settled: asyncio.Future[Outcome]) -> None:
-            if not settled.cancelled() and settled.exception() is None:
-                self._decide(settled.result(), status)
-
-        if settling.done():
-            report(settling)
-        else:
-            settling.add_done_callback(report)
+        if settling is not None:
+            self.report.decide_after(settling, status)
+        elif self.owned is not None:
+            self._decide(Outcome.STORE_ERROR, status)
 
     # -- helpers --------------------------------------------------------------------------------------------
-
-    def _key_outlived_retention(self) -> bool:
-        """A UUIDv7 key carries its birth time: one older than the ttl may have had a record that expired."""
-        assert self.key is not None
-        born = uuid7_time(self.key)
-        return born is not None and time.time() - born > self.policy.ttl
 
     def _is_final(self, status: int | None) -> bool:
         """A final outcome is recorded (and, in a transaction, committed); anything else releases the key."""
@@ -604,29 +562,17 @@ class IdempotentRequest:
             return False
         return self.policy.records(status)
 
-    def _tenant_unknown(self) -> tuple[problems.Problem, Outcome]:
-        """The refusal of a keyed request whose tenant is unknown, in the words of the resolver configured."""
-        resolver = self.policy.tenant or self.middleware.tenant
-        if not self.middleware.tenant_unknown_logged:
-            self.middleware.tenant_unknown_logged = True
-            logger.warning(unknown_tenant_advice(resolver))
-        return problems.tenant_unknown(requirement(resolver)), Outcome.TENANT_UNKNOWN
-
     async def _read_body(self) -> bool:
         """Buffer the request body and fingerprint the request; False when the request ended here (413, or the
         client left: nothing ran, nothing was claimed)."""
         if self.body.read:
             return True
-        read = await self.body.read_all(self._header(b"content-length"))
+        read = await self.body.read_all(header(self.scope, b"content-length"))
         if read is Read.TOO_LARGE:
             await self._refuse(problems.request_too_large(self.policy.max_request_bytes), Outcome.REQUEST_TOO_LARGE)
         if read is not Read.WHOLE:
             return False
-        scope = self.scope
-        query = scope.get("query_string", b"")
-        content_type = self._header(b"content-type")
-        exclude = self.policy.fingerprint_exclude
-        self.digest = fingerprint(scope["method"], scope["path"], query, content_type, self.body.body, exclude)
+        self.digest = request_fingerprint(self.scope, self.body.body, self.policy.fingerprint_exclude)
         return True
 
     def _downstream(self) -> Send:
@@ -641,28 +587,5 @@ class IdempotentRequest:
             return
         await self.send(message)
 
-    def _header(self, name: bytes) -> bytes:
-        for key, value in self.scope["headers"]:
-            if key == name:
-                return bytes(value)
-        return b""
-
     def _set_context(self, context: IdempotencyContext) -> None:
         self.scope.setdefault("state", {})[STATE_KEY] = context
-
-    def _app_scope(self) -> Scope:
-        """The scope the handler sees: without the extensions that send a body around ``send`` (a file path), which
-        the recorder could not capture. Starlette's FileResponse then streams the file through ``send``."""
-        extensions = self.scope.get("extensions")
-        if extensions and not WITHHELD_EXTENSIONS.isdisjoint(extensions):
-            self.scope["extensions"] = {k: v for k, v in extensions.items() if k not in WITHHELD_EXTENSIONS}
-        return self.scope
-
-    def _notify_started(self) -> None:
-        self.report.reached_store = True
-        started = self.middleware.on_started
-        if started is not None:
-            try:
-                started(self.scope)
-            except Exception:
-                logger.exception("idempotency on_event.started hook failed")

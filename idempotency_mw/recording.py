@@ -92,3 +92,22 @@ class PlainRun:
         if self.settling is None:
             self.settling = start_eagerly(self._settle_with(self.recorder), "idempotency settlement")
         return self.settling
+
+
+async def run_unprotected(
+    app: ASGIApp, scope: Scope, receive: Receive, send: Send, on_settled: Callable[[Outcome, int | None], None]
+) -> None:
+    """Failing open (a route's ``fail_open``, the store down): the handler runs without a record; ``on_settled``
+    hears of it however it ends."""
+    status: int | None = None
+
+    async def send_on(message: Message) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        await send(message)
+
+    try:
+        await app(scope, receive, send_on)
+    finally:
+        on_settled(Outcome.UNPROTECTED, status)

@@ -189,8 +189,11 @@ def requirement(resolver: object) -> str | None:
     return found if isinstance(found, str) else None
 
 
-async def awaited_tenant(tenant: object) -> str | None:
-    """What a tenant resolver gave, awaited if it is awaitable, and checked: a ``str`` or None."""
+async def resolve_tenant(resolver: TenantResolver, scope: Scope) -> str | None:
+    """The tenant ``resolver`` tells for a request, awaited if it is awaitable, and checked: a ``str`` or None."""
+    tenant = resolver(scope)
+    if isinstance(tenant, str) or tenant is None:
+        return tenant
     if inspect.isawaitable(tenant):
         tenant = await tenant
     if tenant is not None and not isinstance(tenant, str):

@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+from collections.abc import Awaitable, Callable
+
+from idempotency_mw.store import Claim, ClaimOutcome
 
 CHANNEL = "idempotency_mw_settled"  # the LISTEN/NOTIFY channel; payloads are "<schema>:<tag>"
 
@@ -18,6 +21,22 @@ def settlement_tag(tenant: str, key: str) -> str:
     """What a notification names a record by: as ``sql/queries.sql`` computes it (the tenant's length in characters
     first, so that no two (tenant, key) pairs meet)."""
     return hashlib.sha256(f"{len(tenant)}:{tenant}{key}".encode()).hexdigest()[:32]
+
+
+async def claim_or_wait(
+    claim: Callable[[], Awaitable[Claim]], wait: Callable[[float], Awaitable[None]], within: float | None
+) -> Claim:
+    """The ``claim``; while another request runs under its key, claimed again each time ``wait`` says that request
+    may have settled, for ``within`` seconds at most (None: answer the conflict at once)."""
+    claimed = await claim()
+    if claimed.outcome is not ClaimOutcome.IN_PROGRESS or within is None:
+        return claimed
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while claimed.outcome is ClaimOutcome.IN_PROGRESS and (left := deadline - loop.time()) > 0:
+        await wait(left)
+        claimed = await claim()
+    return claimed
 
 
 class Waiters:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 
+from starlette.types import Scope
+
 KEY_HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"  # "true" on a replayed response
 MAX_KEY_LENGTH = 255  # characters of a key, after unquoting
@@ -16,6 +18,23 @@ MAX_KEY_LENGTH = 255  # characters of a key, after unquoting
 # ASGI extensions that send a response's body around ``send`` (a file by its path), where it could not be recorded:
 # the middleware does not offer them to the handler, and the recorder marks a response that used one unreplayable.
 WITHHELD_EXTENSIONS = frozenset({"http.response.pathsend", "http.response.zerocopysend"})
+
+
+def header(scope: Scope, name: bytes) -> bytes:
+    """A request header's first value, by its lower-cased name (as ASGI servers pass it), or ``b""``."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return b""
+
+
+def handler_scope(scope: Scope) -> Scope:
+    """The scope a covered handler sees: without the extensions that would send its body around the recorder. A
+    Starlette FileResponse then streams its file through ``send``."""
+    extensions = scope.get("extensions")
+    if extensions and not WITHHELD_EXTENSIONS.isdisjoint(extensions):
+        scope["extensions"] = {k: v for k, v in extensions.items() if k not in WITHHELD_EXTENSIONS}
+    return scope
 
 
 class ProblemCode(enum.StrEnum):
