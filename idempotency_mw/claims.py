@@ -62,14 +62,15 @@ class OwnedClaim:
         return Outcome.EXECUTED if completed else Outcome.FENCED_OUT
 
     async def release(self) -> Outcome:
-        """Free the key for the retry. Shielded: it must happen even when the request was cancelled."""
+        """Free the key for the retry (FENCED_OUT when it was no longer this claim's to free). Shielded: it must happen
+        even when the request was cancelled."""
         self.drop_lease()
         try:
-            await asyncio.shield(self._timed(self.store.release(self.tenant, self.key, self.fence)))
+            released = await asyncio.shield(self._timed(self.store.release(self.tenant, self.key, self.fence)))
         except Exception as error:
             self._failures.failed("release a key (it frees itself when its lease lapses)", error)
             return store_failure(error)
-        return Outcome.RELEASED
+        return Outcome.RELEASED if released else Outcome.FENCED_OUT
 
     async def _timed(self, operation: Awaitable[T]) -> T:
         started = time.perf_counter()

@@ -32,11 +32,12 @@ from idempotency_mw.transaction import Settlement
 from idempotency_mw.urls import postgres_url
 from idempotency_mw.waiting import CHANNEL, Waiters
 
-# How a completion in a handler's transaction learns, under REPEATABLE READ or SERIALIZABLE, that another claim of
-# the key completed first (its response meets ours), or that the record was deleted meanwhile (the foreign key):
-# fenced out, like a completion that finds another fence under READ COMMITTED (sql/queries.sql).
+# How a completion in a handler's transaction learns that another claim's response is stored (the primary key) or
+# that the record was deleted meanwhile (the foreign key): fenced out, like a completion that finds another fence
+# (sql/queries.sql). Under REPEATABLE READ and SERIALIZABLE, the primary key met in a row the snapshot cannot see is
+# a serialization failure instead, which a conflict of the handler's own writes can raise just as well: that one
+# fails the transaction, and the release that follows tells the two apart (transaction.py).
 FENCED_OUT = (
-    asyncpg.exceptions.SerializationError,
     asyncpg.exceptions.UniqueViolationError,
     asyncpg.exceptions.ForeignKeyViolationError,
 )

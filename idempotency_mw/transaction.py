@@ -231,6 +231,10 @@ class TransactionalRun:
         released = None
         if self.owned is not None and state is not State.FENCED_OUT and not self._reported:
             released = await self.owned.release()
+            if state is State.REFUSED and released is Outcome.FENCED_OUT:
+                # The completion failed because the key was no longer ours (a serialization failure under
+                # REPEATABLE READ or SERIALIZABLE where a newer claim's response was stored first).
+                state = self.state = State.FENCED_OUT
         if state is State.FENCED_OUT:
             # A newer claim owns the key: our writes were rolled back, and the client hears what a retry would.
             await self._refuse(problems.in_progress(self._retry_after), Outcome.FENCED_OUT)
@@ -361,14 +365,32 @@ class TransactionalRun:
             await _wait_through_cancellation(self._settling)
 
 
+SERIALIZATION_FAILURES = frozenset({"40001", "40P01"})  # serialization_failure, deadlock_detected
+
+
 def _refusal(failure: BaseException) -> str:
     if isinstance(failure, TransactionEnded):
         return str(failure)
+    if _sqlstate(failure) in SERIALIZATION_FAILURES:
+        return (
+            f"the handler's transaction conflicted with another and could not commit ({type(failure).__name__}); "
+            "nothing was committed, the key is released, and the client's retry runs it afresh"
+        )
     return (
         f"the handler's transaction could not commit ({type(failure).__name__}); nothing was committed. If the "
         "handler recovers from database errors, run the statements that may fail in a savepoint (asyncpg: async with "
         "connection.transaction(): ...; SQLAlchemy: async with session.begin_nested(): ...)"
     )
+
+
+def _sqlstate(error: BaseException | None) -> str | None:
+    """The SQLSTATE of a database error, asyncpg's own or wrapped by SQLAlchemy (its ``orig``, or the cause)."""
+    while error is not None:
+        code = getattr(error, "sqlstate", None)
+        if isinstance(code, str):
+            return code
+        error = getattr(error, "orig", None) or error.__cause__
+    return None
 
 
 async def _wait_through_cancellation(task: asyncio.Task[None]) -> None:

@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotency_context
 from idempotency_mw.events import Event, Outcome
-from idempotency_mw.store import StoreUnavailable, TransactionEnded
+from idempotency_mw.store import StoredResponse, StoreUnavailable, TransactionEnded
 from tests.conftest import client_for, tenant_of
 
 
@@ -682,6 +682,86 @@ async def test_a_handler_that_outlives_lease_renewals_completes(isolated_store: 
     gate.go.set()
     assert (await original).status_code == 201
     assert await isolated_effects(isolated_store, key) == 1
+
+
+async def test_a_zombie_whose_snapshot_predates_a_takeover_is_fenced_out(isolated_store: PostgresStore) -> None:
+    """Under REPEATABLE READ or SERIALIZABLE the zombie's snapshot still shows its own claim after a takeover; the
+    newer claim's response, stored first, is what stops its completion: its writes roll back, it answers 409, and
+    the key stays with the newer claim."""
+    key = str(uuid.uuid4())
+    gate = Gate()
+    gate.go.clear()
+    client = client_for(build(isolated_store, gate))
+    zombie = asyncio.create_task(client.post("/write", headers={"Idempotency-Key": key}))
+    await asyncio.wait_for(gate.entered.wait(), 5)  # its first write took its snapshot
+    async with isolated_store.connection() as connection:
+        await connection.execute(
+            "UPDATE idempotency_records SET lease_expires_at = now() - interval '1 second' WHERE key = $1", key
+        )
+        record = await connection.fetchrow("SELECT tenant, fingerprint FROM idempotency_records WHERE key = $1", key)
+    takeover = await isolated_store.claim(record["tenant"], key, bytes(record["fingerprint"]), lease=60, ttl=600)
+    assert takeover.outcome.value == "owned"
+    newer = StoredResponse(201, [(b"content-type", b"application/json")], b'{"newer":true}', 14)
+    assert await isolated_store.complete(record["tenant"], key, takeover.fence, newer)
+    gate.go.set()
+    response = await zombie
+    assert response.status_code == 409
+    assert response.json()["code"] == "idempotency_request_in_progress"
+    assert await isolated_effects(isolated_store, key) == 0
+    replay = await client.post("/write", headers={"Idempotency-Key": key})
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.content == b'{"newer":true}'
+
+
+async def test_a_serialization_failure_at_the_completion_releases_the_key(isolation_urls: dict[str, str]) -> None:
+    """Under SERIALIZABLE, two handlers that each read what the other writes (write skew) cannot both commit, and
+    PostgreSQL may refuse the second at any statement: the completion's insert included. That is the handler's
+    transaction failing, not a newer claim of its key: the key is released (not held for its lease behind 409s),
+    and the retry runs afresh."""
+    url = isolation_urls["serializable"]
+    setup = await asyncpg.connect(url)
+    await setup.execute("CREATE TABLE IF NOT EXISTS skew (key text)")
+    both_read = asyncio.Barrier(2)
+    first_committed = asyncio.Event()
+    seen: set[str | None] = set()
+
+    async def skewed(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await context.connection.fetchval("SELECT count(*) FROM skew")
+        retry = context.key in seen
+        seen.add(context.key)
+        if not retry:
+            await both_read.wait()
+        await context.connection.execute("INSERT INTO skew VALUES ($1)", context.key)
+        if "second" in request.query_params and not retry:
+            await first_committed.wait()  # its completion runs after the first transaction committed
+        return JSONResponse({"done": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/skew", skewed, methods=["POST"])])
+    try:
+        async with PostgresStore(url) as store:
+            app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+            client = client_for(app)
+            first_key, second_key = str(uuid.uuid4()), str(uuid.uuid4())
+            first = asyncio.create_task(client.post("/skew", headers={"Idempotency-Key": first_key}))
+            second = asyncio.create_task(client.post("/skew?second=1", headers={"Idempotency-Key": second_key}))
+            assert (await first).status_code == 201
+            first_committed.set()
+            try:
+                failed = await second
+            except asyncpg.SerializationError:
+                pass  # raised out of the app: its server answers 500
+            else:
+                assert failed.status_code == 500, failed.text
+            assert await store.inspect(tenant_of(), second_key) is None  # released at once, not left to its lease
+            retry = await client.post("/skew?second=1", headers={"Idempotency-Key": second_key})
+            assert retry.status_code == 201
+        assert await setup.fetchval("SELECT count(*) FROM skew WHERE key = $1", second_key) == 1
+    finally:
+        await setup.execute("DROP TABLE skew")
+        await setup.close()
 
 
 @pytest.fixture
