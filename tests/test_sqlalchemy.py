@@ -736,6 +736,7 @@ async def test_what_the_docs_call_on_a_store_works_on_a_sqlalchemy_store(
 
 # What a PostgresStore has that a SQLAlchemyStore leaves out, and why. Anything else the docs may call on a store.
 NOT_ON_A_SQLALCHEMY_STORE = {
+    "claim_on": "how a transaction of another kind claims on a connection of its own, through the PostgresStore",
     "connection": "an asyncpg connection: a SQLAlchemy app deletes through its session (the guide says how)",
     "settled": "how a transaction of another kind tells the PostgresStore a claim settled",
     "statement": "the store's SQL, for a transaction the store does not own",
