@@ -6,23 +6,33 @@ tests/test_readme_snippets.py.)"""
 from __future__ import annotations
 
 import ast
+import asyncio
+import contextlib
 import dataclasses
+import hashlib
+import hmac
 import importlib
+import importlib.util
 import inspect
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
 import textwrap
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from idempotency_mw import AuthorizationTenant, IdempotencyMiddleware, Policy, PostgresStore, header_tenant
 from idempotency_mw.cli import build_parser
 from idempotency_mw.client import AsyncIdempotentClient, IdempotentClient, Retry
+from idempotency_mw.testing import run_lifespan
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "examples" / "README.md"])
@@ -253,3 +263,145 @@ def test_the_testing_guides_examples_run(tmp_path: Path, idempotency_database_ur
     tests = sum(code.count("\nasync def test_") + code.count("\ndef test_") for code in files.values())
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{tests} passed" in done.stdout, done.stdout
+
+
+# -- the guide's recipes, run as the apps they are -------------------------------------------------------------
+
+
+def guide_recipes() -> dict[str, str]:
+    """The python blocks of the guide's recipes (each opens with ``# <name>.py``), by module name."""
+    text = GUIDE.read_text()
+    section = text[text.index("## 7. Recipes") :]
+    recipes = {}
+    for match in FENCE.finditer(section):
+        code = textwrap.dedent(match.group(3))
+        first = code.splitlines()[0] if code else ""
+        if match.group(2) == "python" and re.fullmatch(r"# \w+\.py", first):
+            recipes[first[2:-3]] = code
+    return recipes
+
+
+@contextlib.contextmanager
+def recipe(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **env: str) -> Iterator[Any]:
+    """The recipe ``name`` imported as a module, with ``env`` in its environment."""
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    path = tmp_path / f"{name}.py"
+    path.write_text(guide_recipes()[name])
+    spec = importlib.util.spec_from_file_location(f"guide_recipe_{name}", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any, **headers: str) -> AsyncIterator[httpx.AsyncClient]:
+    async with run_lifespan(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", headers=headers) as client:
+            yield client
+
+
+def test_the_guide_has_its_recipes() -> None:
+    assert set(guide_recipes()) == {"shop", "webhooks", "stamped", "impatient"}
+
+
+async def test_recipe_fastapi_sqlalchemy_and_your_own_authentication(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idempotency_database_url: str
+) -> None:
+    url = idempotency_database_url.replace("postgresql://", "postgresql+asyncpg://", 1)
+    with recipe("shop", tmp_path, monkeypatch, DATABASE_URL=url) as shop:
+        async with serving(shop.app) as client:
+
+            async def orders() -> int:
+                async with shop.engine.connect() as connection:
+                    return int((await connection.exec_driver_sql("SELECT count(*) FROM shop_orders")).scalar_one())
+
+            key = str(uuid.uuid4())
+            before = await orders()
+            anonymous = await client.post("/v1/orders", json={"amount": 5}, headers={"Idempotency-Key": key})
+            assert anonymous.status_code == 401
+            assert await shop.store.inspect("acct_alice", key) is None
+
+            alice = {"Idempotency-Key": key, "X-API-Key": "sk_alice"}
+            first = await client.post("/v1/orders", json={"amount": 5}, headers=alice)
+            assert first.status_code == 201, first.text
+            again = await client.post("/v1/orders", json={"amount": 5}, headers=alice)
+            assert (again.status_code, again.content) == (201, first.content)
+            assert again.headers["idempotent-replayed"] == "true"
+            bob = await client.post("/v1/orders", json={"amount": 5}, headers={**alice, "X-API-Key": "sk_bob"})
+            assert bob.status_code == 201
+            assert bob.json()["id"] != first.json()["id"]
+            assert await orders() == before + 2
+
+            keyless = await client.post("/v1/orders", json={"amount": 5}, headers={"X-API-Key": "sk_alice"})
+            assert keyless.json()["code"] == "idempotency_key_missing"
+
+            over = {"Idempotency-Key": str(uuid.uuid4()), "X-API-Key": "sk_alice"}
+            for _ in range(2):
+                refused = await client.post("/v1/orders", json={"amount": 5000}, headers=over)
+                assert refused.status_code == 402
+            assert refused.headers["idempotent-replayed"] == "true"
+            assert await orders() == before + 2
+
+            corrected = {"Idempotency-Key": str(uuid.uuid4()), "X-API-Key": "sk_alice"}
+            assert (await client.post("/v1/orders", json={"amount": "x"}, headers=corrected)).status_code == 422
+            assert (await client.post("/v1/orders", json={"amount": 7}, headers=corrected)).status_code == 201
+
+
+async def test_recipe_webhooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idempotency_database_url: str) -> None:
+    secret = "whsec_test"
+    with recipe(
+        "webhooks", tmp_path, monkeypatch, DATABASE_URL=idempotency_database_url, WEBHOOK_SECRET=secret
+    ) as hooks:
+        async with serving(hooks.app) as client:
+            event_id = f"evt_{uuid.uuid4().hex}"
+            body = json.dumps({"id": event_id, "type": "payment.succeeded"}).encode()
+            signature = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+            forged = await client.post("/webhooks/payments", content=body, headers={"X-Signature": "0" * 64})
+            assert forged.status_code == 401
+            deliveries = [
+                await client.post("/webhooks/payments", content=body, headers={"X-Signature": signature})
+                for _ in range(3)
+            ]
+            assert {d.status_code for d in deliveries} == {200}
+            assert deliveries[0].json() == {"received": event_id}
+            assert [d.headers.get("idempotent-replayed") for d in deliveries] == [None, "true", "true"]
+            assert hooks.handled == [event_id]
+            no_id = await client.post("/webhooks/payments", json={"type": "ping"})
+            assert no_id.json()["code"] == "idempotency_key_missing"
+
+
+async def test_recipe_clients_that_stamp_each_attempt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idempotency_database_url: str
+) -> None:
+    with recipe("stamped", tmp_path, monkeypatch, DATABASE_URL=idempotency_database_url) as stamped:
+        async with serving(stamped.app, authorization="Bearer sk_test_recipes") as client:
+            headers = {"Idempotency-Key": str(uuid.uuid4())}
+            first = await client.post(
+                "/v1/payments", json={"amount": 5, "sent_at": 1, "client": {"attempt": 1}}, headers=headers
+            )
+            retry = await client.post(
+                "/v1/payments", json={"amount": 5, "sent_at": 2, "client": {"attempt": 2}}, headers=headers
+            )
+            assert (first.status_code, retry.content) == (201, first.content)
+            assert retry.json()["first_sent_at"] == 1
+            other = await client.post("/v1/payments", json={"amount": 6, "sent_at": 3}, headers=headers)
+            assert other.json()["code"] == "idempotency_key_reused"
+
+
+async def test_recipe_wait_for_the_original(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idempotency_database_url: str
+) -> None:
+    with recipe("impatient", tmp_path, monkeypatch, DATABASE_URL=idempotency_database_url) as impatient:
+        async with serving(impatient.app, authorization="Bearer sk_test_recipes") as client:
+            headers = {"Idempotency-Key": str(uuid.uuid4())}
+            original = asyncio.create_task(client.post("/v1/charges", json={"amount": 5}, headers=headers))
+            await asyncio.sleep(0.1)  # the original is running
+            retry = await client.post("/v1/charges", json={"amount": 5}, headers=headers)
+            assert retry.status_code == 201  # not 409: it waited for the original, and got its answer
+            assert retry.headers["idempotent-replayed"] == "true"
+            assert retry.content == (await original).content
+            assert impatient.replays["/v1/charges"] == 1
