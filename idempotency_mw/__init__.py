@@ -14,7 +14,7 @@ from idempotency_mw.postgres import PostgresStore
 from idempotency_mw.store import Store, StoredResponse, StoreUnavailable
 from idempotency_mw.tenants import AuthorizationTenant, header_tenant
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AuthorizationTenant",
