@@ -87,6 +87,9 @@ async def test_effect_and_record_commit_together(pg_store: PostgresStore, db: as
     assert again.headers["idempotent-replayed"] == "true"
     assert again.content == first.content
     assert await effects(db, key) == 1
+    info = await pg_store.inspect(tenant_of(), key)
+    assert info is not None
+    assert (info.state, info.lease_expires_at) == ("completed", None)  # inspect shows no lease on a completed record
 
 
 async def test_response_is_sent_only_after_the_commit(pg_store: PostgresStore, db: asyncpg.Connection) -> None:

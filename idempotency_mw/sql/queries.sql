@@ -207,12 +207,13 @@ WITH response AS (
 DELETE FROM {schema}.idempotency_records WHERE tenant = $1 AND key = $2;
 
 -- name: inspect
+-- A completed record has no lease, though one completed in a handler's transaction keeps its last value in the row.
 -- $1 tenant, $2 key
 SELECT r.tenant, r.key, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'completed' END AS state, r.fence,
        r.fingerprint, r.attempts,
        extract(epoch FROM r.created_at)::float8 AS created_at,
        extract(epoch FROM r.expires_at)::float8 AS expires_at,
-       extract(epoch FROM r.lease_expires_at)::float8 AS lease_expires_at,
+       CASE WHEN s.key IS NULL THEN extract(epoch FROM r.lease_expires_at)::float8 END AS lease_expires_at,
        s.status, s.headers, s.body, s.body_size
 FROM {schema}.idempotency_records AS r
 LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
