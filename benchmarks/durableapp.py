@@ -165,6 +165,8 @@ def two_commits(connections: Connections) -> Endpoint:
                             encode_headers(response.raw_headers),
                             response.body,
                             len(response.body),
+                            None,  # not sealed (no cipher)
+                            None,
                         )
                         if status != "INSERT 0 1":
                             raise FencedOut

@@ -48,7 +48,7 @@ async def worker(dsn: str, run: str, deadline: float, latencies: list[float], sw
             row = await claim.fetchrow(TENANT, f"{run}-{i}", FINGERPRINT, 60.0, 86400.0, new_fence(), None)
             assert row is not None
             assert row["owned"]  # a new key: inserted, ours
-            await complete.fetch(TENANT, f"{run}-{i}", row["fence"], 201, HEADERS, BODY, len(BODY))
+            await complete.fetch(TENANT, f"{run}-{i}", row["fence"], 201, HEADERS, BODY, len(BODY), None, None)
             latencies.append(time.perf_counter() - started)
         switched.append(switches(backend) - first)  # before the process ends with the connection
     finally:

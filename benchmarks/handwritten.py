@@ -99,6 +99,8 @@ def idempotent(
                     encode_headers(response.raw_headers),
                     response.body,
                     len(response.body),
+                    None,  # not sealed (no cipher)
+                    None,
                 )
             finally:
                 connections.give(entry)

@@ -168,7 +168,7 @@ async def _pairs(dsn: str, variant: str, count: int) -> None:
             row = await claim.fetchrow(storepath.TENANT, key, storepath.FINGERPRINT, 30.0, 86400.0, new_fence(), None)
             headers = encode_headers(storepath.RESPONSE.headers)
             body = storepath.BODY
-            await complete.fetch(storepath.TENANT, key, row["fence"], 201, headers, body, len(body))
+            await complete.fetch(storepath.TENANT, key, row["fence"], 201, headers, body, len(body), None, None)
 
     else:
         store = PostgresStore(dsn, min_size=CONCURRENCY, max_size=20)

@@ -70,7 +70,7 @@ async def run_raw(dsn: str, tasks: int, pairs: int, run: str, deadline: float | 
                 key = f"{run}-{n}-{i}"
                 row = await claim.fetchrow(TENANT, key, FINGERPRINT, LEASE, TTL, new_fence(), None)
                 headers = encode_headers(RESPONSE.headers)
-                await complete.fetch(TENANT, key, row["fence"], 201, headers, BODY, len(BODY))
+                await complete.fetch(TENANT, key, row["fence"], 201, headers, BODY, len(BODY), None, None)
 
         started = time.process_time()
         await asyncio.gather(*(worker(n) for n in range(tasks)))
@@ -136,7 +136,7 @@ def components(n: int = 100_000) -> dict[str, float]:
         "for comparison: a counter's next value": each(iter(range(10**9)).__next__),
         "headers to JSON (encode_headers)": each(lambda: encode_headers(HEADER_LIST)),
         "completion() arguments": each(lambda: completion(TENANT, "k", 1, RESPONSE)),
-        "claim_from_row (a fresh claim)": each(lambda: claim_from_row(row)),  # type: ignore[arg-type]
+        "claim_from_row (a fresh claim)": each(lambda: claim_from_row(row, TENANT, "k")),  # type: ignore[arg-type]
     }
 
 

@@ -4,7 +4,9 @@ Records live in a dict; expired ones are swept as new claims arrive, so memory f
 every key ever seen. Expiry times wait in a heap beside it, so a claim looks only at records whose time has come
 (O(log n)), never at the live ones. The expiry of a record released or forgotten early waits there until its time,
 unless such leftovers come to outnumber the live records: then the heap is rebuilt from the live records alone.
-It shares nothing between processes: do not use it behind several workers.
+It shares nothing between processes: do not use it behind several workers. With a ``cipher`` it keeps responses
+sealed, as PostgresStore does (``encryption.py``): for tests of an app that encrypts, and for a process whose memory
+may be dumped.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from idempotency_mw.store import Claim, ClaimOutcome, RecordInfo, StoredResponse
+from idempotency_mw.store import Claim, ClaimOutcome, RecordInfo, SealedResponse, StoredResponse, UnknownKeyId
 from idempotency_mw.waiting import Waiters
+
+if TYPE_CHECKING:
+    from idempotency_mw.encryption import ResponseCipher
 
 
 @dataclass(slots=True)
@@ -26,14 +32,15 @@ class _Record:
     created_at: float
     expires_at: float
     lease_expires_at: float | None
-    response: StoredResponse | None = None
+    response: StoredResponse | SealedResponse | None = None
     attempts: int = 0
 
 
 class MemoryStore:
     SPARE_EXPIRIES = 1024  # leftover expiries tolerated beyond two per live record before the heap is rebuilt
 
-    def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.time, cipher: ResponseCipher | None = None) -> None:
+        self.cipher = cipher
         self._records: dict[tuple[str, str], _Record] = {}
         # (expires_at, key) for every expiry a record was given; one that a record has outlived (its lease moved it
         # on, or the key was forgotten and claimed again) is passed over when its time comes.
@@ -59,7 +66,8 @@ class MemoryStore:
             return Claim(ClaimOutcome.OWNED, fence=fence, attempts=attempts)
         if record.fingerprint == fingerprint and record.response is not None:
             # A replay only reads the record (PostgreSQL: no write at all), so it is not counted.
-            return Claim(ClaimOutcome.COMPLETED, response=record.response, attempts=record.attempts)
+            response = self._opened(tenant, key, record.response)
+            return Claim(ClaimOutcome.COMPLETED, response=response, attempts=record.attempts)
         record.attempts += 1
         attempts = record.attempts
         if record.fingerprint != fingerprint:
@@ -90,7 +98,10 @@ class MemoryStore:
         record = self._held(tenant, key, fence)
         if record is None:
             return False
-        record.response = StoredResponse(response.status, list(response.headers), response.body, response.body_size)
+        if self.cipher is None:
+            record.response = StoredResponse(response.status, list(response.headers), response.body, response.body_size)
+        else:
+            record.response = self.cipher.seal(tenant, key, response)
         record.lease_expires_at = None
         self._waiters.wake(tenant, key)
         return True
@@ -122,8 +133,17 @@ class MemoryStore:
             created_at=record.created_at,
             expires_at=record.expires_at,
             lease_expires_at=record.lease_expires_at,
-            response=record.response,
+            response=None if record.response is None else self._opened(tenant, key, record.response),
+            sealed_with=record.response.key_id if isinstance(record.response, SealedResponse) else None,
         )
+
+    def _opened(self, tenant: str, key: str, response: StoredResponse | SealedResponse) -> StoredResponse:
+        """A response as stored, or opened by the cipher (:class:`UnknownKeyId` without one that has its key)."""
+        if isinstance(response, StoredResponse):
+            return response
+        if self.cipher is None:
+            raise UnknownKeyId(response.key_id, ())
+        return self.cipher.open(tenant, key, response)
 
     async def purge_expired(self, *, batch_size: int = 1000) -> int:
         return self._expire(self._clock(), batch_size)

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import asyncpg
 
@@ -31,6 +31,9 @@ from idempotency_mw.store import (
 from idempotency_mw.transaction import Settlement
 from idempotency_mw.urls import postgres_url
 from idempotency_mw.waiting import CHANNEL, Waiters
+
+if TYPE_CHECKING:
+    from idempotency_mw.encryption import ResponseCipher
 
 # How a completion in a handler's transaction learns that another claim's response is stored (the primary key) or
 # that the record was deleted meanwhile (the foreign key): fenced out, like a completion that finds another fence
@@ -63,6 +66,10 @@ class PostgresStore:
 
     The store's own statements run under READ COMMITTED whatever the database's default isolation level; the
     transactions it lends to handlers keep the database's default (``connectors.py``).
+
+    ``cipher`` (an :class:`~idempotency_mw.encryption.ResponseCipher`) seals every response it stores, in its own
+    completions and in handlers' transactions alike, and opens them for replays and ``inspect``; responses stored
+    plain before still replay. See docs/configuration.md, "Encrypting stored responses".
     """
 
     def __init__(
@@ -74,10 +81,12 @@ class PostgresStore:
         max_size: int = 20,
         schema: str = "public",
         prepared_statements: bool = True,
+        cipher: ResponseCipher | None = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError("PostgresStore timeout must be positive")
         self.timeout = timeout
+        self.cipher = cipher
         self.schema = check_schema(schema)
         self._sql = queries(self.schema)
         self._connector: Connector
@@ -286,7 +295,7 @@ class PostgresStore:
             self.claim_races += 1
             row = await run("claim_locked", args)
             assert row is not None  # INSERT … ON CONFLICT DO UPDATE … RETURNING always returns the row
-        claim = claim_from_row(row)
+        claim = claim_from_row(row, tenant, key, self.cipher)
         if claim.outcome is ClaimOutcome.OWNED:
             self._unsettled.add((tenant, key, claim.fence))
         return claim
@@ -297,7 +306,7 @@ class PostgresStore:
 
     async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
         try:
-            args = completion(tenant, key, fence, response)
+            args = completion(tenant, key, fence, response, self.cipher)
             status = await self._connector.run("complete", args, urgent=True, status=True)
         finally:
             self.settled(tenant, key, fence)
@@ -323,7 +332,7 @@ class PostgresStore:
 
     async def inspect(self, tenant: str, key: str) -> RecordInfo | None:
         row = await self._connector.run("inspect", (tenant, key))
-        return None if row is None else record_from_row(row)
+        return None if row is None else record_from_row(row, self.cipher)
 
     async def purge_expired(self, *, batch_size: int = 1000) -> int:
         status = await self._connector.run("purge_expired", (batch_size,), status=True)
@@ -401,7 +410,7 @@ class PostgresTransaction:
             # The handler ran COMMIT or ROLLBACK itself. Completing now would write the record on its own: after a
             # ROLLBACK, a retry would be told of an effect that never happened.
             raise TransactionEnded.by_the_handler("connection", "async with connection.transaction(): ...")
-        args = completion(tenant, key, fence, response)
+        args = completion(tenant, key, fence, response, self._store.cipher)
         sql = self._store.statement("complete_in_transaction")
         try:
             with self._reachable(self._store.schema):

@@ -1,15 +1,30 @@
 """How the PostgreSQL stores write records and read them back: the claim's fence, the claim's answer row, the
-arguments of a completion, and the header list as the ``headers`` column holds it."""
+arguments of a completion, and the header list as the ``headers`` column holds it.
+
+A response is stored plain (``status``, ``headers``, ``body``) or, by a store with a cipher, sealed (``sealed``,
+under the key ``sealed_with``; ``encryption.py``); ``body_size`` is kept either way. Either form is read back
+whatever the store's cipher, so records written before encryption was turned on still replay."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import orjson
 
-from idempotency_mw.store import Claim, ClaimOutcome, Headers, RecordInfo, StoredResponse
+from idempotency_mw.store import (
+    Claim,
+    ClaimOutcome,
+    Headers,
+    RecordInfo,
+    SealedResponse,
+    StoredResponse,
+    UnknownKeyId,
+)
+
+if TYPE_CHECKING:
+    from idempotency_mw.encryption import ResponseCipher
 
 
 def new_fence() -> int:
@@ -18,8 +33,8 @@ def new_fence() -> int:
     return int.from_bytes(os.urandom(8)) >> 1 or 1
 
 
-def claim_from_row(row: asyncpg.Record) -> Claim:
-    """The answer of the ``claim`` and ``claim_locked`` statements (``sql/queries.sql``)."""
+def claim_from_row(row: asyncpg.Record, tenant: str, key: str, cipher: ResponseCipher | None = None) -> Claim:
+    """The answer of the ``claim`` and ``claim_locked`` statements (``sql/queries.sql``) for ``(tenant, key)``."""
     attempts = row["attempts"]
     if row["owned"]:
         return Claim(ClaimOutcome.OWNED, fence=row["fence"], attempts=attempts)
@@ -27,21 +42,39 @@ def claim_from_row(row: asyncpg.Record) -> Claim:
         return Claim(ClaimOutcome.MISMATCH, attempts=attempts)
     if not row["completed"]:
         return Claim(ClaimOutcome.IN_PROGRESS, attempts=attempts)
-    response = StoredResponse(row["status"], decode_headers(row["headers"]), row["body"], row["body_size"])
+    response = response_from_row(row, tenant, key, cipher)
     return Claim(ClaimOutcome.COMPLETED, response=response, attempts=attempts)
 
 
-def completion(tenant: str, key: str, fence: int, response: StoredResponse) -> tuple[Any, ...]:
-    """The arguments of the ``complete`` and ``complete_in_transaction`` statements."""
-    headers = encode_headers(response.headers)
-    return (tenant, key, fence, response.status, headers, response.body, response.body_size)
+def completion(
+    tenant: str, key: str, fence: int, response: StoredResponse, cipher: ResponseCipher | None = None
+) -> tuple[Any, ...]:
+    """The arguments of the ``complete`` and ``complete_in_transaction`` statements: the response plain, or sealed
+    by ``cipher`` (then nothing of it is readable in the row but its body's size)."""
+    if cipher is None:
+        headers = encode_headers(response.headers)
+        return (tenant, key, fence, response.status, headers, response.body, response.body_size, None, None)
+    sealed = cipher.seal(tenant, key, response)
+    return (tenant, key, fence, None, None, None, response.body_size, sealed.sealed, sealed.key_id)
 
 
-def record_from_row(row: asyncpg.Record) -> RecordInfo:
+def response_from_row(row: asyncpg.Record, tenant: str, key: str, cipher: ResponseCipher | None) -> StoredResponse:
+    """The stored response of a row that has one: as stored, or opened by ``cipher``. A sealed one without a cipher
+    that has its key raises :class:`UnknownKeyId`, naming the key."""
+    sealed = row["sealed"]
+    if sealed is None:
+        return StoredResponse(row["status"], decode_headers(row["headers"]), row["body"], row["body_size"])
+    stored = SealedResponse(row["sealed_with"], bytes(sealed), row["body_size"])
+    if cipher is None:
+        raise UnknownKeyId(stored.key_id, ())
+    return cipher.open(tenant, key, stored)
+
+
+def record_from_row(row: asyncpg.Record, cipher: ResponseCipher | None = None) -> RecordInfo:
     """The answer of the ``inspect`` statement."""
     response = None
     if row["state"] == "completed":
-        response = StoredResponse(row["status"], decode_headers(row["headers"]), row["body"], row["body_size"])
+        response = response_from_row(row, row["tenant"], row["key"], cipher)
     return RecordInfo(
         tenant=row["tenant"],
         key=row["key"],
@@ -53,6 +86,7 @@ def record_from_row(row: asyncpg.Record) -> RecordInfo:
         expires_at=row["expires_at"],
         lease_expires_at=row["lease_expires_at"],
         response=response,
+        sealed_with=row["sealed_with"],
     )
 
 

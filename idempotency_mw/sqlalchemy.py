@@ -253,7 +253,7 @@ class SQLAlchemyTransaction:
             with self._reachable(self._schema):
                 async with asyncio.timeout(self._timeout):
                     result = await self.connection.exec_driver_sql(
-                        self._complete_sql, completion(tenant, key, fence, response)
+                        self._complete_sql, completion(tenant, key, fence, response, self._store.cipher)
                     )
             done = result.rowcount == 1
         except sa_exc.DBAPIError as error:

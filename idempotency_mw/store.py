@@ -31,6 +31,17 @@ class StoredResponse:
         return StoredResponse(self.status, [], None, self.body_size)
 
 
+@dataclass(frozen=True, slots=True)
+class SealedResponse:
+    """A :class:`StoredResponse` as a store with a cipher keeps it (``idempotency_mw.encryption``): status, headers
+    and body sealed together in ``sealed``, under the operator's key ``key_id``. Only ``body_size`` stays readable:
+    the ciphertext's length tells it anyway."""
+
+    key_id: str
+    sealed: bytes
+    body_size: int
+
+
 class ClaimOutcome(enum.Enum):
     OWNED = "owned"  # fresh, or taken over from an expired record or a lapsed lease
     COMPLETED = "completed"  # same request, finished: replay ``response``
@@ -60,6 +71,7 @@ class RecordInfo:
     expires_at: float
     lease_expires_at: float | None
     response: StoredResponse | None
+    sealed_with: str | None = None  # the id of the key its response is sealed under; None when stored plain
 
 
 class StoreUnavailable(Exception):
@@ -110,6 +122,29 @@ class StoreNotMigrated(StoreUnavailable):
             + f": run `idempotency-mw{option} migrate`, or `await store.migrate()` before `store.open()`"
         )
         self.schema = schema
+
+
+class SealedResponseError(Exception):
+    """A stored response is sealed (``idempotency_mw.encryption``) and cannot be opened: it was changed or moved to
+    another record since it was sealed, or it is sealed under a key the store was not given (:class:`UnknownKeyId`).
+    The record stays as it is: neither replayed nor run again. The middleware answers its retries 503, like any
+    store failure, and logs this message."""
+
+
+class UnknownKeyId(SealedResponseError):
+    """A stored response is sealed under a key id the store's cipher does not have (or the store has no cipher)."""
+
+    def __init__(self, key_id: str, known: tuple[str, ...]) -> None:
+        if known:
+            given = f"this store's cipher has only {', '.join(repr(k) for k in known)}"
+        else:
+            given = "this store has no cipher (PostgresStore(..., cipher=ResponseCipher.from_env()))"
+        super().__init__(
+            f"the stored response is sealed under key id {key_id!r}, and {given}: give the store that key again "
+            "(IDEMPOTENCY_RESPONSE_KEYS), and keep it until `idempotency-mw reencrypt` has re-sealed every response "
+            "under it"
+        )
+        self.key_id = key_id
 
 
 @runtime_checkable

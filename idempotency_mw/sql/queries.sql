@@ -38,7 +38,7 @@ WITH commit_setting AS MATERIALIZED (
     RETURNING r.fence, r.fingerprint, r.attempts
 ), existing AS (
     SELECT r.fence, r.fingerprint, r.attempts, r.expires_at <= now() AS expired, s.key IS NOT NULL AS completed,
-           s.status, s.headers, s.body, s.body_size
+           s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
     FROM {schema}.idempotency_records AS r
     LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
     WHERE r.tenant = $1 AND r.key = $2 AND NOT EXISTS (SELECT FROM inserted)
@@ -60,17 +60,19 @@ WITH commit_setting AS MATERIALIZED (
     WHERE r.tenant = $1 AND r.key = $2
       AND NOT (e.completed AND r.fingerprint = $3 AND r.expires_at > now())
     RETURNING r.fence, r.fingerprint, r.attempts, r.lease_expires_at IS NULL AS ended,
-              e.completed, e.status, e.headers, e.body, e.body_size
+              e.completed, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with
 ), found AS (
     SELECT i.fence, i.fingerprint, i.attempts, false AS completed,
-           NULL::smallint AS status, NULL::jsonb AS headers, NULL::bytea AS body, NULL::bigint AS body_size
+           NULL::smallint AS status, NULL::jsonb AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
+           NULL::bytea AS sealed, NULL::text AS sealed_with
     FROM inserted AS i
     UNION ALL
-    SELECT u.fence, u.fingerprint, u.attempts, u.completed AND u.fence <> $6, u.status, u.headers, u.body, u.body_size
+    SELECT u.fence, u.fingerprint, u.attempts, u.completed AND u.fence <> $6, u.status, u.headers, u.body, u.body_size,
+           u.sealed, u.sealed_with
     FROM updated AS u
     WHERE u.fence = $6 OR u.completed OR NOT u.ended  -- ended, but not completed in the snapshot: a race
     UNION ALL
-    SELECT e.fence, e.fingerprint, e.attempts, true, e.status, e.headers, e.body, e.body_size
+    SELECT e.fence, e.fingerprint, e.attempts, true, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with
     FROM existing AS e
     WHERE NOT EXISTS (SELECT FROM updated) AND e.completed AND NOT e.expired AND e.fingerprint = $3
 )
@@ -85,6 +87,8 @@ SELECT
     CASE WHEN f.completed AND f.fingerprint = $3 THEN f.headers END AS headers,
     CASE WHEN f.completed AND f.fingerprint = $3 THEN f.body END AS body,
     CASE WHEN f.completed AND f.fingerprint = $3 THEN f.body_size END AS body_size,
+    CASE WHEN f.completed AND f.fingerprint = $3 THEN f.sealed END AS sealed,
+    CASE WHEN f.completed AND f.fingerprint = $3 THEN f.sealed_with END AS sealed_with,
     f.fence
 FROM found AS f;
 
@@ -101,7 +105,7 @@ WITH commit_setting AS MATERIALIZED (
     USING {schema}.idempotency_records AS r
     WHERE s.tenant = $1 AND s.key = $2 AND r.tenant = $1 AND r.key = $2 AND r.expires_at <= now()
 ), response AS (
-    SELECT s.status, s.headers, s.body, s.body_size
+    SELECT s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
     FROM {schema}.idempotency_responses AS s
     WHERE s.tenant = $1 AND s.key = $2
 ), claimed AS (
@@ -124,13 +128,15 @@ WITH commit_setting AS MATERIALIZED (
 )
 SELECT
     c.fence = $6 AS owned,
-    c.fence <> $6 AND s.status IS NOT NULL AS completed,
+    c.fence <> $6 AND s.body_size IS NOT NULL AS completed,  -- body_size: the column every stored response has
     c.fingerprint = $3 AS same_request,
     c.attempts,
     CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.status END AS status,
     CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.headers END AS headers,
     CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.body END AS body,
     CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.body_size END AS body_size,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.sealed END AS sealed,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.sealed_with END AS sealed_with,
     c.fence
 FROM claimed AS c LEFT JOIN response AS s ON true;
 
@@ -153,15 +159,17 @@ WHERE tenant = $1 AND key = $2 AND fence = $3 AND lease_expires_at IS NOT NULL;
 -- ended; a response that exists already (a handler's transaction that completed the record first) is kept.
 -- A record that had duplicates (attempts) may have waiters in other processes (waiting.py): it notifies them, as it
 -- commits. One without costs nothing (a notification takes a lock as it commits).
--- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size
+-- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size,
+-- $8 the sealed response and $9 the id of its key (a store with a cipher: then $4, $5 and $6 are NULL)
 WITH owned AS (
     UPDATE {schema}.idempotency_records AS r
     SET lease_expires_at = NULL
     WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
     RETURNING r.tenant, r.key, r.attempts
 )
-INSERT INTO {schema}.idempotency_responses (tenant, key, fence, status, headers, body, body_size, completed_at)
-SELECT r.tenant, r.key, $3, $4, $5, $6, $7, now()
+INSERT INTO {schema}.idempotency_responses
+    (tenant, key, fence, status, headers, body, body_size, sealed, sealed_with, completed_at)
+SELECT r.tenant, r.key, $3, $4, $5, $6, $7, $8, $9, now()
 FROM owned AS r, LATERAL (
     SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || left(encode(sha256(convert_to(length(r.tenant)::text || ':' || r.tenant || r.key, 'UTF8')), 'hex'), 32)) END
 ) AS notified
@@ -174,9 +182,11 @@ ON CONFLICT (tenant, key) DO NOTHING;
 -- out); under REPEATABLE READ and SERIALIZABLE the snapshot may predate the takeover, and then of the two claims
 -- the first to commit its response wins: the other's insert meets the primary key, or its foreign key check meets
 -- a record deleted meanwhile, and its whole transaction rolls back.
--- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size
-INSERT INTO {schema}.idempotency_responses (tenant, key, fence, status, headers, body, body_size, completed_at)
-SELECT r.tenant, r.key, $3, $4, $5, $6, $7, now()
+-- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size,
+-- $8 the sealed response and $9 the id of its key (see complete)
+INSERT INTO {schema}.idempotency_responses
+    (tenant, key, fence, status, headers, body, body_size, sealed, sealed_with, completed_at)
+SELECT r.tenant, r.key, $3, $4, $5, $6, $7, $8, $9, now()
 FROM {schema}.idempotency_records AS r, LATERAL (
     SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || left(encode(sha256(convert_to(length(r.tenant)::text || ':' || r.tenant || r.key, 'UTF8')), 'hex'), 32)) END
 ) AS notified
@@ -214,7 +224,7 @@ SELECT r.tenant, r.key, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'complet
        extract(epoch FROM r.created_at)::float8 AS created_at,
        extract(epoch FROM r.expires_at)::float8 AS expires_at,
        CASE WHEN s.key IS NULL THEN extract(epoch FROM r.lease_expires_at)::float8 END AS lease_expires_at,
-       s.status, s.headers, s.body, s.body_size
+       s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
 FROM {schema}.idempotency_records AS r
 LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
 WHERE r.tenant = $1 AND r.key = $2;

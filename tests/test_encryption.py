@@ -1,0 +1,438 @@
+"""Stored responses encrypted at rest (``idempotency_mw.encryption``): on every store kind, in both modes.
+
+The conformance tests run once per store kind of ``tests/conftest.py`` (memory; PostgreSQL under each default
+isolation level; through a transaction-pooling PgBouncer, from a DSN and on an app's pool), each with stores built
+with the cipher a test asks for, on the same records: what another deploy of the app, with other keys, would see.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import asyncpg
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import create_async_engine
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, idempotency_context
+from idempotency_mw.encryption import KEYS_VARIABLE, ResponseCipher
+from idempotency_mw.sqlalchemy import SQLAlchemyStore, idempotency_session
+from idempotency_mw.store import ClaimOutcome, SealedResponse, SealedResponseError, StoredResponse, UnknownKeyId
+from tests.conftest import PGBOUNCER_SCHEMAS, STORES, client_for, tenant_of, with_database
+
+KEYS = {name: bytes([n]) * 32 for n, name in enumerate(("2026-01", "2026-06", "2026-11"), start=1)}
+FINGERPRINT = bytes(range(32))
+# What an API answers: a card's last digits, a name; headers with repeated names and every byte latin-1 can carry.
+BODY = b'{"id":"pi_1","card":{"last4":"4242"},"name":"Ada Lovelace","bytes":"\\u00e9"}\x00\xff\xfe'
+HEADERS = [
+    (b"content-type", b"application/json"),
+    (b"location", b"/v1/customers/cus_ADA"),
+    (b"set-cookie", b"a=1"),
+    (b"set-cookie", b"b=2"),
+    (b"x-odd", bytes(range(0x20, 0x7F)) + bytes(range(0xA0, 0x100))),
+]
+RESPONSE = StoredResponse(201, HEADERS, BODY, len(BODY))
+UNSTORED = StoredResponse(200, [(b"content-disposition", b"attachment; filename=ada.csv")], None, 9_000_000)
+
+
+def cipher(*key_ids: str) -> ResponseCipher:
+    """A cipher with these of ``KEYS``, the first current."""
+    return ResponseCipher({key_id: KEYS[key_id] for key_id in key_ids})
+
+
+# -- one store kind, built with any cipher ------------------------------------------------------------------------
+
+
+@dataclass
+class Kind:
+    """Stores of one kind of ``STORES`` on the same records, each with the cipher it is built with; and, for the
+    PostgreSQL ones, a direct connection to the table they write."""
+
+    name: str
+    url: str | None  # None: memory
+    direct_url: str | None
+    schema: str
+    bouncer: bool
+    app_pool: bool
+    _memory: MemoryStore | None = None
+    _opened: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    async def store(self, with_cipher: ResponseCipher | None) -> Store:
+        if self.url is None:  # one MemoryStore: a new cipher is what a restart with other keys would bring
+            if self._memory is None:
+                self._memory = MemoryStore()
+            self._memory.cipher = with_cipher
+            return self._memory
+        if self.app_pool:
+            pool = await asyncpg.create_pool(self.url, min_size=1, max_size=4, statement_cache_size=0)
+            store = PostgresStore(pool, schema=self.schema, cipher=with_cipher)
+            self._opened.append(pool.close)
+        else:
+            store = PostgresStore(
+                self.url, schema=self.schema, prepared_statements=not self.bouncer, cipher=with_cipher, max_size=4
+            )
+        await store.open()
+        self._opened.insert(0, lambda: store.close(grace=0))
+        return store
+
+    async def row(self, tenant: str, key: str) -> asyncpg.Record | None:
+        """The raw row of ``idempotency_responses``; None for memory."""
+        if self.direct_url is None:
+            return None
+        connection = await asyncpg.connect(self.direct_url)
+        try:
+            return await connection.fetchrow(
+                f"SELECT * FROM {self.schema}.idempotency_responses WHERE tenant = $1 AND key = $2", tenant, key
+            )
+        finally:
+            await connection.close()
+
+    async def execute(self, statement: str, *args: Any) -> None:
+        assert self.direct_url is not None
+        connection = await asyncpg.connect(self.direct_url)
+        try:
+            await connection.execute(statement.replace("{schema}", self.schema), *args)
+        finally:
+            await connection.close()
+
+    async def close(self) -> None:
+        for close in self._opened:
+            await close()
+
+
+@pytest.fixture(params=list(STORES))
+async def kind(request: pytest.FixtureRequest, idempotency_database_url: str) -> AsyncIterator[Kind]:
+    """Each store kind of the conformance suite, built as ``tests/conftest.py``'s ``store`` fixture builds it."""
+    spec = STORES[request.param]
+    if spec is None:
+        found = Kind(request.param, None, None, "public", False, False)
+    else:
+        level, bouncer, app_pool = spec
+        url = direct = idempotency_database_url
+        if bouncer:
+            url = request.getfixturevalue("pgbouncer_url")
+        if level != "read committed":
+            name = urlsplit(request.getfixturevalue("isolation_urls")[level]).path.lstrip("/")
+            url, direct = with_database(url, name), with_database(direct, name)
+        schema = PGBOUNCER_SCHEMAS["pgbouncer-pool" if app_pool else "pgbouncer"] if bouncer else "public"
+        found = Kind(request.param, url, direct, schema, bouncer, app_pool)
+    try:
+        yield found
+    finally:
+        await found.close()
+
+
+async def completed(store: Store, tenant: str, key: str, response: StoredResponse = RESPONSE) -> None:
+    claim = await store.claim(tenant, key, FINGERPRINT, lease=30, ttl=3600)
+    assert claim.outcome is ClaimOutcome.OWNED
+    assert await store.complete(tenant, key, claim.fence, response)
+
+
+async def replayed(store: Store, tenant: str, key: str) -> StoredResponse:
+    claim = await store.claim(tenant, key, FINGERPRINT, lease=30, ttl=3600)
+    assert claim.outcome is ClaimOutcome.COMPLETED
+    assert claim.response is not None
+    return claim.response
+
+
+def keys() -> tuple[str, str]:
+    """A tenant and a key of a test's own."""
+    return f"tenant-{uuid.uuid4().hex[:8]}", f"key-{uuid.uuid4().hex}"
+
+
+# -- conformance: every store kind --------------------------------------------------------------------------------
+
+
+async def test_a_sealed_response_replays_byte_for_byte(kind: Kind) -> None:
+    store = await kind.store(cipher("2026-11"))
+    tenant, key = keys()
+    await completed(store, tenant, key)
+    assert await replayed(store, tenant, key) == RESPONSE
+    record = await store.inspect(tenant, key)
+    assert record is not None
+    assert (record.response, record.sealed_with) == (RESPONSE, "2026-11")
+    # A response not stored in full keeps its status (for the 409 that says so) and headers, sealed as well.
+    await completed(store, tenant, key + "-big", UNSTORED)
+    assert await replayed(store, tenant, key + "-big") == UNSTORED
+
+
+async def test_nothing_of_the_response_is_readable_in_the_table(kind: Kind) -> None:
+    if kind.direct_url is None:
+        pytest.skip("memory has no table")
+    store = await kind.store(cipher("2026-11"))
+    tenant, key = keys()
+    await completed(store, tenant, key)
+    row = await kind.row(tenant, key)
+    assert row is not None
+    assert (row["status"], row["headers"], row["body"]) == (None, None, None)
+    assert (row["sealed_with"], row["body_size"]) == ("2026-11", len(BODY))
+    sealed = bytes(row["sealed"])
+    for secret in (b"4242", b"Lovelace", b"cus_ADA", b"content-type", b"set-cookie", b"201"):
+        assert secret not in sealed
+    # A random nonce of its own: the same response under the same key seals differently each time.
+    await completed(store, tenant, key + "-again")
+    again = await kind.row(tenant, key + "-again")
+    assert again is not None
+    assert bytes(again["sealed"])[1:13] != sealed[1:13]
+
+
+async def test_a_sealed_response_moved_to_another_record_does_not_open(kind: Kind) -> None:
+    store = await kind.store(cipher("2026-11"))
+    tenant, key = keys()
+    await completed(store, tenant, key)
+    await completed(store, tenant, key + "-other", StoredResponse(201, [], b"{}", 2))
+    if kind.url is None:
+        records = store._records  # type: ignore[attr-defined]
+        records[(tenant, key + "-other")].response = records[(tenant, key)].response
+    else:
+        await kind.execute(
+            "UPDATE {schema}.idempotency_responses AS s SET sealed = o.sealed, body_size = o.body_size "
+            "FROM {schema}.idempotency_responses AS o "
+            "WHERE s.tenant = $1 AND s.key = $2 AND o.tenant = $1 AND o.key = $3",
+            tenant,
+            key + "-other",
+            key,
+        )
+    with pytest.raises(SealedResponseError, match="it was changed, or it belongs to another record"):
+        await store.claim(tenant, key + "-other", FINGERPRINT, lease=30, ttl=3600)
+    with pytest.raises(SealedResponseError):
+        await store.inspect(tenant, key + "-other")
+    assert await replayed(store, tenant, key) == RESPONSE  # the original still opens
+
+
+async def test_rotation_old_keys_still_open_and_the_current_one_seals(kind: Kind) -> None:
+    tenant, key = keys()
+    before = await kind.store(cipher("2026-06"))
+    await completed(before, tenant, key)
+    after = await kind.store(cipher("2026-11", "2026-06"))  # the next deploy: a new current key, the old one kept
+    assert await replayed(after, tenant, key) == RESPONSE
+    await completed(after, tenant, key + "-new")
+    new, old = await after.inspect(tenant, key + "-new"), await after.inspect(tenant, key)
+    assert new is not None
+    assert old is not None
+    assert (new.sealed_with, old.sealed_with) == ("2026-11", "2026-06")
+    assert await replayed(after, tenant, key + "-new") == RESPONSE
+
+
+async def test_a_response_under_a_key_not_given_names_that_key(kind: Kind) -> None:
+    tenant, key = keys()
+    await completed(await kind.store(cipher("2026-06")), tenant, key)
+    without = await kind.store(cipher("2026-11"))
+    with pytest.raises(UnknownKeyId, match=r"sealed under key id '2026-06'.*has only '2026-11'") as raised:
+        await without.claim(tenant, key, FINGERPRINT, lease=30, ttl=3600)
+    assert raised.value.key_id == "2026-06"
+    with pytest.raises(UnknownKeyId, match="'2026-06'"):
+        await without.inspect(tenant, key)
+    no_cipher = await kind.store(None)
+    with pytest.raises(UnknownKeyId, match=r"'2026-06', and this store has no cipher"):
+        await no_cipher.claim(tenant, key, FINGERPRINT, lease=30, ttl=3600)
+
+
+async def test_responses_stored_plain_still_replay_once_a_cipher_is_given(kind: Kind) -> None:
+    tenant, key = keys()
+    await completed(await kind.store(None), tenant, key)
+    store = await kind.store(cipher("2026-11"))
+    assert await replayed(store, tenant, key) == RESPONSE
+    record = await store.inspect(tenant, key)
+    assert record is not None
+    assert (record.response, record.sealed_with) == (RESPONSE, None)
+
+
+# -- the cipher alone ---------------------------------------------------------------------------------------------
+
+
+def test_keys_parse_from_base64_or_hex_the_first_current() -> None:
+    raw = os.urandom(32)
+    text = (
+        f" 2026-11:{base64.b64encode(raw).decode()},\n2026-06:{KEYS['2026-06'].hex()} "
+        f"2026-01:{base64.urlsafe_b64encode(KEYS['2026-01']).decode().rstrip('=')}"
+    )
+    parsed = ResponseCipher.parse(text)
+    assert (parsed.current, parsed.key_ids) == ("2026-11", ("2026-11", "2026-06", "2026-01"))
+    sealed = ResponseCipher({"2026-11": raw}).seal("t", "k", RESPONSE)
+    assert parsed.open("t", "k", sealed) == RESPONSE
+    assert ResponseCipher([("2026-06", KEYS["2026-06"].hex().upper())]).current == "2026-06"
+    assert len(base64.b64decode(ResponseCipher.new_key())) == 32
+    assert "2026" in repr(parsed)
+    assert base64.b64encode(raw).decode() not in repr(parsed)
+
+
+@pytest.mark.parametrize(
+    ("keys_text", "message"),
+    [
+        ("", "at least one key"),
+        ("2026-11:" + base64.b64encode(b"x" * 16).decode(), r"'2026-11' is 16 bytes: AES-256-GCM needs 32"),
+        ("2026-11:not*base64", r"'2026-11' is neither base64 nor 64 hex digits"),
+        ("a:" + KEYS["2026-01"].hex() + ",a:" + KEYS["2026-06"].hex(), "'a' is given twice"),
+        ("a:" + KEYS["2026-01"].hex() + ",b:" + KEYS["2026-01"].hex(), "'a' and 'b' are the same key"),
+        ("no colon here", "write each key as id:key"),
+        ("bad/id:" + KEYS["2026-01"].hex(), "key id 'bad/id'"),
+    ],
+)
+def test_bad_keys_are_refused_naming_the_key_id_never_the_key(keys_text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as raised:
+        ResponseCipher.parse(keys_text)
+    for material in KEYS.values():
+        assert material.hex() not in str(raised.value)
+
+
+def test_the_environment_variable_is_required_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(KEYS_VARIABLE, raising=False)
+    with pytest.raises(ValueError, match=f"{KEYS_VARIABLE} is not set"):
+        ResponseCipher.from_env()
+    monkeypatch.setenv(KEYS_VARIABLE, "k1:tooshort")
+    with pytest.raises(ValueError, match=f"^{KEYS_VARIABLE}: response key 'k1'"):
+        ResponseCipher.from_env()
+    monkeypatch.setenv("OTHER_KEYS", "k1:" + KEYS["2026-01"].hex())
+    assert ResponseCipher.from_env("OTHER_KEYS").current == "k1"
+
+
+def test_a_sealed_response_is_bound_to_its_record_size_key_and_format() -> None:
+    sealer = cipher("2026-11", "2026-06")
+    sealed = sealer.seal("tenant", "key", RESPONSE)
+    assert sealed.sealed[0] == 1  # the format's version
+    assert sealer.open("tenant", "key", sealed) == RESPONSE
+    changed = [
+        ("tenant", "key2", sealed),
+        ("tenant2", "key", sealed),
+        ("tenan", "tkey", sealed),  # the same bytes, cut elsewhere
+        ("tenant", "key", SealedResponse(sealed.key_id, sealed.sealed, sealed.body_size + 1)),
+        ("tenant", "key", SealedResponse("2026-06", sealed.sealed, sealed.body_size)),
+        ("tenant", "key", SealedResponse(sealed.key_id, sealed.sealed[:-1] + b"\x00", sealed.body_size)),
+    ]
+    for tenant, key, tampered in changed:
+        with pytest.raises(SealedResponseError):
+            sealer.open(tenant, key, tampered)
+    with pytest.raises(SealedResponseError, match="not in a sealed form this version reads"):
+        sealer.open("tenant", "key", SealedResponse("2026-11", b"\x02" + sealed.sealed[1:], sealed.body_size))
+
+
+def test_without_cryptography_the_module_names_the_extra() -> None:
+    hide = (
+        "import sys\n"
+        "class Hidden:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'cryptography' or name.startswith('cryptography.'):\n"
+        "            raise ModuleNotFoundError(name, name=name)\n"
+        "sys.meta_path.insert(0, Hidden())\n"
+        "import idempotency_mw, idempotency_mw.memory, idempotency_mw.postgres, idempotency_mw.cli\n"  # none need it
+        "import idempotency_mw.encryption\n"
+    )
+    done = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    last = done.stderr.splitlines()[-1]
+    assert last == (
+        "ImportError: idempotency_mw.encryption needs cryptography: pip install 'idempotency-mw[encryption]'"
+    ), done.stderr
+
+
+# -- through the middleware: plain and transactional mode ---------------------------------------------------------
+
+
+def charge_app(store: Any, *, transactional: bool = False) -> tuple[Starlette, list[str]]:
+    runs: list[str] = []
+
+    async def charge(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        if transactional and isinstance(store, SQLAlchemyStore):
+            session = idempotency_session(request)
+            await session.execute(text("SELECT 1"))
+        elif transactional:
+            assert context.connection is not None
+            await context.connection.execute("SELECT 1")
+        runs.append(context.key or "")
+        return Response(BODY, status_code=201, headers={"location": "/v1/customers/cus_ADA"}, media_type="text/plain")
+
+    app = Starlette(routes=[Route("/charges", charge, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=transactional)
+    return app, runs
+
+
+@contextlib.asynccontextmanager
+async def store_of(mode: str, url: str, with_cipher: ResponseCipher | None) -> AsyncIterator[Any]:
+    """A store for ``mode``: memory, postgres (plain or transactional), or SQLAlchemy (transactional)."""
+    if mode == "memory":
+        yield MemoryStore(cipher=with_cipher)
+        return
+    store = PostgresStore(url, cipher=with_cipher, max_size=4)
+    if mode != "sqlalchemy":
+        async with store:
+            yield store
+        return
+    engine = create_async_engine(make_url(url).set(drivername="postgresql+asyncpg"))
+    try:
+        async with SQLAlchemyStore(store, engine) as sqlalchemy_store:
+            yield sqlalchemy_store
+    finally:
+        await engine.dispose()
+
+
+MODES = [("memory", False), ("postgres", False), ("postgres", True), ("sqlalchemy", True)]
+
+
+@pytest.mark.parametrize(("mode", "transactional"), MODES, ids=[f"{m}-{'tx' if t else 'plain'}" for m, t in MODES])
+async def test_the_middleware_replays_a_sealed_response_byte_for_byte(
+    mode: str, transactional: bool, idempotency_database_url: str
+) -> None:
+    key = f"enc-{uuid.uuid4().hex}"
+    async with store_of(mode, idempotency_database_url, cipher("2026-11")) as store:
+        app, runs = charge_app(store, transactional=transactional)
+        async with client_for(app) as client:
+            first = await client.post("/charges", json={"amount": 5}, headers={"Idempotency-Key": key})
+            second = await client.post("/charges", json={"amount": 5}, headers={"Idempotency-Key": key})
+        assert (first.status_code, first.content, runs) == (201, BODY, [key])
+        assert (second.status_code, second.headers["idempotent-replayed"]) == (201, "true")
+        assert second.content == first.content
+        assert [h for h in second.headers.raw if h[0] != b"idempotent-replayed"] == list(first.headers.raw)
+        if mode != "memory":
+            connection = await asyncpg.connect(idempotency_database_url)
+            try:
+                row = await connection.fetchrow(
+                    "SELECT * FROM idempotency_responses WHERE tenant = $1 AND key = $2", tenant_of(), key
+                )
+            finally:
+                await connection.close()
+            assert row is not None
+            assert (row["status"], row["headers"], row["body"], row["sealed_with"]) == (None, None, None, "2026-11")
+            assert b"Lovelace" not in bytes(row["sealed"])
+            assert b"cus_ADA" not in bytes(row["sealed"])
+
+
+@pytest.mark.parametrize(("mode", "transactional"), MODES, ids=[f"{m}-{'tx' if t else 'plain'}" for m, t in MODES])
+async def test_a_retry_of_a_response_under_a_missing_key_is_503_naming_the_key(
+    mode: str, transactional: bool, idempotency_database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The record is neither replayed nor run again: 503 with Retry-After (the store failed), and the log says
+    which key id to give back."""
+    key = f"enc-{uuid.uuid4().hex}"
+    memory = MemoryStore(cipher=cipher("2026-06"))
+    async with store_of(mode, idempotency_database_url, cipher("2026-06")) as store:
+        app, runs = charge_app(memory if mode == "memory" else store, transactional=transactional)
+        async with client_for(app) as client:
+            assert (await client.post("/charges", json={}, headers={"Idempotency-Key": key})).status_code == 201
+    memory.cipher = cipher("2026-11")
+    async with store_of(mode, idempotency_database_url, cipher("2026-11")) as store:
+        app, runs = charge_app(memory if mode == "memory" else store, transactional=transactional)
+        with caplog.at_level(logging.ERROR, logger="idempotency_mw"):
+            async with client_for(app) as client:
+                retry = await client.post("/charges", json={}, headers={"Idempotency-Key": key})
+    assert (retry.status_code, retry.headers.get("retry-after"), runs) == (503, "1", [])
+    assert retry.json()["code"] == "idempotency_store_unavailable"
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    assert "UnknownKeyId: the stored response is sealed under key id '2026-06'" in logged
