@@ -1,7 +1,8 @@
 """The ``idempotency-mw`` command line: operate the PostgreSQL store from a shell.
 
 ``migrate`` creates or upgrades the table, ``gc`` purges expired records in batches, ``inspect`` and ``forget`` look
-at or delete one record, and ``stats`` summarises the table. Every expected
+at or delete one record, ``stats`` summarises the table, and ``reencrypt`` re-seals stored responses under the
+current response key (``encryption.py``). Every expected
 failure (no database URL, a malformed one, a server that does not answer, a database not migrated yet, an unknown
 key) ends in one line on stderr and a non-zero exit status, never a traceback.
 
@@ -20,16 +21,20 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
 from idempotency_mw.postgres import PostgresStore
 from idempotency_mw.sql import check_schema
-from idempotency_mw.store import RecordInfo, StoreNotMigrated, StoreUnavailable
+from idempotency_mw.store import RecordInfo, SealedResponseError, StoreNotMigrated, StoreUnavailable
 from idempotency_mw.tenants import PREFIX, SECRET_VARIABLE, AuthorizationTenant
 
+if TYPE_CHECKING:
+    from idempotency_mw.encryption import ResponseCipher
+
 PROG = "idempotency-mw"
+KEYS_VARIABLE = "IDEMPOTENCY_RESPONSE_KEYS"  # as idempotency_mw.encryption, which needs the encryption extra
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_DATABASE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 PREVIEW_BYTES = 200
 
@@ -121,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
             parents=after,
             help=summary,
             usage=f"{PROG} {name} [-h] [--authorization VALUE] [TENANT] KEY"
-            + (" [--json]" if name == "inspect" else "")
+            + (" [--json] [--keys-from VARIABLE]" if name == "inspect" else "")
             + " [--database-url URL] [--timeout SECONDS] [--schema NAME]",
             description=f"{summary.capitalize()}. TENANT is the tenant string exactly as the app's tenant resolver "
             f"returned it. With the default resolver (AuthorizationTenant) --authorization may name it instead: "
@@ -137,13 +142,44 @@ def build_parser() -> argparse.ArgumentParser:
         )
         if name == "inspect":
             sub.add_argument("--json", action="store_true", help="machine-readable output")
+            _keys_option(sub, f"the response keys, to show a sealed response (when set; default: ${KEYS_VARIABLE})")
         sub.set_defaults(handler=handler)
 
     stats = commands.add_parser("stats", parents=after, help="records by state, expired, past their lease, attempts")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     stats.set_defaults(handler=cmd_stats)
 
+    reencrypt = commands.add_parser(
+        "reencrypt",
+        parents=after,
+        help="re-seal stored responses under the current response key, in batches",
+        description="Re-seal every stored response sealed under an older key of the cipher under its current key "
+        "(the first one), and with --seal-plain those stored plain too; in batches, safe beside live traffic and "
+        "beside another run. Responses under keys that are not given are left as they are, and counted.",
+    )
+    reencrypt.add_argument("--batch-size", type=_positive(int), default=500, help="responses per batch (default: 500)")
+    reencrypt.add_argument(
+        "--max-batches", type=_positive(int), help="stop after this many batches (default: no limit)"
+    )
+    reencrypt.add_argument(
+        "--pause", type=_non_negative(float), default=0.0, metavar="SECONDS", help="sleep between batches"
+    )
+    reencrypt.add_argument("--seal-plain", action="store_true", help="seal the responses stored plain as well")
+    reencrypt.add_argument("--dry-run", action="store_true", help="count the responses by key, change nothing")
+    _keys_option(reencrypt, f"the response keys, current first (default: ${KEYS_VARIABLE})")
+    reencrypt.set_defaults(handler=cmd_reencrypt)
+
     return parser
+
+
+def _keys_option(parser: argparse.ArgumentParser, summary: str) -> None:
+    parser.add_argument(
+        "--keys-from",
+        metavar="VARIABLE",
+        default=KEYS_VARIABLE,
+        help=f"{summary}; the environment variable that holds them, id:key,id:key as the app's. Never the keys "
+        "themselves on the command line, where the shell's history and ps would show them",
+    )
 
 
 def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -216,8 +252,9 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
     url = args.database_url or os.environ.get("DATABASE_URL")
     if not url:
         raise CommandError("no database: pass --database-url or set DATABASE_URL", EXIT_USAGE)
+    cipher = _cipher(args)
     try:
-        store = PostgresStore(url, timeout=args.timeout, min_size=1, max_size=1, schema=args.schema)
+        store = PostgresStore(url, timeout=args.timeout, min_size=1, max_size=1, schema=args.schema, cipher=cipher)
     except ValueError as error:  # not a PostgreSQL URL
         raise CommandError(f"invalid database URL: {error}") from error
     try:
@@ -233,6 +270,22 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
         yield store
     finally:
         await store.close()
+
+
+def _cipher(args: argparse.Namespace) -> ResponseCipher | None:
+    """The response keys from the environment variable ``--keys-from`` names: for ``reencrypt``, which needs them, and
+    for ``inspect`` when the variable is set (to show a sealed response); None otherwise."""
+    variable: str | None = getattr(args, "keys_from", None)
+    if variable is None or (args.handler is not cmd_reencrypt and not os.environ.get(variable, "").strip()):
+        return None
+    try:
+        from idempotency_mw.encryption import ResponseCipher
+    except ImportError as error:
+        raise CommandError(str(error), EXIT_USAGE) from None
+    try:
+        return ResponseCipher.from_env(variable)
+    except ValueError as error:
+        raise CommandError(str(error), EXIT_USAGE) from None
 
 
 def _explain(error: BaseException, timeout: float) -> CommandError:
@@ -297,7 +350,10 @@ async def cmd_gc(store: PostgresStore, args: argparse.Namespace) -> int:
 
 async def cmd_inspect(store: PostgresStore, args: argparse.Namespace) -> int:
     tenant, key = _record_id(args)
-    record = await store.inspect(tenant, key)
+    try:
+        record = await store.inspect(tenant, key)
+    except SealedResponseError as error:
+        raise CommandError(f"cannot show the response of key {key!r} of tenant {tenant!r}: {error}") from error
     if record is None:
         raise _not_found(args, tenant, key)
     shown = record_to_dict(record, now=time.time())
@@ -334,6 +390,54 @@ async def cmd_stats(store: PostgresStore, args: argparse.Namespace) -> int:
     for label, value in rows:
         print(f"{label:<{width}}  {value}")
     return EXIT_OK
+
+
+async def cmd_reencrypt(store: PostgresStore, args: argparse.Namespace) -> int:
+    cipher = store.cipher
+    assert cipher is not None  # _cipher gives reencrypt one, or stops
+    if args.dry_run:
+        print(_by_key(await store.responses_by_key(), cipher, args.seal_plain, dry_run=True))
+        return EXIT_OK
+    total = batches = unreadable = 0
+    after: tuple[str, str] | None = None
+    while args.max_batches is None or batches < args.max_batches:
+        batch = await store.reencrypt(batch_size=args.batch_size, seal_plain=args.seal_plain, after=after)
+        batches += 1
+        total += batch.resealed
+        for tenant, key, why in batch.unreadable:
+            unreadable += 1
+            print(f"{PROG}: left key {key!r} of tenant {tenant!r} as it is: {why}", file=sys.stderr, flush=True)
+        print(f"batch {batches}: re-sealed {batch.resealed} ({total} so far)", file=sys.stderr, flush=True)
+        after = batch.after
+        if after is None:  # every response was looked at
+            break
+        if args.pause:
+            await asyncio.sleep(args.pause)
+    print(f"re-sealed {total} response{_s(total)} under key {cipher.current!r}")
+    print(_by_key(await store.responses_by_key(), cipher, args.seal_plain, dry_run=False))
+    if unreadable:
+        raise CommandError(f"{unreadable} response{_s(unreadable)} could not be opened and were left as they are")
+    return EXIT_OK
+
+
+def _by_key(counts: dict[str | None, int], cipher: ResponseCipher, seal_plain: bool, *, dry_run: bool) -> str:
+    """What is stored under which key, and what a run does (or did not do) about it."""
+    lines = []
+    for key_id, count in counts.items():
+        if key_id is None:
+            if seal_plain:
+                what = "to seal" if dry_run else "plain (new ones stored by a store without a cipher)"
+            else:
+                what = "left plain (--seal-plain seals them)"
+            lines.append(f"plain: {count} response{_s(count)}, {what}")
+        elif key_id == cipher.current:
+            lines.append(f"under {key_id!r} (current): {count} response{_s(count)}")
+        elif key_id in cipher.key_ids:
+            what = "to re-seal" if dry_run else "not re-sealed yet (locked by another run? run again)"
+            lines.append(f"under {key_id!r}: {count} response{_s(count)}, {what}")
+        else:
+            lines.append(f"under {key_id!r}: {count} response{_s(count)}, a key not given: they cannot be opened here")
+    return "\n".join(lines) or "no stored responses"
 
 
 def _default_resolver() -> AuthorizationTenant:
@@ -377,6 +481,7 @@ def record_to_dict(record: RecordInfo, *, now: float) -> dict[str, Any]:
             "body_stored": stored.body is not None,
             "body_preview": None,
             "body_preview_encoding": None,
+            "sealed_with": record.sealed_with,
         }
         if stored.body is not None:
             response["body_preview"], response["body_preview_encoding"] = preview(stored.body)
@@ -413,6 +518,8 @@ def format_record(shown: dict[str, Any]) -> str:
         rows.append(("status", str(response["status"])))
         headers = [f"{name}: {value}" for name, value in response["headers"]] or ["-"]
         rows.extend(("headers" if i == 0 else "", header) for i, header in enumerate(headers))
+        if response.get("sealed_with") is not None:
+            rows.append(("sealed with", f"key {response['sealed_with']!r}"))
         rows.append(("body size", f"{response['body_size']} bytes"))
         if not response["body_stored"]:
             rows.append(("body", "not stored (over max_response_bytes, or cut short: replays answer 409)"))

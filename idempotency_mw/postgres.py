@@ -17,12 +17,15 @@ import asyncpg
 
 from idempotency_mw.connectors import UNAVAILABLE, AppPool, Connector, OwnPool, reachable
 from idempotency_mw.lending import LentConnection
-from idempotency_mw.rows import claim_from_row, completion, new_fence, record_from_row
+from idempotency_mw.rows import claim_from_row, completion, new_fence, record_from_row, response_from_row
 from idempotency_mw.sql import bookkeeping, check_schema, migrations, queries
 from idempotency_mw.store import (
     Claim,
     ClaimOutcome,
     RecordInfo,
+    ResealedBatch,
+    SealedResponse,
+    SealedResponseError,
     StoredResponse,
     StoreNotMigrated,
     StoreUnavailable,
@@ -347,6 +350,51 @@ class PostgresStore:
         row = await self._connector.run("stats", ())
         assert row is not None
         return dict(row)
+
+    async def reencrypt(
+        self, *, batch_size: int = 1000, seal_plain: bool = False, after: tuple[str, str] | None = None
+    ) -> ResealedBatch:
+        """Re-seal under the cipher's current key up to ``batch_size`` responses sealed under its other keys (and
+        with ``seal_plain`` those stored plain), starting after ``after`` (the ``after`` of the previous batch; None
+        for the first). One transaction: the rows are locked (``FOR UPDATE SKIP LOCKED``, ``sql/queries.sql``,
+        reseal_batch), opened and sealed here, and written back before the locks go; so it is safe beside live
+        traffic and other runs, and a batch that fails leaves every response as it was. A response that does not
+        open is left as it is and reported."""
+        cipher = self.cipher
+        if cipher is None:
+            raise ValueError("reencrypt needs a PostgresStore with a cipher: PostgresStore(..., cipher=...)")
+        older = [key_id for key_id in cipher.key_ids if key_id != cipher.current]
+        start, first = after or ("", ""), after is None
+        resealed: tuple[list[str], list[str], list[bytes]] = ([], [], [])
+        unreadable: list[tuple[str, str, str]] = []
+        async with self._connector.session() as connection:
+            with reachable(self.schema):
+                async with connection.transaction(isolation="read_committed"):
+                    rows = await connection.fetch(
+                        self._sql["reseal_batch"], *start, first, older, seal_plain, batch_size, timeout=self.timeout
+                    )
+                    for row in rows:
+                        tenant, key = row["tenant"], row["key"]
+                        try:
+                            response = response_from_row(row, tenant, key, cipher)
+                        except SealedResponseError as error:
+                            unreadable.append((tenant, key, str(error)))
+                            continue
+                        sealed: SealedResponse = cipher.seal(tenant, key, response)
+                        resealed[0].append(tenant)
+                        resealed[1].append(key)
+                        resealed[2].append(sealed.sealed)
+                    if resealed[0]:
+                        await connection.execute(self._sql["reseal"], cipher.current, *resealed, timeout=self.timeout)
+        last = (rows[-1]["tenant"], rows[-1]["key"]) if len(rows) == batch_size else None
+        return ResealedBatch(len(resealed[0]), unreadable, last)
+
+    async def responses_by_key(self) -> dict[str | None, int]:
+        """How many stored responses are sealed under each key id (None: stored plain); one scan of the table."""
+        async with self._connector.session() as connection:
+            with reachable(self.schema):
+                rows = await connection.fetch(self._sql["responses_by_key"], timeout=self.timeout)
+        return {row["sealed_with"]: row["responses"] for row in rows}
 
     async def migrate(self) -> list[str]:
         """Create the schema if it is missing and apply the migrations it lacks, in order, each in its own

@@ -37,6 +37,7 @@ from idempotency_mw.store import (
     Claim,
     PoolExhausted,
     RecordInfo,
+    ResealedBatch,
     StoredResponse,
     StoreNotMigrated,
     StoreUnavailable,
@@ -204,6 +205,16 @@ class SQLAlchemyStore:
     async def stats(self) -> dict[str, Any]:
         """The table's summary, for ``PrometheusMetrics.update_from_store`` and ``idempotency-mw stats``."""
         return await self.store.stats()
+
+    async def reencrypt(
+        self, *, batch_size: int = 1000, seal_plain: bool = False, after: tuple[str, str] | None = None
+    ) -> ResealedBatch:
+        """One batch of re-sealing under the current key (:meth:`PostgresStore.reencrypt
+        <idempotency_mw.postgres.PostgresStore.reencrypt>`), with the PostgresStore's cipher."""
+        return await self.store.reencrypt(batch_size=batch_size, seal_plain=seal_plain, after=after)
+
+    async def responses_by_key(self) -> dict[str | None, int]:
+        return await self.store.responses_by_key()
 
 
 class SQLAlchemyTransaction:

@@ -147,6 +147,17 @@ class UnknownKeyId(SealedResponseError):
         self.key_id = key_id
 
 
+@dataclass(frozen=True, slots=True)
+class ResealedBatch:
+    """One batch of a re-encryption (``PostgresStore.reencrypt``): how many responses were re-sealed under the
+    current key, those that could not be opened (``(tenant, key, why)``, left as they are), and where the next batch
+    starts (None once every response was looked at)."""
+
+    resealed: int
+    unreadable: list[tuple[str, str, str]]
+    after: tuple[str, str] | None
+
+
 @runtime_checkable
 class Store(Protocol):
     async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:

@@ -7,10 +7,12 @@ with the cipher a test asks for, on the same records: what another deploy of the
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import logging
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -30,6 +32,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, idempotency_context
+from idempotency_mw.cli import main
 from idempotency_mw.encryption import KEYS_VARIABLE, ResponseCipher
 from idempotency_mw.sqlalchemy import SQLAlchemyStore, idempotency_session
 from idempotency_mw.store import ClaimOutcome, SealedResponse, SealedResponseError, StoredResponse, UnknownKeyId
@@ -253,6 +256,42 @@ async def test_responses_stored_plain_still_replay_once_a_cipher_is_given(kind: 
     assert (record.response, record.sealed_with) == (RESPONSE, None)
 
 
+async def test_reencrypt_reseals_under_the_current_key_in_batches(kind: Kind) -> None:
+    if kind.url is None:
+        pytest.skip("reencrypt is the PostgreSQL store's (a MemoryStore lives no longer than its process)")
+    tenant, key = keys()
+    old = await kind.store(cipher("2026-06"))
+    for n in range(5):
+        await completed(old, tenant, f"{key}-{n}")
+    await completed(await kind.store(None), tenant, f"{key}-plain")
+    store = await kind.store(cipher("2026-11", "2026-06"))
+    assert isinstance(store, PostgresStore)
+    resealed, after, batches = 0, None, 0
+    while True:
+        batch = await store.reencrypt(batch_size=2, after=after)
+        resealed, after, batches = resealed + batch.resealed, batch.after, batches + 1
+        assert batch.unreadable == []
+        if after is None:
+            break
+    assert resealed >= 5  # and those other tests of this kind left under 2026-06
+    assert batches >= 3
+    counts = await store.responses_by_key()
+    assert counts.get("2026-06", 0) == 0
+    assert counts.get(None, 0) >= 1  # the plain one stays plain without seal_plain
+    # Idempotent: nothing left to do.
+    assert (await store.reencrypt(batch_size=100)).resealed == 0
+    batch = await store.reencrypt(batch_size=100_000, seal_plain=True)
+    assert batch.after is None
+    assert None not in await store.responses_by_key()
+    # The old key can go now: every response opens under the new one alone.
+    only_new = await kind.store(cipher("2026-11"))
+    for name in [*(f"{key}-{n}" for n in range(5)), f"{key}-plain"]:
+        assert await replayed(only_new, tenant, name) == RESPONSE
+        record = await only_new.inspect(tenant, name)
+        assert record is not None
+        assert record.sealed_with == "2026-11"
+
+
 # -- the cipher alone ---------------------------------------------------------------------------------------------
 
 
@@ -436,3 +475,97 @@ async def test_a_retry_of_a_response_under_a_missing_key_is_503_naming_the_key(
     assert retry.json()["code"] == "idempotency_store_unavailable"
     logged = "\n".join(record.getMessage() for record in caplog.records)
     assert "UnknownKeyId: the stored response is sealed under key id '2026-06'" in logged
+
+
+# -- reencrypt beside live traffic, and the command line ----------------------------------------------------------
+
+
+async def test_concurrent_reencrypt_runs_beside_replays_reseal_each_response_once(migrated_url: str) -> None:
+    async with PostgresStore(migrated_url, cipher=cipher("2026-06")) as old:
+        for n in range(60):
+            await completed(old, "t", f"k{n}")
+    stores = [PostgresStore(migrated_url, cipher=cipher("2026-11", "2026-06")) for _ in range(2)]
+    for store in stores:
+        await store.open()
+    try:
+
+        async def run(store: PostgresStore) -> int:
+            total, after = 0, None
+            while True:
+                batch = await store.reencrypt(batch_size=7, after=after)
+                total, after = total + batch.resealed, batch.after
+                if after is None:
+                    return total
+
+        async def replay_all(store: PostgresStore) -> None:
+            for n in range(60):
+                assert await replayed(store, "t", f"k{n}") == RESPONSE
+
+        *resealed, _ = await asyncio.gather(run(stores[0]), run(stores[1]), replay_all(stores[0]))
+        leftover = (await stores[0].reencrypt(batch_size=100)).resealed  # any a run passed over while locked
+        assert sum(resealed) + leftover == 60
+        assert await stores[0].responses_by_key() == {"2026-11": 60}
+    finally:
+        for store in stores:
+            await store.close()
+
+
+async def test_reencrypt_leaves_a_response_that_does_not_open_and_goes_on(migrated_url: str) -> None:
+    async with PostgresStore(migrated_url, cipher=cipher("2026-06")) as old:
+        for name in ("a", "b", "c"):
+            await completed(old, "t", name)
+    connection = await asyncpg.connect(migrated_url)
+    try:
+        await connection.execute("UPDATE idempotency_responses SET body_size = 1 WHERE key = 'b'")
+    finally:
+        await connection.close()
+    async with PostgresStore(migrated_url, cipher=cipher("2026-11", "2026-06")) as store:
+        batch = await store.reencrypt(batch_size=10)
+        assert batch.resealed == 2
+        assert [(tenant, key) for tenant, key, _ in batch.unreadable] == [("t", "b")]
+        assert await store.responses_by_key() == {"2026-06": 1, "2026-11": 2}
+
+
+def test_the_command_line_reencrypts_and_inspects(
+    migrated_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def seed() -> None:
+        async with PostgresStore(migrated_url, cipher=cipher("2026-06")) as old:
+            for n in range(3):
+                await completed(old, "t", f"k{n}")
+        async with PostgresStore(migrated_url) as plain:
+            await completed(plain, "t", "plain")
+
+    asyncio.run(seed())
+    database = ["--database-url", migrated_url]
+    monkeypatch.delenv(KEYS_VARIABLE, raising=False)
+    assert main([*database, "reencrypt"]) == 2
+    assert f"{KEYS_VARIABLE} is not set" in capsys.readouterr().err
+    # inspect without the keys: one line naming the key id
+    assert main([*database, "inspect", "t", "k0"]) == 3
+    err = capsys.readouterr().err
+    assert "cannot show the response of key 'k0' of tenant 't'" in err
+    assert "'2026-06'" in err
+
+    keys_text = ",".join(f"{key_id}:{KEYS[key_id].hex()}" for key_id in ("2026-11", "2026-06"))
+    monkeypatch.setenv("MY_KEYS", keys_text)
+    assert main([*database, "reencrypt", "--keys-from", "MY_KEYS", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "under '2026-06': 3 responses, to re-seal" in out
+    assert "plain: 1 response, left plain (--seal-plain seals them)" in out
+    assert main([*database, "reencrypt", "--keys-from", "MY_KEYS", "--batch-size", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert re.findall(r"batch \d+: re-sealed \d+", err) == ["batch 1: re-sealed 2", "batch 2: re-sealed 1"]
+    assert out.splitlines() == [
+        "re-sealed 3 responses under key '2026-11'",
+        "plain: 1 response, left plain (--seal-plain seals them)",
+        "under '2026-11' (current): 3 responses",
+    ]
+    assert main([*database, "reencrypt", "--keys-from", "MY_KEYS", "--seal-plain"]) == 0
+    assert "re-sealed 1 response under key '2026-11'" in capsys.readouterr().out
+    monkeypatch.setenv(KEYS_VARIABLE, keys_text)
+    assert main([*database, "inspect", "t", "k0"]) == 0
+    shown = capsys.readouterr().out
+    assert "sealed with  key '2026-11'" in shown
+    assert "status       201" in shown
+    assert b"Lovelace".hex() in shown  # the body's preview (hex: it is not all printable)

@@ -245,6 +245,40 @@ WHERE ctid = ANY (ARRAY(SELECT ctid FROM doomed));
 -- name: count_expired
 SELECT count(*) FROM {schema}.idempotency_records WHERE expires_at <= now();
 
+-- name: reseal_batch
+-- The next responses to re-seal under the current key (idempotency-mw reencrypt): those sealed under another key
+-- the cipher has, and with $3 those stored plain, walked in primary-key order from where the last batch ended, so
+-- that a run reads the table once however many batches it takes. A response under a key the cipher does not have
+-- is passed over (it cannot be opened here). The rows are locked until the batch's transaction commits with their
+-- new form (reseal); SKIP LOCKED passes over those another run holds, as the purge does, and a completion or a
+-- replay never waits: responses are only ever inserted and read, and the claim, forget and purge that delete them
+-- wait for the batch at most. A row passed over stays as it was, for the next run.
+-- $1 tenant and $2 key to start from, $3 include that row itself (the first batch), $4 the ids of the cipher's
+-- older keys, $5 seal plain responses too, $6 batch size
+SELECT s.tenant, s.key, s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
+FROM {schema}.idempotency_responses AS s
+WHERE (s.tenant, s.key) >= ($1::text, $2::text)
+  AND ($3 OR (s.tenant, s.key) <> ($1::text, $2::text))
+  AND (s.sealed_with = ANY ($4::text[]) OR ($5 AND s.sealed IS NULL))
+ORDER BY s.tenant, s.key
+LIMIT $6
+FOR UPDATE SKIP LOCKED;
+
+-- name: reseal
+-- The batch's responses in their new form, in the transaction that locked them (reseal_batch).
+-- $1 the current key's id, $2 tenants, $3 keys, $4 the responses sealed under $1
+UPDATE {schema}.idempotency_responses AS s
+SET status = NULL, headers = NULL, body = NULL, sealed = u.sealed, sealed_with = $1
+FROM unnest($2::text[], $3::text[], $4::bytea[]) AS u (tenant, key, sealed)
+WHERE s.tenant = u.tenant AND s.key = u.key;
+
+-- name: responses_by_key
+-- How many responses are stored under each key (NULL: plain), for reencrypt to report what is left.
+SELECT s.sealed_with, count(*) AS responses
+FROM {schema}.idempotency_responses AS s
+GROUP BY s.sealed_with
+ORDER BY s.sealed_with NULLS FIRST;
+
 -- name: stats
 SELECT
     count(*) FILTER (WHERE s.key IS NULL AND r.expires_at > now()) AS in_progress,
