@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import durability
+import encryption
 import endtoend
 import fingerprint
 import fixes
@@ -63,6 +64,7 @@ MEASUREMENTS = (
     "memory",
     "instructions",
     "durability",
+    "encryption",
 )  # the order they run in
 # About 3 and 4 minutes: in the full run, or the quick one with --only instructions / --only durability.
 QUICK_SKIPS = ("instructions", "durability")
@@ -79,6 +81,7 @@ ISSUE_ORDER = (
     "fixes",
     "instructions",
     "durability",
+    "encryption",
 )
 VERSIONS = (
     "starlette",
@@ -166,6 +169,28 @@ def run_instructions(ctx: Context) -> dict[str, Any]:
     return result
 
 
+def run_in_project_venv(script: str, *args: str) -> dict[str, Any]:
+    """``benchmarks/<script>`` on this interpreter (the project's venv: the encryption extra, no peers), its JSON."""
+    done = subprocess.run(
+        [sys.executable, str(HERE / script), *args],
+        cwd=str(HERE),
+        env=bench_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{script} failed: {done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def run_encryption(ctx: Context) -> dict[str, Any]:
+    n, rounds = ("500", "7") if ctx.quick else ("2000", "9")
+    return run_in_project_venv("encryption.py", "--dsn", ctx.db.url, "-n", n, "--rounds", rounds)
+
+
 def render_roundtrips(result: dict[str, Any], ctx: Context) -> str:
     return roundtrips.render(result["results"], result["problems"], result["n"])
 
@@ -183,6 +208,7 @@ STEPS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[dict[str, 
     "memory": (rss.measure, rss.render),
     "instructions": (run_instructions, lambda result, ctx: instructions.render(result)),
     "durability": (durability.measure, durability.render),
+    "encryption": (run_encryption, lambda result, ctx: encryption.render(result)),
 }
 
 
@@ -250,6 +276,7 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "memory": rss.targets,
     "instructions": lambda r: [],  # attribution of 14.1 and 14.2, judged on time elsewhere
     "durability": durability.targets,
+    "encryption": encryption.targets,
 }
 
 
