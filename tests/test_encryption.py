@@ -15,9 +15,11 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -38,6 +40,7 @@ from idempotency_mw.sqlalchemy import SQLAlchemyStore, idempotency_session
 from idempotency_mw.store import ClaimOutcome, SealedResponse, SealedResponseError, StoredResponse, UnknownKeyId
 from tests.conftest import PGBOUNCER_SCHEMAS, STORES, client_for, tenant_of, with_database
 
+ROOT = Path(__file__).resolve().parents[1]
 KEYS = {name: bytes([n]) * 32 for n, name in enumerate(("2026-01", "2026-06", "2026-11"), start=1)}
 FINGERPRINT = bytes(range(32))
 # What an API answers: a card's last digits, a name; headers with repeated names and every byte latin-1 can carry.
@@ -569,3 +572,22 @@ def test_the_command_line_reencrypts_and_inspects(
     assert "sealed with  key '2026-11'" in shown
     assert "status       201" in shown
     assert b"Lovelace".hex() in shown  # the body's preview (hex: it is not all printable)
+
+
+# -- the documentation's snippet ----------------------------------------------------------------------------------
+
+
+def test_the_configuration_pages_snippet_runs(migrated_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The encryption section's first python block, run as written with the environment it describes."""
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    section = page[page.index("## Encrypting stored responses") :]
+    code = textwrap.dedent(re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1))  # type: ignore[union-attr]
+    monkeypatch.setenv("DATABASE_URL", migrated_url)
+    monkeypatch.setenv(KEYS_VARIABLE, f"2026-11:{ResponseCipher.new_key()},2026-06:{ResponseCipher.new_key()}")
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "docs/configuration.md", "exec"), namespace)
+    store = namespace["store"]
+    assert isinstance(store, PostgresStore)
+    assert store.cipher is not None
+    assert store.cipher.current == "2026-11"
+    assert isinstance(namespace["app"], Starlette)
