@@ -45,6 +45,7 @@ import roundtrips
 import rss
 import scale
 import storepath
+import waiting
 from common import Context, Target, load_average, machine, table
 from servers import HERE, bench_env
 
@@ -65,6 +66,7 @@ MEASUREMENTS = (
     "instructions",
     "durability",
     "encryption",
+    "waiting",
 )  # the order they run in
 # About 3 and 4 minutes: in the full run, or the quick one with --only instructions / --only durability.
 QUICK_SKIPS = ("instructions", "durability")
@@ -82,6 +84,7 @@ ISSUE_ORDER = (
     "instructions",
     "durability",
     "encryption",
+    "waiting",
 )
 VERSIONS = (
     "starlette",
@@ -191,6 +194,10 @@ def run_encryption(ctx: Context) -> dict[str, Any]:
     return run_in_project_venv("encryption.py", "--dsn", ctx.db.url, "-n", n, "--rounds", rounds)
 
 
+def run_waiting(ctx: Context) -> dict[str, Any]:
+    return run_in_project_venv("waiting.py", "--dsn", ctx.db.url, "--rounds", "3" if ctx.quick else "5")
+
+
 def render_roundtrips(result: dict[str, Any], ctx: Context) -> str:
     return roundtrips.render(result["results"], result["problems"], result["n"])
 
@@ -209,6 +216,7 @@ STEPS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[dict[str, 
     "instructions": (run_instructions, lambda result, ctx: instructions.render(result)),
     "durability": (durability.measure, durability.render),
     "encryption": (run_encryption, lambda result, ctx: encryption.render(result)),
+    "waiting": (run_waiting, lambda result, ctx: waiting.render(result)),
 }
 
 
@@ -277,6 +285,7 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "instructions": lambda r: [],  # attribution of 14.1 and 14.2, judged on time elsewhere
     "durability": durability.targets,
     "encryption": encryption.targets,
+    "waiting": waiting.targets,
 }
 
 
