@@ -40,6 +40,7 @@ from idempotency_mw.store import (
     ClaimOutcome,
     Store,
     StoredResponse,
+    StoreUnavailable,
     TransactionalStore,
 )
 from idempotency_mw.tenants import (
@@ -57,6 +58,7 @@ from idempotency_mw.wire import handler_scope, header
 T = TypeVar("T")
 
 DISABLED_VARIABLE = "IDEMPOTENCY_MW_DISABLED"
+OUTAGES = (StoreUnavailable, OSError)  # what fail_open fails open on: the store cannot be reached
 ReplayHook = Callable[[Scope, "StoredResponse"], "StoredResponse | None"]
 
 
@@ -391,7 +393,7 @@ class IdempotentRequest:
         except Exception as error:
             self.report.store_seconds += time.perf_counter() - started
             self.middleware.failures.failed("claim a key", error)
-            if policy.fail_open:
+            if policy.fail_open and isinstance(error, OUTAGES):  # never a record that is there but does not open
                 await run_unprotected(self.middleware.app, self.scope, self.body.receive, self.send, self._decide)
                 return False
             await self._refuse(problems.store_unavailable(self.middleware.retry_after), store_failure(error))

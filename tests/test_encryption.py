@@ -386,7 +386,7 @@ def test_without_cryptography_the_module_names_the_extra() -> None:
 # -- through the middleware: plain and transactional mode ---------------------------------------------------------
 
 
-def charge_app(store: Any, *, transactional: bool = False) -> tuple[Starlette, list[str]]:
+def charge_app(store: Any, *, transactional: bool = False, fail_open: bool = False) -> tuple[Starlette, list[str]]:
     runs: list[str] = []
 
     async def charge(request: Request) -> Response:
@@ -402,7 +402,7 @@ def charge_app(store: Any, *, transactional: bool = False) -> tuple[Starlette, l
         return Response(BODY, status_code=201, headers={"location": "/v1/customers/cus_ADA"}, media_type="text/plain")
 
     app = Starlette(routes=[Route("/charges", charge, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store, transactional=transactional)
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=transactional, fail_open=fail_open)
     return app, runs
 
 
@@ -478,6 +478,19 @@ async def test_a_retry_of_a_response_under_a_missing_key_is_503_naming_the_key(
     assert retry.json()["code"] == "idempotency_store_unavailable"
     logged = "\n".join(record.getMessage() for record in caplog.records)
     assert "UnknownKeyId: the stored response is sealed under key id '2026-06'" in logged
+
+
+async def test_a_response_that_does_not_open_never_fails_open() -> None:
+    """``fail_open`` runs the handler unprotected when the store cannot be reached. A record that is there but does
+    not open (its key was dropped) is no outage: running the handler again would repeat the operation."""
+    key = f"enc-{uuid.uuid4().hex}"
+    memory = MemoryStore(cipher=cipher("2026-06"))
+    app, runs = charge_app(memory, fail_open=True)
+    async with client_for(app) as client:
+        assert (await client.post("/charges", json={}, headers={"Idempotency-Key": key})).status_code == 201
+        memory.cipher = cipher("2026-11")
+        retry = await client.post("/charges", json={}, headers={"Idempotency-Key": key})
+    assert (retry.status_code, runs) == (503, [key])
 
 
 # -- reencrypt beside live traffic, and the command line ----------------------------------------------------------
