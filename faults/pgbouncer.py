@@ -6,10 +6,12 @@ connections. Clients log in without a password (``auth_type = trust``, the user 
 logs in to the server as that user, with the upstream DSN's password if it has one. The embedded PostgreSQL of the
 test suite listens on a Unix socket only, which PgBouncer reaches the same way.
 
-The binary comes from the system (Debian's ``pgbouncer`` package). When it is missing and we are root, it is
-installed with ``apt-get``; otherwise :class:`PgBouncerUnavailable` says what to install. PgBouncer refuses to run
-as root, so as root it runs as the owner of the server's socket directory (the embedded server's system user) or,
-for a server over TCP, as ``nobody``.
+The binary comes from the system (Debian's ``pgbouncer`` package). :class:`PgBouncer` only looks for it: when it
+is missing, :class:`PgBouncerUnavailable` names the command that installs it. Installing is a set-up step, never a
+side effect of a test: ``./dev test`` installs it with apt-get when it is missing and it runs as root, and the
+soak's own entry point calls :func:`install_pgbouncer`. PgBouncer refuses to run as root, so as root it runs as the
+owner of the server's socket directory (the embedded server's system user) or, for a server over TCP, as
+``nobody``.
 """
 
 from __future__ import annotations
@@ -36,22 +38,40 @@ class PgBouncerUnavailable(RuntimeError):
     """PgBouncer is not installed and could not be installed, or did not start (the message says why)."""
 
 
-def pgbouncer_binary(*, install: bool = True) -> str:
-    """The path of ``pgbouncer``, installed with apt-get first if it is missing and we may (root, ``install``)."""
-    found = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin:/usr/local/sbin")
+MISSING = (
+    "pgbouncer is not installed. `./dev test` installs it when run as root (apt-get install pgbouncer); elsewhere "
+    "install it yourself (Debian/Ubuntu: sudo apt-get install pgbouncer) and run again"
+)
+
+
+def find_pgbouncer() -> str | None:
+    """The path of ``pgbouncer`` (Debian installs it in /usr/sbin, which a user's PATH may lack), or None."""
+    return shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin:/usr/local/sbin")
+
+
+def pgbouncer_binary() -> str:
+    """The path of ``pgbouncer``; :class:`PgBouncerUnavailable`, naming the command that installs it, if missing."""
+    found = find_pgbouncer()
+    if found is None:
+        raise PgBouncerUnavailable(MISSING)
+    return found
+
+
+def install_pgbouncer() -> str:
+    """Install ``pgbouncer`` with apt-get if it is missing (as root), and return its path: for entry points that set
+    up their own machine (the soak), never for a test fixture."""
+    found = find_pgbouncer()
     if found:
         return found
-    if not install or os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise PgBouncerUnavailable(
-            "pgbouncer is not installed: install it (Debian/Ubuntu: apt-get install pgbouncer) and run again"
-        )
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        raise PgBouncerUnavailable(MISSING)
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     command = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "pgbouncer"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:  # a fresh machine may have no package lists yet
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, text=True, timeout=600)
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    found = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin:/usr/local/sbin")
+    found = find_pgbouncer()
     if done.returncode != 0 or not found:
         raise PgBouncerUnavailable(f"apt-get install pgbouncer failed ({done.returncode}):\n{done.stderr[-2000:]}")
     return found

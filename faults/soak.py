@@ -38,7 +38,7 @@ from faults.failover import run_failover
 from faults.lossy import run_lossy
 from faults.outage import run_outage
 from faults.pg import DisposablePostgres
-from faults.pgbouncer import PgBouncer
+from faults.pgbouncer import PgBouncer, install_pgbouncer
 from faults.report import Result, markdown_table
 from faults.storm import run_storm
 from faults.zombie import run_zombie
@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"Markdown file (default {DEFAULT_OUTPUT})")
     args = parser.parse_args(argv)
     only = {name.strip() for name in args.only.split(",")} if args.only else None
+    if only is None or "pgbouncer" in only:
+        install_pgbouncer()  # the soak sets up its own machine (for the test suite, ./dev test does)
     started = time.monotonic()
     results, problems, rounds = asyncio.run(soak(args.minutes, only))
     elapsed = (time.monotonic() - started) / 60

@@ -59,9 +59,9 @@ PGBOUNCER_SCHEMAS = {"pgbouncer": "through_pgbouncer", "pgbouncer-pool": "throug
 
 @pytest.fixture(scope="session")
 def pgbouncer_url(idempotency_database_url: str) -> Iterator[str]:
-    """The suite's PostgreSQL behind a PgBouncer in transaction pooling mode (installed with apt-get if missing, as
-    root; a machine that cannot get one fails the tests that need it). The store's schemas for the conformance
-    tests are migrated through it."""
+    """The suite's PostgreSQL behind a PgBouncer in transaction pooling mode. PgBouncer is found on the system, never
+    installed from here (``./dev test`` installs it as root); a machine without it fails the tests that need it,
+    with the command to run. The store's schemas for the conformance tests are migrated through it."""
     with PgBouncer(idempotency_database_url, pool_mode="transaction") as bouncer:
         # Its own event loop in a thread: the store fixture asks for this one from inside a running loop.
         with concurrent.futures.ThreadPoolExecutor(1) as thread:
