@@ -9,10 +9,11 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from starlette.types import Receive, Scope, Send
+from starlette.types import Scope
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, StoredResponse
 from tests.apps import Probe, build_app
+from tests.calls import keyed_scope, raw_call
 from tests.conftest import client_for, tenant_of
 
 
@@ -305,7 +306,7 @@ async def test_disconnect_while_sending_the_body_claims_nothing(store: Store, ke
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    await app(_scope("/charge", key), receive, send)
+    await app(keyed_scope("/charge", key), receive, send)
     assert sent == []
     assert probe.calls["charge"] == 0
     assert await store.inspect(tenant_of(), key) is None
@@ -413,56 +414,6 @@ async def test_expired_record_takeover_starts_counting_attempts_afresh(store: St
     assert again.attempts == 1
 
 
-# -- replay fidelity ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("path", ["/raw-json", "/binary", "/stream", "/cookies"])
-async def test_replay_is_byte_identical(store: Store, key: str, path: str) -> None:
-    probe = Probe()
-    app = build_app(store, probe)
-    first_status, first_headers, first_chunks = await _raw_call(app, path, key)
-    again_status, again_headers, again_chunks = await _raw_call(app, path, key)
-    assert again_status == first_status
-    assert again_headers == [*first_headers, (b"idempotent-replayed", b"true")]
-    assert b"".join(again_chunks) == b"".join(first_chunks)
-    assert sum(probe.calls.values()) == 1
-
-
-async def test_headers_sent_as_a_generator_go_out_live_as_in_the_replay(store: Store, key: str) -> None:
-    """ASGI allows any iterable of header pairs. A generator can be read once: the recorder's copy must be what
-    goes on, or the live response leaves with no headers while its replay has them all."""
-    runs = 0
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        nonlocal runs
-        runs += 1
-        await receive()
-        pairs = [(b"content-type", b"text/plain"), (b"x-run", b"%d" % runs)]
-        await send({"type": "http.response.start", "status": 201, "headers": (pair for pair in pairs)})
-        await send({"type": "http.response.body", "body": b"made"})
-
-    middleware = IdempotencyMiddleware(app, store=store)
-    live_status, live_headers, live_chunks = await _raw_call(middleware, "/charge", key)
-    assert live_headers == [(b"content-type", b"text/plain"), (b"x-run", b"1")]
-    again_status, again_headers, again_chunks = await _raw_call(middleware, "/charge", key)
-    assert live_status == again_status == 201
-    assert again_headers == [*live_headers, (b"idempotent-replayed", b"true")]
-    assert b"".join(live_chunks) == b"".join(again_chunks) == b"made"
-    assert runs == 1
-
-
-async def test_live_streaming_response_keeps_its_chunks(store: Store, key: str) -> None:
-    _, _headers, chunks = await _raw_call(build_app(store, Probe()), "/stream", key)
-    assert chunks[:3] == [b"first,", b"second,", b"third"]
-
-
-async def test_repeated_headers_keep_order_and_repeats(store: Store, key: str) -> None:
-    _, live, _ = await _raw_call(build_app(store, Probe()), "/cookies", key)
-    names = [name for name, _ in live]
-    assert names.count(b"set-cookie") == 2
-    assert names.index(b"x-between") > names.index(b"set-cookie")
-
-
 # -- bad input ---------------------------------------------------------------------------------------------
 
 
@@ -500,7 +451,7 @@ async def test_repeated_headers_keep_order_and_repeats(store: Store, key: str) -
 async def test_bad_keys_are_400_and_the_handler_never_runs(store: Store, headers: list[tuple[bytes, bytes]]) -> None:
     probe = Probe()
     app = build_app(store, probe)
-    status, response_headers, chunks = await _raw_call(app, "/charge", None, extra_headers=headers)
+    status, response_headers, chunks = await raw_call(app, "/charge", None, extra_headers=headers)
     assert status == 400
     body = orjson.loads(b"".join(chunks))
     assert body["code"] == "idempotency_key_invalid"
@@ -575,55 +526,6 @@ async def test_fail_open_runs_the_handler_unprotected(key: str) -> None:
     response = await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
     assert response.status_code == 201
     assert probe.calls["charge"] == 1
-
-
-# -- helpers -----------------------------------------------------------------------------------------------
-
-
-def _scope(path: str, key: str | None, extra_headers: list[tuple[bytes, bytes]] | None = None) -> dict[str, Any]:
-    headers = [(b"authorization", b"Bearer sk_test_alice"), (b"content-type", b"application/json")]
-    if key is not None:
-        headers.append((b"idempotency-key", key.encode()))
-    headers.extend(extra_headers or [])
-    path, _, query = path.partition("?")
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": query.encode(),
-        "root_path": "",
-        "headers": headers,
-        "client": ("127.0.0.1", 1),
-        "server": ("test", 80),
-    }
-
-
-async def _raw_call(
-    app: Any, path: str, key: str | None, *, extra_headers: list[tuple[bytes, bytes]] | None = None
-) -> tuple[int, list[tuple[bytes, bytes]], list[bytes]]:
-    """Drive the app with raw ASGI messages, so the test sees headers and chunks exactly as sent."""
-    sent: list[dict[str, Any]] = []
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": b"{}", "more_body": False}
-        await asyncio.Event().wait()  # the client never disconnects
-        raise AssertionError
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await app(_scope(path, key, extra_headers), receive, send)
-    start = sent[0]
-    chunks = [m["body"] for m in sent[1:] if m.get("body")]
-    return start["status"], list(start["headers"]), chunks
 
 
 # -- retention ---------------------------------------------------------------------------------------------
@@ -716,23 +618,6 @@ async def test_events_report_outcomes_and_attempts(store: Store, key: str) -> No
     assert all(key not in repr(e) for e in events)  # only a hash of the key travels
     assert events[0].key_hash == events[1].key_hash != ""
     assert probe.calls["charge"] == 1
-
-
-async def test_a_completed_record_replays_even_if_its_fence_is_drawn_again(
-    pg_store: PostgresStore, key: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Fences are random 63-bit tokens, so a fresh claim draws a stored record's fence once in 2^63 (or when rows
-    were loaded by hand). Then the record must still replay, not run again."""
-    from idempotency_mw import StoredResponse, postgres
-
-    fp = b"r" * 32
-    claim = await pg_store.claim("t", key, fp, lease=60, ttl=60)
-    assert await pg_store.complete("t", key, claim.fence, StoredResponse(201, [], b"done", 4))
-    monkeypatch.setattr(postgres, "new_fence", lambda: claim.fence)  # the next draw: its fence
-    again = await pg_store.claim("t", key, fp, lease=60, ttl=60)
-    assert again.outcome.value == "completed"
-    assert again.response is not None
-    assert again.response.body == b"done"
 
 
 # -- fingerprint field selection ----------------------------------------------------------------------------------

@@ -717,3 +717,20 @@ async def test_a_response_the_database_cannot_store_still_completes_the_key(pg_s
     assert retry.status_code == 409
     assert retry.json()["code"] == "idempotency_response_not_replayable"
     assert runs == 1
+
+
+async def test_a_completed_record_replays_even_if_its_fence_is_drawn_again(
+    pg_store: PostgresStore, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fences are random 63-bit tokens, so a fresh claim draws a stored record's fence once in 2^63 (or when rows
+    were loaded by hand). Then the record must still replay, not run again."""
+    from idempotency_mw import StoredResponse, postgres
+
+    fp = b"r" * 32
+    claim = await pg_store.claim("t", key, fp, lease=60, ttl=60)
+    assert await pg_store.complete("t", key, claim.fence, StoredResponse(201, [], b"done", 4))
+    monkeypatch.setattr(postgres, "new_fence", lambda: claim.fence)  # the next draw: its fence
+    again = await pg_store.claim("t", key, fp, lease=60, ttl=60)
+    assert again.outcome.value == "completed"
+    assert again.response is not None
+    assert again.response.body == b"done"

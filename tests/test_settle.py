@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, StoredResponse
 from idempotency_mw.events import Event, Outcome
+from tests.calls import Call
 from tests.conftest import client_for, http_scope
 
 TENANT = "tenant-settle"
@@ -31,42 +32,6 @@ TENANT = "tenant-settle"
 
 def fixed_tenant(scope: Any) -> str:
     return TENANT
-
-
-class Call:
-    """One raw ASGI request, run as a task, with what the app sent so far."""
-
-    def __init__(self, app: Any, path: str, key: str, *, body: bytes = b"{}", extensions: dict[str, Any] | None = None):
-        self.sent: list[dict[str, Any]] = []
-        self.finished = asyncio.Event()  # the final body message reached the client
-        scope = http_scope(path, key, spec_version="2.4", extensions=extensions)
-        delivered = False
-        never = asyncio.Event()
-
-        async def receive() -> dict[str, Any]:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await never.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, Any]) -> None:
-            self.sent.append(message)
-            if message["type"] == "http.response.pathsend" or (
-                message["type"] == "http.response.body" and not message.get("more_body", False)
-            ):
-                self.finished.set()
-
-        self.task = asyncio.create_task(app(scope, receive, send))
-
-    @property
-    def status(self) -> int:
-        return int(self.sent[0]["status"])
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")
 
 
 class Background:
@@ -248,70 +213,6 @@ async def test_cancellation_during_complete_still_completes() -> None:
         await asyncio.sleep(0.01)
     assert info is not None
     assert info.state == "completed"
-
-
-def file_app(store: Store, path: Path, **options: Any) -> tuple[Starlette, list[int]]:
-    runs: list[int] = []
-
-    async def download(request: Request) -> Response:
-        runs.append(1)
-        return FileResponse(path, media_type="application/octet-stream")
-
-    app = Starlette(routes=[Route("/download", download, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store, tenant=fixed_tenant, **options)
-    return app, runs
-
-
-async def test_pathsend_file_response_is_captured_and_replayed(store: Store, tmp_path: Path) -> None:
-    """Granian offers ``http.response.pathsend``, and Starlette's FileResponse uses it when offered: a covered
-    request must still be recorded in full (so its retry replays the file), not as cut short."""
-    path = tmp_path / "report.bin"
-    path.write_bytes(bytes(range(256)) * 64)
-    app, runs = file_app(store, path)
-    key = str(uuid.uuid4())
-    first = Call(app, "/download", key, extensions={"http.response.pathsend": {}})
-    await asyncio.wait_for(first.task, 5)
-    assert first.status == 200
-    assert first.body == path.read_bytes()
-    again = Call(app, "/download", key, extensions={"http.response.pathsend": {}})
-    await asyncio.wait_for(again.task, 5)
-    assert again.body == path.read_bytes()
-    assert (b"idempotent-replayed", b"true") in again.sent[0]["headers"]
-    assert runs == [1]
-
-
-async def test_requests_the_middleware_does_not_cover_keep_pathsend(store: Store, tmp_path: Path) -> None:
-    path = tmp_path / "plain.txt"
-    path.write_bytes(b"hello")
-    app, _ = file_app(store, path)
-    call = Call(app, "/download", "", extensions={"http.response.pathsend": {}})  # an empty key: refused 400
-    await asyncio.wait_for(call.task, 5)
-    assert call.status == 400
-
-    async def download(request: Request) -> Response:
-        return FileResponse(path)
-
-    bare = Starlette(routes=[Route("/download", download, methods=["POST", "GET"])])
-    bare.add_middleware(IdempotencyMiddleware, store=store, tenant=fixed_tenant)
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "method": "GET",
-        "path": "/download",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [],
-        "extensions": {"http.response.pathsend": {}},
-    }
-    await bare(scope, receive, send)
-    assert sent[-1] == {"type": "http.response.pathsend", "path": str(path)}
 
 
 # -- transactional mode --------------------------------------------------------------------------------------
