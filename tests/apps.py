@@ -99,3 +99,18 @@ def build_app(store: Store, probe: Probe, **options: Any) -> Starlette:
     app = Starlette(routes=routes)
     app.add_middleware(IdempotencyMiddleware, store=store, **options)
     return app
+
+
+class Background:
+    """A background task the test holds until it lets it go, optionally failing."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.go = asyncio.Event()
+        self.fail = False
+
+    async def __call__(self) -> None:
+        self.started.set()
+        await self.go.wait()
+        if self.fail:
+            raise RuntimeError("the background task failed")

@@ -133,6 +133,32 @@ def isolated_url(request: pytest.FixtureRequest, isolation_urls: dict[str, str])
     return isolation_urls[level]
 
 
+async def _role(url: str, name: str) -> str:
+    """A superuser role ``name``, made once for the server (concurrent makers are fine)."""
+    connection = await asyncpg.connect(url)
+    try:
+        if not await connection.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", name):
+            with contextlib.suppress(asyncpg.DuplicateObjectError):  # another test made it meanwhile
+                await connection.execute(f"CREATE ROLE {name} SUPERUSER")
+    finally:
+        await connection.close()
+    return name
+
+
+@pytest.fixture
+async def leak_role(idempotency_database_url: str) -> str:
+    """A role a handler switches to on the connection it was lent (row-level security), and leaves behind."""
+    return await _role(idempotency_database_url, "imw_leak_role")
+
+
+@pytest.fixture
+async def app_role(idempotency_database_url: str) -> str:
+    """A role an app's pool switches to as it connects (SET ROLE in asyncpg's ``init``, a SQLAlchemy ``connect``
+    event), like a least-privilege role for the app; a superuser here, so that the store's statements run under it
+    as well."""
+    return await _role(idempotency_database_url, "imw_app_role")
+
+
 STORES = {
     # name: (isolation level of the database's sessions, through PgBouncer, on the app's own asyncpg pool)
     "memory": None,

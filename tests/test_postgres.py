@@ -16,8 +16,12 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from idempotency_mw import IdempotencyMiddleware, PostgresStore, StoredResponse
+from idempotency_mw import IdempotencyMiddleware, PostgresStore, StoredResponse, idempotency_context
 from idempotency_mw.sql import bookkeeping, migrations
 from idempotency_mw.store import ClaimOutcome, PoolExhausted, StoreNotMigrated, StoreUnavailable
 from tests.conftest import client_for
@@ -734,3 +738,121 @@ async def test_a_completed_record_replays_even_if_its_fence_is_drawn_again(
     assert again.outcome.value == "completed"
     assert again.response is not None
     assert again.response.body == b"done"
+
+
+# -- transactional mode on asyncpg (what both flavours share is in test_transaction.py) ---------------------------
+
+
+@pytest.fixture
+async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    connection = await asyncpg.connect(idempotency_database_url)
+    await connection.execute("CREATE TABLE IF NOT EXISTS tx_effects (key text, note text)")
+    yield connection
+    await connection.close()
+
+
+async def effects(db: asyncpg.Connection, key: str) -> int:
+    return int(await db.fetchval("SELECT count(*) FROM tx_effects WHERE key = $1", key))
+
+
+def writing_app(store: PostgresStore) -> Starlette:
+    """``POST /write``: one effect, written through the connection the handler is lent."""
+
+    async def write(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await context.connection.execute("INSERT INTO tx_effects VALUES ($1, 'ok')", context.key or "none")
+        return JSONResponse({"written": "ok"}, status_code=201)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+    return app
+
+
+async def test_a_connection_lost_before_begin_is_store_unavailable(pg_store: PostgresStore) -> None:
+    async with pg_store.transaction() as transaction:
+        transaction.connection.terminate()
+        with pytest.raises(StoreUnavailable):
+            await transaction.begin()
+        assert transaction.lost
+
+
+async def test_a_handler_that_changes_search_path_still_completes(
+    pg_store: PostgresStore, db: asyncpg.Connection
+) -> None:
+    """Schema-per-tenant apps set the search_path on the connection they are lent; the record's completion, on the
+    same connection, names its table in full and does not care."""
+    await db.execute("CREATE SCHEMA IF NOT EXISTS imw_tenant_schema")
+    key = str(uuid.uuid4())
+
+    async def write(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await context.connection.execute("SET search_path = imw_tenant_schema")
+        await context.connection.execute("INSERT INTO public.tx_effects VALUES ($1, 'schema')", context.key)
+        return JSONResponse({"ok": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=pg_store, transactional=True)
+    client = client_for(app)
+    assert (await client.post("/write", headers={"Idempotency-Key": key})).status_code == 201
+    again = await client.post("/write", headers={"Idempotency-Key": key})
+    assert again.headers["idempotent-replayed"] == "true"
+    assert await effects(db, key) == 1
+
+
+WAL_FSYNCS = "SELECT sum(fsyncs)::bigint FROM pg_stat_io WHERE object = 'wal'"
+
+
+async def test_a_fresh_transactional_request_waits_for_one_wal_flush(migrated_url: str) -> None:
+    """The claim commits at once, for duplicates to see, but does not wait for its WAL flush: the handler's COMMIT
+    flushes it, WAL being flushed in order, so the claim is durable whenever the effect is. 2 flushes per request
+    before; 1 now (counted by PostgreSQL, its statistics flushed as the store's connections close)."""
+    requests = 40
+    admin = await asyncpg.connect(migrated_url)
+    try:
+        await admin.execute("CREATE TABLE IF NOT EXISTS tx_effects (key text, note text)")
+        store = PostgresStore(migrated_url, min_size=1, max_size=2)
+        client = client_for(writing_app(store))
+        await client.post("/write", headers={"Idempotency-Key": str(uuid.uuid4())})  # statements prepared
+        before = await admin.fetchval(WAL_FSYNCS)
+        for _ in range(requests):
+            assert (await client.post("/write", headers={"Idempotency-Key": str(uuid.uuid4())})).status_code == 201
+        await store.close()
+        await admin.execute("SELECT pg_stat_force_next_flush()")
+        await asyncio.sleep(0.1)
+        flushes = await admin.fetchval(WAL_FSYNCS) - before
+    finally:
+        await admin.close()
+    assert flushes < requests * 1.3, f"{flushes / requests:.2f} WAL flushes per fresh transactional request"
+
+
+async def test_a_plain_claim_still_waits_for_its_flush(migrated_url: str) -> None:
+    """Plain mode's effect is outside the database: a claim lost in a crash could let the retry run it again, so its
+    claim and its completion each wait for their flush, as before."""
+    requests = 40
+    admin = await asyncpg.connect(migrated_url)
+    try:
+        store = PostgresStore(migrated_url, min_size=1, max_size=2)
+        app = Starlette(routes=[Route("/plain", lambda request: JSONResponse({}, status_code=201), methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=store)
+        client = client_for(app)
+        await client.post("/plain", headers={"Idempotency-Key": str(uuid.uuid4())})  # statements prepared
+        before = await admin.fetchval(WAL_FSYNCS)
+        for _ in range(requests):
+            assert (await client.post("/plain", headers={"Idempotency-Key": str(uuid.uuid4())})).status_code == 201
+        await store.close()
+        await admin.execute("SELECT pg_stat_force_next_flush()")
+        await asyncio.sleep(0.1)
+        flushes = await admin.fetchval(WAL_FSYNCS) - before
+    finally:
+        await admin.close()
+    assert flushes >= requests * 1.9, f"{flushes / requests:.2f} WAL flushes per fresh plain request"
+
+
+def test_the_store_names_its_statements(pg_store: PostgresStore) -> None:
+    assert 'INSERT INTO "public".idempotency_responses' in pg_store.statement("complete_in_transaction")
+    with pytest.raises(KeyError, match="no statement 'completion'; it has claim, claim_locked, complete"):
+        pg_store.statement("completion")

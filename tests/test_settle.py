@@ -11,19 +11,18 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, StoredResponse
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, Store, StoredResponse
 from idempotency_mw.events import Event, Outcome
+from tests.apps import Background
 from tests.calls import Call
 from tests.conftest import client_for, http_scope
 
@@ -32,21 +31,6 @@ TENANT = "tenant-settle"
 
 def fixed_tenant(scope: Any) -> str:
     return TENANT
-
-
-class Background:
-    """A background task the test holds until it lets it go, optionally failing."""
-
-    def __init__(self) -> None:
-        self.started = asyncio.Event()
-        self.go = asyncio.Event()
-        self.fail = False
-
-    async def __call__(self) -> None:
-        self.started.set()
-        await self.go.wait()
-        if self.fail:
-            raise RuntimeError("the background task failed")
 
 
 def plain_app(store: Store, background: Background, events: list[Event], **options: Any) -> Starlette:
@@ -213,97 +197,3 @@ async def test_cancellation_during_complete_still_completes() -> None:
         await asyncio.sleep(0.01)
     assert info is not None
     assert info.state == "completed"
-
-
-# -- transactional mode --------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(idempotency_database_url)
-    await connection.execute("CREATE TABLE IF NOT EXISTS settle_effects (key text, note text)")
-    yield connection
-    await connection.close()
-
-
-def transactional_app(store: PostgresStore, background: Background, events: list[Event]) -> Starlette:
-    async def charge(request: Request) -> Response:
-        context = request.state.idempotency
-        await context.connection.execute("INSERT INTO settle_effects VALUES ($1, 'charge')", context.key)
-        return JSONResponse({"charged": True}, status_code=201, background=BackgroundTask(background))
-
-    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
-    app.add_middleware(
-        IdempotencyMiddleware,
-        store=store,
-        tenant=fixed_tenant,
-        transactional=True,
-        on_event=events.append,
-    )
-    return app
-
-
-async def effects(db: asyncpg.Connection, key: str) -> int:
-    return int(await db.fetchval("SELECT count(*) FROM settle_effects WHERE key = $1", key))
-
-
-async def test_transactional_commit_and_answer_come_before_background_tasks(
-    pg_store: PostgresStore, db: asyncpg.Connection
-) -> None:
-    key = str(uuid.uuid4())
-    background, events = Background(), []
-    app = transactional_app(pg_store, background, events)
-    call = Call(app, "/charge", key)
-    await asyncio.wait_for(background.started.wait(), 5)
-    assert call.finished.is_set()  # the client has its answer while the background task runs
-    assert call.status == 201
-    assert await effects(db, key) == 1  # committed, visible to others
-    info = await pg_store.inspect(TENANT, key)
-    assert info is not None
-    assert info.state == "completed"
-    assert [e.outcome for e in events] == [Outcome.EXECUTED]
-    background.go.set()
-    await asyncio.wait_for(call.task, 5)
-
-
-async def test_transactional_background_failure_never_undoes_the_effect(
-    pg_store: PostgresStore, db: asyncpg.Connection
-) -> None:
-    key = str(uuid.uuid4())
-    background, events = Background(), []
-    background.fail = True
-    background.go.set()
-    app = transactional_app(pg_store, background, events)
-    call = Call(app, "/charge", key)
-    with pytest.raises(RuntimeError, match="background task failed"):
-        await asyncio.wait_for(call.task, 5)
-    assert call.status == 201  # the client got the real answer, not a 500
-    assert await effects(db, key) == 1
-    assert [e.outcome for e in events] == [Outcome.EXECUTED]
-    retry = await client_for(app).post("/charge", json={}, headers={"Idempotency-Key": key})
-    assert retry.headers["idempotent-replayed"] == "true"
-    assert await effects(db, key) == 1
-
-
-async def test_transactional_pathsend_file_response_commits_and_replays(
-    pg_store: PostgresStore, db: asyncpg.Connection, tmp_path: Path
-) -> None:
-    path = tmp_path / "receipt.pdf"
-    path.write_bytes(b"%PDF-1.7 receipt" * 100)
-    key = str(uuid.uuid4())
-
-    async def receipt(request: Request) -> Response:
-        context = request.state.idempotency
-        await context.connection.execute("INSERT INTO settle_effects VALUES ($1, 'receipt')", context.key)
-        return FileResponse(path, media_type="application/pdf")
-
-    app = Starlette(routes=[Route("/receipt", receipt, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=pg_store, tenant=fixed_tenant, transactional=True)
-    first = Call(app, "/receipt", key, extensions={"http.response.pathsend": {}})
-    await asyncio.wait_for(first.task, 5)
-    assert first.status == 200
-    assert first.body == path.read_bytes()
-    again = Call(app, "/receipt", key, extensions={"http.response.pathsend": {}})
-    await asyncio.wait_for(again.task, 5)
-    assert again.body == path.read_bytes()
-    assert await effects(db, key) == 1

@@ -1,6 +1,8 @@
-"""Transactional mode with SQLAlchemy (docs/guide.md): the handler's ORM writes, through the AsyncSession the
-middleware lends, and the record commit together or neither does. The same cases as the asyncpg flavour
-(tests/test_transactional.py), on ORM models in a schema of their own."""
+"""sqlalchemy.py: transactional mode with SQLAlchemy (docs/guide.md), what only this flavour has. The handler writes
+ORM objects through the AsyncSession the middleware lends, which works in a savepoint of the request's transaction;
+the store checks the engine it is given, lends a session per request and gives its connection back clean; SQLModel
+and the FastAPI dependency. The cases both flavours share (the effect and the record commit together or neither does)
+run on a SQLAlchemyStore in test_transaction.py."""
 
 from __future__ import annotations
 
@@ -14,11 +16,9 @@ import asyncpg
 import pytest
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from sqlalchemy import MetaData, UniqueConstraint, event, exc, select, text
+from sqlalchemy import event, exc, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
-from sqlmodel import Field, SQLModel
 from sqlmodel import select as sqlmodel_select
 from sqlmodel.ext.asyncio.session import AsyncSession as SQLModelSession
 from starlette.applications import Starlette
@@ -33,47 +33,10 @@ from idempotency_mw.events import Outcome
 from idempotency_mw.fastapi import IdempotencyConnection, setup
 from idempotency_mw.metrics import PrometheusMetrics
 from idempotency_mw.sqlalchemy import IdempotencySession, SQLAlchemyStore, idempotency_session
-from idempotency_mw.store import StoredResponse, TransactionalStore, TransactionEnded
+from idempotency_mw.store import StoredResponse, TransactionalStore
 from tests.conftest import client_for, tenant_of
-from tests.test_transactional import SESSION_LEAKS, SESSION_STATE
-
-SCHEMA = "imw_sqla"
-
-
-class Base(DeclarativeBase):
-    metadata = MetaData(schema=SCHEMA)
-
-
-class Effect(Base):
-    __tablename__ = "effects"
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    key: Mapped[str]
-    note: Mapped[str]
-
-
-class Once(Base):
-    """A value that may appear once, checked only at COMMIT (a deferred constraint)."""
-
-    __tablename__ = "once"
-    __table_args__ = (UniqueConstraint("value", name="once_value", deferrable=True, initially="DEFERRED"),)
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    value: Mapped[int]
-
-
-class Note(SQLModel, table=True):
-    """A SQLModel table: SQLModel's AsyncSession works as the handler's session too."""
-
-    __tablename__ = "sqlmodel_notes"
-    __table_args__ = {"schema": SCHEMA}
-
-    id: int | None = Field(default=None, primary_key=True)
-    key: str
-
-
-def sqlalchemy_url(dsn: str) -> str:
-    return make_url(dsn).set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
+from tests.orm import SCHEMA, Effect, Note, create_tables, sqlalchemy_url
+from tests.sessions import SESSION_LEAKS, SESSION_STATE
 
 
 @pytest.fixture
@@ -93,14 +56,7 @@ async def engine(idempotency_database_url: str, tables: None) -> AsyncIterator[A
 @pytest.fixture
 async def tables(idempotency_database_url: str) -> None:
     """The test models' tables, in a schema of their own."""
-    engine = create_async_engine(sqlalchemy_url(idempotency_database_url))
-    try:
-        async with engine.begin() as connection:
-            await connection.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}")
-            await connection.run_sync(Base.metadata.create_all)
-            await connection.run_sync(SQLModel.metadata.create_all)
-    finally:
-        await engine.dispose()
+    await create_tables(idempotency_database_url)
 
 
 @pytest.fixture
@@ -159,96 +115,26 @@ async def effects(db: asyncpg.Connection, key: str) -> int:
     return int(await db.fetchval(f"SELECT count(*) FROM {SCHEMA}.effects WHERE key = $1", key))
 
 
-def asgi_scope(key: str) -> dict[str, Any]:
-    return {
-        "type": "http",
-        "method": "POST",
-        "path": "/write",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"idempotency-key", key.encode()), (b"authorization", b"Bearer sk_test_alice")],
-        "scheme": "http",
-        "server": ("t", 80),
-    }
-
-
 def test_the_middleware_takes_it_as_a_transactional_store(store: SQLAlchemyStore) -> None:
     assert isinstance(store, TransactionalStore)
     IdempotencyMiddleware(Starlette(), store, transactional=True)
 
 
-async def test_orm_writes_and_record_commit_together(store: SQLAlchemyStore, db: asyncpg.Connection) -> None:
-    key = str(uuid.uuid4())
-    client = client_for(build(store))
-    first = await client.post("/write", headers={"Idempotency-Key": key})
-    assert first.status_code == 201
-    again = await client.post("/write", headers={"Idempotency-Key": key})
-    assert again.headers["idempotent-replayed"] == "true"
-    assert again.content == first.content
-    assert await effects(db, key) == 1
-
-
-async def test_response_is_sent_only_after_the_commit(store: SQLAlchemyStore, db: asyncpg.Connection) -> None:
-    """When the first byte reaches the client, the ORM write and the completed record are already visible."""
-    key = str(uuid.uuid4())
-    seen: dict[str, Any] = {}
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            seen["effects"] = await effects(db, key)
-            seen["completed"] = await db.fetchval("SELECT count(*) FROM idempotency_responses WHERE key = $1", key)
-
-    await build(store)(asgi_scope(key), receive, send)
-    assert seen == {"effects": 1, "completed": 1}
-
-
-@pytest.mark.parametrize("note", ["raise", "500", "committed-then-500"])
-async def test_handler_failure_rolls_back_orm_writes_and_record(
-    store: SQLAlchemyStore, db: asyncpg.Connection, note: str
+async def test_a_session_commit_before_a_failure_is_rolled_back_with_it(
+    store: SQLAlchemyStore, db: asyncpg.Connection
 ) -> None:
-    """Also when the handler called session.commit(): that ends the session's savepoint, not the transaction."""
+    """The handler calls session.commit() and then fails (500): that commit ended the session's savepoint, not the
+    request's transaction, so the write and the record roll back together and the retry runs afresh. (Failures
+    without a session commit: test_transaction.py, on both flavours.)"""
     key = str(uuid.uuid4())
     client = client_for(build(store))
-    if note == "raise":
-        with pytest.raises(RuntimeError):
-            await client.post(f"/write?note={note}&flush=1", headers={"Idempotency-Key": key})
-    else:
-        response = await client.post(f"/write?note={note}&flush=1", headers={"Idempotency-Key": key})
-        assert response.status_code == 500
+    response = await client.post("/write?note=committed-then-500&flush=1", headers={"Idempotency-Key": key})
+    assert response.status_code == 500
     assert await effects(db, key) == 0
     assert await store.inspect(tenant_of(), key) is None
     retry = await client.post("/write?note=ok", headers={"Idempotency-Key": key})
     assert retry.status_code == 201
     assert await effects(db, key) == 1
-
-
-async def test_fenced_out_completion_rolls_back_the_orm_writes(store: SQLAlchemyStore, db: asyncpg.Connection) -> None:
-    """A zombie worker (its lease was taken over mid-handler) can neither commit its ORM writes nor its record."""
-    key = str(uuid.uuid4())
-    gate = Gate()
-    gate.go.clear()
-    client = client_for(build(store, gate))
-    zombie = asyncio.create_task(client.post("/write?flush=1", headers={"Idempotency-Key": key}))
-    await asyncio.wait_for(gate.entered.wait(), 5)
-    # Another worker takes the key over: the lease lapsed (a long pause, say) and a retry claimed it.
-    await db.execute(
-        "UPDATE idempotency_records SET lease_expires_at = now() - interval '1 second' WHERE key = $1", key
-    )
-    record = await db.fetchrow("SELECT tenant, fingerprint FROM idempotency_records WHERE key = $1", key)
-    takeover = await store.claim(record["tenant"], key, bytes(record["fingerprint"]), lease=60, ttl=600)
-    assert takeover.outcome.value == "owned"
-    gate.go.set()
-    response = await zombie
-    assert response.status_code == 409
-    assert response.json()["code"] == "idempotency_request_in_progress"
-    assert await effects(db, key) == 0
-    info = await store.inspect(record["tenant"], key)
-    assert info is not None
-    assert info.state == "in_progress"
-    assert info.fence == takeover.fence
 
 
 async def test_the_sessions_own_commit_and_rollback_do_not_end_the_transaction(
@@ -273,35 +159,10 @@ async def test_the_sessions_own_commit_and_rollback_do_not_end_the_transaction(
     assert notes == ["kept", "after its commit"]
 
 
-@pytest.mark.parametrize("statement", ["ROLLBACK", "COMMIT"])
-async def test_a_handler_that_ends_its_transaction_gets_no_record(
-    store: SQLAlchemyStore, db: asyncpg.Connection, key: str, statement: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The handler runs a raw COMMIT or ROLLBACK through its session, which SQLAlchemy passes on without knowing
-    that it ends the transaction. The completion then ran on its own and recorded a 201: after a ROLLBACK, every
-    retry was told of an effect that never happened. As with asyncpg (tests/test_transactional.py), the record is
-    refused, the request fails like a handler error, and the key is free."""
-
-    async def write(request: Request) -> Response:
-        session = idempotency_session(request)
-        session.add(Effect(key=key, note=statement))
-        await session.flush()
-        await session.execute(text(statement))
-        return JSONResponse({"ok": True}, status_code=201)
-
-    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
-    with pytest.raises(TransactionEnded):
-        await client_for(app).post("/write", headers={"Idempotency-Key": key})
-    assert await store.inspect(tenant_of(), key) is None
-    assert await effects(db, key) == (1 if statement == "COMMIT" else 0)
-    assert "savepoint" in caplog.text
-
-
 def build_refusing(store: SQLAlchemyStore) -> Starlette:
-    """Handlers whose transaction the database refuses, at COMMIT (a deferred unique constraint) or earlier (a
-    database error the handler caught, which aborted the transaction or left the session needing a rollback); and
-    one that recovers properly, in a savepoint."""
+    """Handlers whose transaction the database refuses after a flush the handler caught (the session then needs a
+    rollback), and one that recovers properly, in a savepoint. (A deferred constraint, a caught database error:
+    test_transaction.py, on both flavours.)"""
 
     async def write(request: Request) -> Response:
         session = idempotency_session(request)
@@ -310,12 +171,7 @@ def build_refusing(store: SQLAlchemyStore) -> Starlette:
         assert context.key is not None
         how = request.query_params["how"]
         session.add(Effect(key=context.key, note=how))
-        if how == "deferred":
-            session.add_all([Once(value=1), Once(value=1)])  # refused only at COMMIT
-        elif how == "swallowed":
-            with contextlib.suppress(exc.DBAPIError):
-                await session.execute(text("SELECT 1 / 0"))  # caught, but the transaction is now aborted
-        elif how == "failed_flush":
+        if how == "failed_flush":
             first = Effect(key=context.key, note="first")
             session.add(first)
             await session.flush()
@@ -334,10 +190,7 @@ def build_refusing(store: SQLAlchemyStore) -> Starlette:
     return app
 
 
-@pytest.mark.parametrize(
-    ("how", "error"),
-    [("deferred", exc.IntegrityError), ("swallowed", exc.DBAPIError), ("failed_flush", exc.PendingRollbackError)],
-)
+@pytest.mark.parametrize(("how", "error"), [("failed_flush", exc.PendingRollbackError)])
 async def test_a_transaction_the_database_refuses_is_a_handler_failure(
     store: SQLAlchemyStore, db: asyncpg.Connection, how: str, error: type[Exception], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -362,44 +215,6 @@ async def test_an_error_caught_in_a_savepoint_leaves_the_transaction_usable(
     response = await client_for(build_refusing(store)).post("/write?how=savepoint", headers={"Idempotency-Key": key})
     assert response.status_code == 201
     assert await effects(db, key) == 1
-
-
-def build_terminating(store: SQLAlchemyStore, dsn: str) -> Starlette:
-    """A handler whose connection dies under it (its server process terminated) after it wrote."""
-
-    async def write(request: Request) -> Response:
-        session = idempotency_session(request)
-        context = idempotency_context(request)
-        assert context is not None
-        assert context.key is not None
-        session.add(Effect(key=context.key, note="lost"))
-        pid = (await session.execute(text("SELECT pg_backend_pid()"))).scalar_one()
-        killer = await asyncpg.connect(dsn)
-        try:
-            await killer.execute("SELECT pg_terminate_backend($1)", pid)
-        finally:
-            await killer.close()
-        await asyncio.sleep(0.2)  # the connection notices
-        status = int(request.query_params["status"])
-        return JSONResponse({"status": status}, status_code=status)
-
-    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
-    return app
-
-
-@pytest.mark.parametrize("status", [201, 500])
-async def test_a_connection_lost_mid_transaction_is_503_and_frees_the_key(
-    store: SQLAlchemyStore, db: asyncpg.Connection, idempotency_database_url: str, key: str, status: int
-) -> None:
-    """Lost before the record could be written (201) or before the rollback (500): the database could not be
-    reached, so the answer is 503 (retry later), not a handler error, and the retry runs afresh."""
-    app = build_terminating(store, idempotency_database_url)
-    response = await client_for(app).post(f"/write?status={status}", headers={"Idempotency-Key": key})
-    assert response.status_code == 503
-    assert response.json()["code"] == "idempotency_store_unavailable"
-    assert await store.inspect(tenant_of(), key) is None
-    assert await effects(db, key) == 0
 
 
 async def test_an_engine_that_cannot_reach_the_database_is_503(idempotency_database_url: str, key: str) -> None:
@@ -446,29 +261,6 @@ async def test_an_exhausted_engine_pool_is_503_within_the_store_timeout(
         await engine.dispose()
 
 
-async def test_a_keyless_request_on_a_transactional_route_gets_its_session(
-    store: SQLAlchemyStore, db: asyncpg.Connection
-) -> None:
-    note = f"keyless-{uuid.uuid4()}"
-    client = client_for(build(store))
-    assert (await client.post("/write", content=note.encode())).status_code == 201  # flushed at the commit
-    assert await db.fetchval(f"SELECT count(*) FROM {SCHEMA}.effects WHERE note = $1", note) == 1
-    before = await db.fetchval(f"SELECT count(*) FROM {SCHEMA}.effects WHERE note = '500'")
-    assert (await client.post("/write?note=500")).status_code == 500
-    assert await db.fetchval(f"SELECT count(*) FROM {SCHEMA}.effects WHERE note = '500'") == before
-
-
-async def test_response_over_the_cap_commits_before_streaming(store: SQLAlchemyStore, db: asyncpg.Connection) -> None:
-    key = str(uuid.uuid4())
-    client = client_for(build(store, max_response_bytes=1000))
-    live = await client.post("/write?note=big", headers={"Idempotency-Key": key})
-    assert live.content == b"y" * 5000
-    retry = await client.post("/write?note=big", headers={"Idempotency-Key": key})
-    assert retry.status_code == 409
-    assert retry.json()["code"] == "idempotency_response_not_replayable"
-    assert await effects(db, key) == 1
-
-
 async def test_the_session_used_after_the_commit_is_rolled_back_and_said_so(
     store: SQLAlchemyStore, db: asyncpg.Connection, key: str
 ) -> None:
@@ -511,14 +303,6 @@ def build_leaky(store: SQLAlchemyStore, seen: list[dict[str, Any]]) -> Starlette
     app = Starlette(routes=[Route("/leak/{what}", leak, methods=["POST"]), Route("/look", look, methods=["POST"])])
     app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: "t-sqla-leak")
     return app
-
-
-@pytest.fixture
-async def leak_role(db: asyncpg.Connection) -> str:
-    if not await db.fetchval("SELECT 1 FROM pg_roles WHERE rolname = 'imw_leak_role'"):
-        with contextlib.suppress(asyncpg.DuplicateObjectError):  # another test made it meanwhile
-            await db.execute("CREATE ROLE imw_leak_role SUPERUSER")
-    return "imw_leak_role"
 
 
 @pytest.mark.parametrize("what", sorted(SESSION_LEAKS))
@@ -625,21 +409,6 @@ async def test_sqlmodel_sessions_work_the_same(idempotency_database_url: str, en
 
 
 # -- the store ------------------------------------------------------------------------------------------------
-
-
-async def test_forget_in_the_deleting_transaction(store: SQLAlchemyStore, db: asyncpg.Connection) -> None:
-    """The resource-deleted race: the resource and its creation record go together, through the app's session."""
-    key = str(uuid.uuid4())
-    client = client_for(build(store))
-    assert (await client.post("/write", headers={"Idempotency-Key": key})).status_code == 201
-    async with AsyncSession(store.engine) as session, session.begin():
-        effect = (await session.execute(select(Effect).where(Effect.key == key))).scalar_one()
-        await session.delete(effect)
-        assert await store.forget(tenant_of(), key, connection=await session.connection())
-    assert await store.inspect(tenant_of(), key) is None
-    again = await client.post("/write", headers={"Idempotency-Key": key})
-    assert "idempotent-replayed" not in again.headers
-    assert await effects(db, key) == 1
 
 
 async def test_open_refuses_an_engine_on_another_database(
@@ -761,12 +530,6 @@ def test_bad_arguments_are_refused_with_what_is_needed(idempotency_database_url:
         SQLAlchemyStore(PostgresStore(idempotency_database_url), async_engine, session_class=dict)  # type: ignore[arg-type]
 
 
-def test_the_store_names_its_statements(pg_store: PostgresStore) -> None:
-    assert 'INSERT INTO "public".idempotency_responses' in pg_store.statement("complete_in_transaction")
-    with pytest.raises(KeyError, match="no statement 'completion'; it has claim, claim_locked, complete"):
-        pg_store.statement("completion")
-
-
 async def test_asking_for_the_asyncpg_connection_under_sqlalchemy_names_the_session(store: SQLAlchemyStore) -> None:
     app = FastAPI()
     app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
@@ -824,19 +587,6 @@ async def test_a_handler_that_never_touches_its_session_is_recorded(
     retry = await client.post(path, headers={"Idempotency-Key": key})
     assert retry.headers["idempotent-replayed"] == "true"
     assert (retry.status_code, retry.content) == (status, first.content)
-
-
-async def test_an_exception_turned_into_a_response_rolls_back_the_orm_writes(
-    store: SQLAlchemyStore, db: asyncpg.Connection
-) -> None:
-    key = str(uuid.uuid4())
-    client = client_for(build(store))
-    first = await client.post("/write?note=http400&flush=1", headers={"Idempotency-Key": key})
-    assert first.status_code == 400
-    assert await effects(db, key) == 0
-    retry = await client.post("/write?note=http400&flush=1", headers={"Idempotency-Key": key})
-    assert (retry.status_code, retry.headers["idempotent-replayed"]) == (400, "true")
-    assert await effects(db, key) == 0
 
 
 async def test_the_engines_connect_time_session_comes_back_after_a_request(

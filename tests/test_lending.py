@@ -1,0 +1,166 @@
+"""lending.py: a connection lent to a transactional handler (asyncpg) is the handler's for the request only, and goes
+back to its pool as the pool made it, whatever the handler did to its session."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from idempotency_mw import IdempotencyMiddleware, PostgresStore, idempotency_context
+from tests.conftest import client_for
+from tests.sessions import SESSION_LEAKS, SESSION_STATE
+
+
+@pytest.fixture
+async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    connection = await asyncpg.connect(idempotency_database_url)
+    yield connection
+    await connection.close()
+
+
+def build_session_setter(store: PostgresStore) -> Starlette:
+    """A transactional handler that changes its session: a row-level-security tenant, set without LOCAL."""
+
+    async def write(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await context.connection.execute("SET app.tenant = 'alice'")
+        return JSONResponse({"ok": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+    return app
+
+
+async def test_a_lent_connection_goes_back_to_the_pool_reset(idempotency_database_url: str, key: str) -> None:
+    """The store's own statements go back without a reset round trip; a connection lent to a handler is reset, so
+    a session setting of the handler does not follow the connection to whoever uses it next."""
+    async with PostgresStore(idempotency_database_url, min_size=1, max_size=1) as store:  # one connection for all
+        client = client_for(build_session_setter(store))
+        assert (await client.post("/write", headers={"Idempotency-Key": key})).status_code == 201
+        again = await client.post("/write", headers={"Idempotency-Key": key})
+        assert again.headers["idempotent-replayed"] == "true"
+        async with store.connection() as connection:
+            assert not await connection.fetchval("SELECT current_setting('app.tenant', true)")
+
+
+async def test_a_lent_connection_of_the_apps_own_pool_is_reset_by_that_pool(
+    idempotency_database_url: str, key: str
+) -> None:
+    """A pool the app passes in keeps asyncpg's reset on release; the store does not run a second one."""
+    pool = await asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=1)
+    try:
+        app = build_session_setter(PostgresStore(pool))
+        assert (await client_for(app).post("/write", headers={"Idempotency-Key": key})).status_code == 201
+        async with pool.acquire() as connection:
+            assert not await connection.fetchval("SELECT current_setting('app.tenant', true)")
+    finally:
+        await pool.close()
+
+
+def build_leaky(store: PostgresStore, seen: list[dict[str, Any]]) -> Starlette:
+    async def leak(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await context.connection.execute(SESSION_LEAKS[request.path_params["what"]])
+        return JSONResponse({"left": request.path_params["what"]}, status_code=201)
+
+    async def look(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        state = await context.connection.fetchrow(SESSION_STATE)
+        assert state is not None
+        seen.append(dict(state))
+        return JSONResponse({"looked": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/leak/{what}", leak, methods=["POST"]), Route("/look", look, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: "t-leak")
+    return app
+
+
+@pytest.mark.parametrize("pool", ["own", "app"])
+@pytest.mark.parametrize("what", sorted(SESSION_LEAKS))
+async def test_a_lent_connection_comes_back_with_a_clean_session(
+    idempotency_database_url: str, leak_role: str, db: asyncpg.Connection, pool: str, what: str
+) -> None:
+    """Whatever a handler did to its session (a role for row-level security, a schema, a temp table, a prepared
+    statement, a lock, a LISTEN), the next handler on that connection starts as the store's login role with a
+    clean session: otherwise one tenant's role would reach the next tenant's request."""
+    login = await db.fetchval("SELECT current_user")
+    app_pool = await asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=1) if pool == "app" else None
+    store = PostgresStore(app_pool) if app_pool is not None else PostgresStore(idempotency_database_url, max_size=2)
+    try:
+        seen: list[dict[str, Any]] = []
+        client = client_for(build_leaky(store, seen))
+        before = await client.post("/look", headers={"Idempotency-Key": str(uuid.uuid4())})
+        assert before.status_code == 201
+        left = await client.post(f"/leak/{what}", headers={"Idempotency-Key": str(uuid.uuid4())})
+        assert left.status_code == 201
+        after = await client.post("/look", headers={"Idempotency-Key": str(uuid.uuid4())})
+        assert after.status_code == 201
+        assert seen[1] == seen[0]
+        assert seen[1]["current_user"] == seen[1]["session_user"] == login
+    finally:
+        await store.close()
+        if app_pool is not None:
+            await app_pool.close()
+
+
+@pytest.mark.parametrize("what", ["role", "session_authorization", "search_path"])
+async def test_a_lent_connection_comes_back_as_the_apps_pool_made_it(
+    idempotency_database_url: str, leak_role: str, app_role: str, what: str
+) -> None:
+    """The reset of a lent connection restores what the app's pool set when it connected (its ``init`` ran SET
+    ROLE), not the login role: the app's next query on that connection runs with the rights it chose."""
+
+    async def init(connection: asyncpg.Connection) -> None:
+        await connection.execute(f"SET ROLE {app_role}")
+
+    app_pool = await asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=1, init=init)
+    try:
+        seen: list[dict[str, Any]] = []
+        client = client_for(build_leaky(PostgresStore(app_pool), seen))
+        for path in ("/look", f"/leak/{what}", "/look"):
+            assert (await client.post(path, headers={"Idempotency-Key": str(uuid.uuid4())})).status_code == 201
+        assert seen[0]["current_user"] == app_role
+        assert seen[1] == seen[0]
+        async with app_pool.acquire() as connection:  # the app's own use of its pool
+            assert await connection.fetchval("SELECT current_user") == app_role
+    finally:
+        await app_pool.close()
+
+
+async def test_a_lent_connection_refuses_use_after_its_request(pg_store: PostgresStore) -> None:
+    """A task that kept the request's connection (fire and forget) must not reach the next request's transaction
+    on that connection: like asyncpg's own pool after a release, every call is refused."""
+    kept: list[Any] = []
+
+    async def keep(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        kept.extend([context.connection, context.connection.fetchval])
+        return JSONResponse({"kept": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/keep", keep, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=pg_store, transactional=True)
+    response = await client_for(app).post("/keep", headers={"Idempotency-Key": str(uuid.uuid4())})
+    assert response.status_code == 201
+    connection, fetchval = kept
+    with pytest.raises(asyncpg.InterfaceError, match="request that has ended"):
+        await connection.fetchval("SELECT 1")
+    with pytest.raises(asyncpg.InterfaceError, match="request that has ended"):
+        await fetchval("SELECT 1")
+    with pytest.raises(asyncpg.InterfaceError, match="request that has ended"):
+        connection.is_in_transaction()
