@@ -1,9 +1,11 @@
-"""When a record settles: as the response's final body message passes, not when the app callable returns.
+"""recording.py: in plain mode a request settles as the response's final body message passes, not when the app
+callable returns.
 
 Background tasks (Starlette's and FastAPI's ``BackgroundTasks``) run after the final body message, inside the app
-callable. They must find the answer already settled: the record completed (or the transaction committed) before
-they start, and their failure must never change or undo it. Settling must also survive a cancellation, and a
-response the server sends from a file (``http.response.pathsend``) must be captured like any other.
+callable. They must find the answer already settled: the record completed before they start, and their failure must
+never change it. Settling must also survive a cancellation of the request. (The same promises in transactional mode,
+where the transaction commits before the answer goes out: test_transaction.py. Responses sent from a file:
+test_capture.py.)
 """
 
 from __future__ import annotations
