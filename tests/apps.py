@@ -1,4 +1,5 @@
-"""A small Starlette app with one endpoint per behaviour the middleware must keep intact."""
+"""A small Starlette app with one endpoint per behaviour the middleware must keep intact, and what tests watch it
+with: a probe that counts and holds handler runs, a background task held on cue, a metrics registry per test."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, Store
+from idempotency_mw.metrics import PrometheusMetrics
 
 
 class Probe:
@@ -114,3 +117,27 @@ class Background:
         await self.go.wait()
         if self.fail:
             raise RuntimeError("the background task failed")
+
+
+class Registry:
+    """A fresh registry per test, read back by metric name and labels."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.metrics = PrometheusMetrics(self.registry)
+
+    def count(self, route: str, outcome: str, method: str = "POST") -> float | None:
+        labels = {"method": method, "route": route, "outcome": outcome}
+        return self.registry.get_sample_value("idempotency_requests_total", labels)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        return self.registry.get_sample_value(name, labels or {})
+
+    def routes(self) -> set[str]:
+        """Every route label of every metric."""
+        return {
+            sample.labels["route"]
+            for metric in self.registry.collect()
+            for sample in metric.samples
+            if "route" in sample.labels
+        }

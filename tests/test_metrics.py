@@ -11,40 +11,19 @@ import sys
 import uuid
 from typing import Any
 
-import httpx
 import pytest
-from fastapi import APIRouter, FastAPI
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Mount, Route
 
-from idempotency_mw import Event, IdempotencyMiddleware, MemoryStore, Outcome, PostgresStore, StoreUnavailable
+from idempotency_mw import Event, MemoryStore, Outcome, PostgresStore, StoreUnavailable
 from idempotency_mw.events import hash_key, log_event, tenant_tag
-from idempotency_mw.metrics import UNMATCHED, PrometheusMetrics
+from idempotency_mw.metrics import PrometheusMetrics
 from idempotency_mw.telemetry import SpanAttributes, hooks
-from tests.apps import Probe, build_app
+from tests.apps import Probe, Registry, build_app
 from tests.conftest import client_for, tenant_of
 from tests.test_cli import Database, db, empty_db, seed_table  # noqa: F401  (fixtures: a store of our own)
-
-
-class Registry:
-    """A fresh registry per test, read back by metric name and labels."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.metrics = PrometheusMetrics(self.registry)
-
-    def count(self, route: str, outcome: str, method: str = "POST") -> float | None:
-        labels = {"method": method, "route": route, "outcome": outcome}
-        return self.registry.get_sample_value("idempotency_requests_total", labels)
-
-    def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
-        return self.registry.get_sample_value(name, labels or {})
 
 
 def key() -> dict[str, str]:
@@ -129,105 +108,6 @@ async def test_store_errors_are_counted_and_leave_nothing_in_flight(caplog: pyte
     assert m.count("/charge", "store_error") == 3
     assert m.value("idempotency_store_duration_seconds_count", {"outcome": "store_error"}) == 3
     assert m.value("idempotency_in_flight") == 0
-
-
-async def test_paths_no_route_takes_are_not_counted() -> None:
-    """A scan of random paths gets the router's 404 untouched: no event, so no label per path."""
-    m = Registry()
-    client = client_for(build_app(MemoryStore(), Probe(), on_event=m.metrics))
-    for i in range(20):
-        assert (await client.post(f"/scan/{uuid.uuid4()}/{i}", headers=key())).status_code == 404
-    routes = {s.labels["route"] for s in m.registry.collect() for s in s.samples if "route" in s.labels}
-    assert routes == set()
-
-
-async def test_mounts_and_method_specific_routes_get_their_full_template() -> None:
-    async def create(request: Request) -> Response:
-        return JSONResponse({"id": request.path_params["account"]}, status_code=201)
-
-    async def update(request: Request) -> Response:
-        return JSONResponse({"updated": True})
-
-    accounts = [
-        Route("/{account}/charges", create, methods=["POST"]),
-        Route("/{account}/charges", update, methods=["PATCH"]),
-    ]
-    app = Starlette(routes=[Mount("/v1/accounts", routes=accounts)])
-    m = Registry()
-    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), on_event=m.metrics)
-    client = client_for(app)
-    repeated = key()
-    for _ in range(2):
-        assert (await client.post("/v1/accounts/acct_1/charges", headers=repeated)).status_code == 201
-    await client.patch("/v1/accounts/acct_2/charges", headers=key())
-    assert m.count("/v1/accounts/{account}/charges", "executed") == 1
-    assert m.count("/v1/accounts/{account}/charges", "replayed") == 1
-    assert m.count("/v1/accounts/{account}/charges", "executed", method="PATCH") == 1
-
-
-async def test_root_path_and_requests_refused_before_the_store() -> None:
-    """Behind a proxy prefix (root_path), and for refusals that never reach the store: every request is labelled by
-    its template, the first one included."""
-    m = Registry()
-    app = build_app(MemoryStore(), Probe(), on_event=m.metrics)
-    transport = httpx.ASGITransport(app=app, root_path="/api")
-    auth = {"Authorization": "Bearer sk_test_alice"}
-    async with httpx.AsyncClient(transport=transport, base_url="http://test", headers=auth) as client:
-        invalid = {"Idempotency-Key": ""}
-        assert (await client.post("/api/status/201", headers=invalid)).status_code == 400
-        assert (await client.post("/api/status/201", headers=key())).status_code == 201
-        assert (await client.post("/api/status/201", headers=invalid)).status_code == 400
-    assert m.count("/status/{code}", "executed") == 1
-    assert m.count("/status/{code}", "key_invalid") == 2
-    assert m.value("idempotency_in_flight") == 0
-
-
-@pytest.mark.parametrize("wrapped", ["add_middleware", "wraps the app"])
-async def test_labels_stay_bounded_however_the_middleware_is_mounted(wrapped: str) -> None:
-    """200 resource ids and 200 scanner paths are two labels, not 400, also when the middleware wraps the app
-    directly (there is no ``scope["app"]`` above the app then), and an app without a route table is one label."""
-    m = Registry()
-    probe = Probe()
-    if wrapped == "add_middleware":
-        app: Any = build_app(MemoryStore(), probe, on_event=m.metrics)
-    else:
-        routes = build_app(MemoryStore(), probe).routes
-        app = IdempotencyMiddleware(Starlette(routes=routes), store=MemoryStore(), on_event=m.metrics)
-    client = client_for(app)
-    for i in range(200):
-        assert (await client.post(f"/status/{200 + i % 50}", headers=key())).status_code in range(200, 250)
-        assert (await client.post(f"/wp-admin/{uuid.uuid4()}.php", headers=key())).status_code == 404
-    routes_seen = {s.labels["route"] for s in m.registry.collect() for s in s.samples if "route" in s.labels}
-    assert routes_seen == {"/status/{code}"}
-
-
-async def test_an_app_without_a_route_table_is_one_label() -> None:
-    async def bare(scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 201, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    m = Registry()
-    client = client_for(IdempotencyMiddleware(bare, store=MemoryStore(), on_event=m.metrics))
-    for i in range(20):
-        assert (await client.post(f"/things/{i}", headers=key())).status_code == 201
-    assert m.count(UNMATCHED, "executed") == 20
-
-
-async def test_fastapi_included_router_prefix() -> None:
-    router = APIRouter(prefix="/v1")
-
-    @router.post("/refunds/{refund_id}", status_code=201)
-    async def refund(refund_id: str) -> dict[str, str]:
-        return {"id": refund_id}
-
-    app = FastAPI()
-    app.include_router(router)
-    m = Registry()
-    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), on_event=m.metrics)
-    client = client_for(app)
-    for refund_id in ("re_1", "re_2"):
-        assert (await client.post(f"/v1/refunds/{refund_id}", headers=key())).status_code == 201
-    assert m.count("/v1/refunds/{refund_id}", "executed") == 2
 
 
 async def test_attempts_per_key_are_observed_by_route_and_outcome() -> None:
