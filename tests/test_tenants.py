@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import logging
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -22,6 +23,7 @@ from idempotency_mw import (
     IdempotencyMiddleware,
     MemoryStore,
     Outcome,
+    PostgresStore,
     Store,
     StoredResponse,
     StoreUnavailable,
@@ -423,3 +425,32 @@ async def test_assert_idempotent_names_a_missing_tenant(key: str) -> None:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
         with pytest.raises(AssertionError, match="idempotency_tenant_unknown"):
             await assert_idempotent(client, "POST", "/charge", content=b"x", times=3)
+
+
+def test_bare_credentials_keep_their_case() -> None:
+    """The auth scheme is case-insensitive (RFC 9110 §11.1), the credentials themselves are not: a value with no
+    scheme, the bare API key many APIs take (``Authorization: sk_live_AbC...``), keeps its case, so two keys that
+    differ only in letter case are two tenants and never see each other's records."""
+    resolve = AuthorizationTenant(TEST_TENANT_SECRET)
+    assert resolve(scope_with(b"sk_live_AbCdEf")) != resolve(scope_with(b"sk_live_abcdef"))
+
+
+async def test_header_tenant_refuses_an_empty_header(pg_store: PostgresStore) -> None:
+    """``header_tenant("x-account-id")`` gives a request whose header is present but empty no tenant, as
+    ``AuthorizationTenant`` does an empty Authorization header: it is refused (400 ``idempotency_tenant_unknown``)
+    rather than put in a namespace shared by every caller whose proxy passes the header empty, and a second caller
+    never gets the first caller's response. docs/design.md §4: a keyed request whose tenant cannot be told "never
+    silently shares a namespace with other anonymous callers"."""
+
+    async def balance(request: Request) -> Response:
+        return JSONResponse({"owner": request.headers.get("x-caller")}, status_code=201)
+
+    app = Starlette(routes=[Route("/payouts", balance, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=pg_store, tenant=header_tenant("x-account-id"))
+    key = str(uuid.uuid4())
+    async with client_for(app) as client:
+        first = await client.post("/payouts", headers={"Idempotency-Key": key, "x-account-id": "", "x-caller": "a"})
+        second = await client.post("/payouts", headers={"Idempotency-Key": key, "x-account-id": "", "x-caller": "b"})
+    assert (first.status_code, second.status_code) == (400, 400)  # no tenant, so no shared namespace
+    assert second.json()["code"] == "idempotency_tenant_unknown"  # and never caller a's response
+    assert header_tenant("x-account-id")({"headers": [(b"x-account-id", b"")]}) is None
