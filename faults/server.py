@@ -14,8 +14,8 @@ is no window in which another program could take it. A child process inherits th
 (killed, restarting) connections wait in the socket's backlog instead of being refused.
 
 ``ServerProcess(..., server="hypercorn")`` or ``server="granian"`` runs the same app under that server instead,
-through the server's own command line, as a user would (``tests/test_servers.py``). Hypercorn serves the inherited
-socket (``--bind fd://N``). Granian binds its port itself (each of its workers opens its own listener), so for
+through the server's own command line, as a user would (``tests/scenarios/test_servers.py``). Hypercorn serves the
+inherited socket (``--bind fd://N``). Granian binds its port itself (each of its workers opens its own listener), so for
 Granian the port is one that was free when the ``ServerProcess`` was made, and connections made while it is down
 are refused rather than kept waiting. Both run their app in a worker process of their own: the child is the
 leader of a new process group, and ``kill()`` kills the whole group.

@@ -208,7 +208,8 @@ async def store(request: pytest.FixtureRequest, idempotency_database_url: str) -
 @contextlib.asynccontextmanager
 async def opened(store: PostgresStore) -> AsyncIterator[PostgresStore]:
     """A store for one test, closed without the shutdown grace: tests leave claims in progress on purpose, and
-    nothing is coming to settle them (the grace itself is tested in tests/test_postgres.py and test_shutdown.py)."""
+    nothing is coming to settle them (the grace itself is tested in tests/test_postgres.py and
+    tests/scenarios/test_shutdown.py)."""
     await store.open()
     try:
         yield store

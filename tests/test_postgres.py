@@ -483,8 +483,8 @@ async def test_a_backend_terminated_between_two_statements_is_store_unavailable(
 
 
 async def test_close_lets_unsettled_claims_finish_and_refuses_new_ones(idempotency_database_url: str) -> None:
-    """What a graceful shutdown needs (tests/test_shutdown.py has the real one): a claim still being settled gets
-    its connection while close() waits; a claim that never settles delays close() by ``grace`` at most."""
+    """What a graceful shutdown needs (tests/scenarios/test_shutdown.py has the real one): a claim still being
+    settled gets its connection while close() waits; a claim that never settles delays close() by ``grace`` at most."""
     store = PostgresStore(idempotency_database_url, max_size=2)
     key = str(uuid.uuid4())
     claim = await store.claim("t-close", key, b"f" * 32, lease=30, ttl=60)

@@ -1,7 +1,7 @@
 """The same slice of the conformance suite under uvicorn, Hypercorn and Granian, over real sockets.
 
-Each server runs ``tests/server_app.py`` in a child process (``faults.server.ServerProcess``), started once per
-module on a free loopback port, with its own command line's defaults (Granian: ``--interface asgi``, which includes
+Each server runs ``tests/scenarios/server_app.py`` in a child process (``faults.server.ServerProcess``), started once
+per module on a free loopback port, with its own command line's defaults (Granian: ``--interface asgi``, which includes
 lifespan, and asyncio's event loop). The test ids carry each server's version.
 
 What differs between them, as far as the middleware can tell:
@@ -36,13 +36,13 @@ import pytest
 import pytest_asyncio
 
 from faults.server import SERVERS, ServerProcess, ServerStartFailed
-from tests.server_app import EFFECTS_TABLE, STREAM_CHUNKS
+from tests.scenarios.server_app import EFFECTS_TABLE, STREAM_CHUNKS
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 VERSIONS = {name: version(name) for name in SERVERS}
 SERVER_IDS = [f"{name}-{VERSIONS[name]}" for name in SERVERS]
-APP = "tests.server_app:create_app"
+APP = "tests.scenarios.server_app:create_app"
 TOKEN = "sk_test_servers"
 FILE_BODY = bytes(range(256)) * 1024  # 256 KiB: several body messages through Starlette's FileResponse
 # Added by the server to every response, first or replayed: not part of what the middleware records.
@@ -95,7 +95,7 @@ async def server(
 
 
 class Probes:
-    """Steers the app's probes (tests/server_app.py) over a connection of its own."""
+    """Steers the app's probes (tests/scenarios/server_app.py) over a connection of its own."""
 
     def __init__(self, served: Served) -> None:
         self.http = served.client()
@@ -379,7 +379,7 @@ async def test_a_transactional_route_commits_and_replays(server: Served) -> None
 @pytest.mark.parametrize("name", SERVERS, ids=SERVER_IDS)
 async def test_a_bad_route_declaration_stops_the_server(name: str) -> None:
     """The middleware refuses the route policies at lifespan startup, and every server then refuses to start."""
-    process = ServerProcess("tests.server_app:misdeclared", factory=True, server=name, ready_timeout=30)
+    process = ServerProcess("tests.scenarios.server_app:misdeclared", factory=True, server=name, ready_timeout=30)
     with pytest.raises(ServerStartFailed, match="exited during startup") as failed:
         async with process:
             pass
@@ -393,7 +393,7 @@ async def test_a_bad_route_declaration_stops_the_server(name: str) -> None:
 async def test_a_bad_app_wide_setting_under_each_server(name: str) -> None:
     """It raises out of the lifespan. Only uvicorn run with ``--lifespan on`` (as ServerProcess runs it) refuses to
     start; Hypercorn and Granian carry on without lifespan, and every request fails with the error."""
-    process = ServerProcess("tests.server_app:misconfigured", factory=True, server=name, ready_timeout=30)
+    process = ServerProcess("tests.scenarios.server_app:misconfigured", factory=True, server=name, ready_timeout=30)
     if name == "uvicorn":
         with pytest.raises(ServerStartFailed, match="exited during startup"):
             async with process:

@@ -1,4 +1,4 @@
-"""An app for the graceful-shutdown test: uvicorn serves it in a child process (``tests/test_shutdown.py``).
+"""An app for the graceful-shutdown test: uvicorn serves it in a child process (``tests/scenarios/test_shutdown.py``).
 
 Its handler sleeps as long as the ``x-sleep`` header says (headers are not part of the fingerprint, so a retry with
 a shorter sleep is still the same request), and it closes its store in the lifespan's shutdown, the order the docs

@@ -24,11 +24,11 @@ from faults.server import free_port
 from idempotency_mw import PostgresStore
 
 REPOSITORY = Path(__file__).resolve().parents[1]
-TENANT = "t-shutdown"  # what tests/shutdown_app.py resolves every request to
+TENANT = "t-shutdown"  # what tests/scenarios/shutdown_app.py resolves every request to
 
 
 class Server:
-    """uvicorn serving tests.shutdown_app in a child process on loopback; stopped by whoever started it."""
+    """uvicorn serving tests.scenarios.shutdown_app in a child process on loopback; stopped by whoever started it."""
 
     def __init__(self, database_url: str) -> None:
         self.port = free_port()
@@ -38,7 +38,7 @@ class Server:
                 sys.executable,
                 "-m",
                 "uvicorn",
-                "tests.shutdown_app:app",
+                "tests.scenarios.shutdown_app:app",
                 "--host",
                 "127.0.0.1",
                 "--port",

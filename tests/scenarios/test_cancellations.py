@@ -1,12 +1,14 @@
-"""Edge cases an outside review of the library found, one test each: every one failed on the code as reviewed,
-and its docstring says what was wrong and what is expected now."""
+"""A request cancelled, or its client gone, at the worst moment: while the transaction's answer is held, while its
+rollback settles, while its claim is on the wire. Whatever the moment, the key ends settled (released, or
+recorded with the effect that committed), and nothing the app runs after its response runs for an effect that did
+not happen."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -25,9 +27,10 @@ from idempotency_mw import (
 from idempotency_mw.events import Event, Outcome
 from idempotency_mw.postgres import PostgresTransaction
 from idempotency_mw.store import Claim
+from tests.calls import hanging_up_client, ignore
 from tests.conftest import http_scope, opened
 
-TENANT = "tenant-review"
+TENANT = "tenant-cancelled"
 
 
 def fixed_tenant(scope: Any) -> str:
@@ -37,52 +40,26 @@ def fixed_tenant(scope: Any) -> str:
 @pytest.fixture
 async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]:
     connection = await asyncpg.connect(idempotency_database_url)
-    await connection.execute("CREATE TABLE IF NOT EXISTS review_effects (key text)")
+    await connection.execute("CREATE TABLE IF NOT EXISTS cancelled_effects (key text)")
     yield connection
     await connection.close()
 
 
 async def effects(db: asyncpg.Connection, key: str) -> int:
-    return int(await db.fetchval("SELECT count(*) FROM review_effects WHERE key = $1", key))
-
-
-def hanging_up_client(hang_up: asyncio.Event) -> Callable[[], Awaitable[dict[str, Any]]]:
-    """A client's ``receive``: the request body, then ``http.disconnect`` once ``hang_up`` is set."""
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": b"{}", "more_body": False}
-        await hang_up.wait()
-        return {"type": "http.disconnect"}
-
-    return receive
-
-
-async def ignore(message: dict[str, Any]) -> None:
-    """A server's ``send`` to a client that has gone."""
-
-
-# -- 1. Transactional mode: a background task runs for an effect that rolled back ------------------------------
+    return int(await db.fetchval("SELECT count(*) FROM cancelled_effects WHERE key = $1", key))
 
 
 async def test_transactional_background_task_never_runs_for_a_rolled_back_effect(
     pg_store: PostgresStore, db: asyncpg.Connection
 ) -> None:
-    """docs/design.md §6: "When the transaction did not commit ... nothing the app runs after its response does so
-    for an effect that did not happen", and the guide: "Background tasks run after the commit".
+    """docs/design.md §6: when the transaction did not commit, nothing the app runs after its response runs for an
+    effect that did not happen ("Background tasks run after the commit").
 
-    Under uvicorn (ASGI spec 2.3) Starlette's StreamingResponse listens for ``http.disconnect`` while it streams.
-    In transactional mode the response is held until the commit, so a client that hangs up mid-stream (a read
-    timeout: it has seen nothing yet) gets the disconnect passed through ``_receive_buffered``: the response
-    cancels its own stream and then runs its background task (a receipt e-mail, a webhook), and only after that
-    does the middleware roll the transaction back and release the key. The receipt went out for a charge that
-    never happened, and the retry runs the charge and sends a second one.
-
-    Expected: a background task runs only for an effect that committed (receipts == committed effects).
-    """
+    Under uvicorn (ASGI spec 2.3) Starlette's StreamingResponse listens for ``http.disconnect`` while it streams; in
+    transactional mode its response is held until the commit. A client that hangs up mid-stream (a read timeout:
+    it has seen nothing yet) makes the response cancel its own stream, and the transaction then rolls back. Its
+    background task (a receipt e-mail, a webhook) must not have run for the charge that rolled back: receipts equal
+    committed effects."""
     key = str(uuid.uuid4())
     hang_up = asyncio.Event()
     receipts: list[str] = []
@@ -91,7 +68,7 @@ async def test_transactional_background_task_never_runs_for_a_rolled_back_effect
         context = idempotency_context(request)
         assert context is not None
         assert context.connection is not None
-        await context.connection.execute("INSERT INTO review_effects VALUES ($1)", key)
+        await context.connection.execute("INSERT INTO cancelled_effects VALUES ($1)", key)
 
         async def body() -> AsyncIterator[bytes]:
             yield b'{"charged": '
@@ -111,9 +88,6 @@ async def test_transactional_background_task_never_runs_for_a_rolled_back_effect
         return_exceptions=True,  # the middleware raises "returned without finishing its response": fine
     )
     assert len(receipts) == await effects(db, key), "a background task ran for an effect that was rolled back"
-
-
-# -- 2. Transactional mode: a transient answer whose settlement the app cancels keeps the key ------------------
 
 
 class PausingRollbackStore(PostgresStore):
@@ -139,18 +113,11 @@ class PausingRollbackStore(PostgresStore):
 
 
 async def test_transient_answer_cancelled_while_settling_releases_the_key(idempotency_database_url: str) -> None:
-    """A transactional handler streams a transient answer (503); as its final body message is settled (the
-    rollback runs), the client hangs up, and Starlette's StreamingResponse (ASGI spec 2.3, uvicorn) cancels its own
-    stream task, which is waiting in ``TransactionalRun._settle``. The app then returns normally.
-
-    ``_settle`` never reaches ``on_settled``, so ``_on_transaction_settled`` (which releases a rolled-back key and
-    reports the event) never runs; and ``_execute_in_transaction`` reads ``ROLLED_BACK`` with no exception as
-    "a transient answer: released and reported when it settled" and returns. The key stays in progress until its
-    lease lapses (a retry gets 409 for up to 30 s), and the event reports ``store_error`` for a request whose store
-    never failed.
-
-    Expected: the key is released (no record), and the one event says ``released``.
-    """
+    """A transactional handler streams a transient answer (503); as its final body message is settled (the rollback
+    runs), the client hangs up, and Starlette's StreamingResponse (ASGI spec 2.3, uvicorn) cancels its own stream
+    task, which is waiting for the settlement; the app then returns normally. The rollback still settles the
+    request: the key is released (no record), so a retry runs at once rather than get 409 until the lease lapses,
+    and the one event says ``released``, not ``store_error`` for a store that never failed."""
     key = str(uuid.uuid4())
     events: list[Event] = []
     async with opened(PausingRollbackStore(idempotency_database_url)) as store:
@@ -178,9 +145,6 @@ async def test_transient_answer_cancelled_while_settling_releases_the_key(idempo
         assert ([event.outcome for event in events], record and record.state) == ([Outcome.RELEASED], None)
 
 
-# -- 3. A request cancelled while its claim is in flight leaves the key in progress ----------------------------
-
-
 class ClaimLandsThenStallsStore(PostgresStore):
     """A PostgresStore whose claims land in the database and whose caller is then held before it reads the answer:
     the window between the server running the claim and the client reading its reply."""
@@ -198,17 +162,12 @@ class ClaimLandsThenStallsStore(PostgresStore):
 
 
 async def test_request_cancelled_during_its_claim_releases_the_key(idempotency_database_url: str) -> None:
-    """docs/design.md §2.6: "a request cancelled before its response started is released". A request cancelled while
-    its claim is in flight (the server cancels it at shutdown, or because the client hung up; an outer timeout)
-    loses the claim's answer: ``IdempotentRequest.run`` awaited ``store.claim`` unshielded, and its ``except
-    Exception`` does not see the CancelledError. When the claim had landed, the key stays ``in_progress`` under a
-    fence nobody holds, and the client's retry gets 409 until the lease lapses (30 s by default). The request's
-    event also says ``store_error`` (the placeholder set before the claim), though the store never failed, so
-    cancellations show up as store errors in the metrics.
-
-    Expected: the claim is awaited through the cancellation (shielded, as settling is), and a claim that turns out
-    to be ours is released; the event does not report a store error.
-    """
+    """docs/design.md §2.6: "a request cancelled before its response started is released". Cancelled while its
+    claim is on the wire (the server cancels it at shutdown or because the client hung up; an outer timeout), the
+    request still gets the claim's answer (the claim is awaited through the cancellation, as settling is), and a
+    claim that turns out to be its own is released: the key is not left in progress under a fence nobody holds
+    (409 to every retry until the lease lapses), the handler never ran, and the event does not report a store
+    error for a store that never failed."""
     key = str(uuid.uuid4())
     events: list[Event] = []
     handler_runs: list[str] = []

@@ -1,4 +1,4 @@
-"""The app that tests/test_servers.py serves under uvicorn, Hypercorn and Granian, each in a child process.
+"""The app that tests/scenarios/test_servers.py serves under uvicorn, Hypercorn and Granian, each in a child process.
 
 The test steers it over HTTP, since it runs in another process:
 
