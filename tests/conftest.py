@@ -15,6 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import httpx
 import pytest
+from starlette.types import ASGIApp
 
 from faults.pgbouncer import PgBouncer
 from idempotency_mw import AuthorizationTenant, MemoryStore, PostgresStore, Store
@@ -234,10 +235,10 @@ def tenant_of(token: str = "sk_test_alice") -> str:
     return tenant
 
 
-def client_for(app: object, *, token: str = "sk_test_alice") -> httpx.AsyncClient:
+def client_for(app: ASGIApp, *, token: str = "sk_test_alice") -> httpx.AsyncClient:
     return httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app),
-        base_url="http://test",  # type: ignore[arg-type]
+        base_url="http://test",
         headers={"Authorization": f"Bearer {token}"},
     )
 

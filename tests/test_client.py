@@ -47,6 +47,7 @@ from idempotency_mw.client import (
     validate_key,
 )
 from idempotency_mw.keys import InvalidKey, parse_key
+from idempotency_mw.wire import ProblemCode
 
 FAST = Retry(attempts=10, deadline=20.0, backoff=0.01, max_backoff=0.05)
 AUTH = {"Authorization": "Bearer sk_test_client"}
@@ -388,7 +389,9 @@ def test_transient_answers_are_retried_with_one_key(server: MisbehavingServer, f
         Canned(425, {}),
         Canned(429, {"retry-after": "0"}),
         canned_problem(problems.in_progress(1)),
-        canned_problem(problems.Problem(409, IN_PROGRESS, "Request in progress", "still running")),  # no Retry-After
+        canned_problem(
+            problems.Problem(409, ProblemCode.IN_PROGRESS, "Request in progress", "still running")
+        ),  # no Retry-After
         Canned(409, {"retry-after": "0"}),  # any 409 that says when to come back
         Canned(500, {}),
         Canned(502, {}),

@@ -11,7 +11,7 @@ import contextlib
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
 
 import asyncpg
@@ -197,14 +197,13 @@ async def test_bookkeeping_that_waits_for_a_concurrent_update_of_its_row_lands(
             await other.execute(
                 "UPDATE idempotency_records SET attempts = attempts + 1 WHERE tenant = 't' AND key = $1", key
             )
-            pending: asyncio.Task[Any] = asyncio.create_task(
-                {
-                    "renew": lambda: store.renew("t", key, claim.fence, lease=30),
-                    "complete": lambda: store.complete("t", key, claim.fence, RESPONSE),
-                    "release": lambda: store.release("t", key, claim.fence),
-                    "duplicate claim": lambda: store.claim("t", key, FINGERPRINT, lease=30, ttl=60),
-                }[operation]()
-            )
+            operations: dict[str, Callable[[], Coroutine[Any, Any, Any]]] = {
+                "renew": lambda: store.renew("t", key, claim.fence, lease=30),
+                "complete": lambda: store.complete("t", key, claim.fence, RESPONSE),
+                "release": lambda: store.release("t", key, claim.fence),
+                "duplicate claim": lambda: store.claim("t", key, FINGERPRINT, lease=30, ttl=60),
+            }
+            pending = asyncio.create_task(operations[operation]())
             await wait_for_a_lock_wait(other)
             await duplicate.commit()
             result = await pending

@@ -20,6 +20,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Message
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store
 from tests.conftest import http_scope
@@ -55,10 +56,10 @@ async def call(app: Starlette, path: str, key: str | None, body: bytes = BODY) -
     """One raw ASGI request (no test client, whose own objects could hold ours); its status, 500 if it raised."""
     statuses: list[int] = []
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         return {"type": "http.request", "body": body, "more_body": False}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         if message["type"] == "http.response.start":
             statuses.append(message["status"])
 

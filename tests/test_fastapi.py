@@ -14,6 +14,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from pydantic import BaseModel
 from starlette.responses import JSONResponse
+from starlette.types import Message
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, header_tenant, idempotent
 from idempotency_mw.fastapi import Idempotency, IdempotencyConnection, TenantDependency, setup
@@ -406,12 +407,12 @@ async def test_a_covered_route_without_the_tenant_dependency_stops_the_startup(s
         return []
 
     app.add_middleware(IdempotencyMiddleware, store=store, tenant=tenant)
-    sent: list[dict[str, Any]] = []
+    sent: list[Message] = []
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         return {"type": "lifespan.startup"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         sent.append(message)
 
     await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)

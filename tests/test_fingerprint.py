@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from decimal import Context, Decimal
 from typing import NoReturn
 from urllib.parse import urlencode
@@ -235,7 +235,7 @@ def test_a_costly_query_never_meets_the_canonical_pairs_of_another() -> None:
 
 def test_json_needing_exact_numbers_with_too_many_values_is_hashed_as_sent(monkeypatch: pytest.MonkeyPatch) -> None:
     dense = b"[" + b",".join([b"1"] * 200_000) + b",12345678901234567890]"  # one long number, then many values
-    monkeypatch.setattr(fingerprint_module.json, "loads", refuse_to_parse)  # the exact reader is never run
+    monkeypatch.setattr(json, "loads", refuse_to_parse)  # the exact reader (json.loads) is never run
     assert canonical_body(JSON, dense) == (b"raw;" + JSON, dense)
 
 
@@ -290,7 +290,7 @@ def starlette_query(query: bytes) -> list[tuple[str, str]]:
 def starlette_form(body: bytes) -> list[tuple[str, str]]:
     """What ``request.form()`` reads from an urlencoded body, as :func:`starlette_query` orders it."""
 
-    async def stream() -> AsyncIterator[bytes]:
+    async def stream() -> AsyncGenerator[bytes, None]:
         yield body
 
     async def parse() -> FormData:

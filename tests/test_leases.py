@@ -77,24 +77,24 @@ class Tick(float):
 
     comparisons = 0
 
-    def __add__(self, other: float) -> Tick:  # type: ignore[override]
+    def __add__(self, other: float) -> Tick:
         return Tick(float(self) + other)
 
     __radd__ = __add__
 
-    def __lt__(self, other: float) -> bool:  # type: ignore[override]
+    def __lt__(self, other: float) -> bool:
         Tick.comparisons += 1
         return float(self) < other
 
-    def __le__(self, other: float) -> bool:  # type: ignore[override]
+    def __le__(self, other: float) -> bool:
         Tick.comparisons += 1
         return float(self) <= other
 
-    def __gt__(self, other: float) -> bool:  # type: ignore[override]
+    def __gt__(self, other: float) -> bool:
         Tick.comparisons += 1
         return float(self) > other
 
-    def __ge__(self, other: float) -> bool:  # type: ignore[override]
+    def __ge__(self, other: float) -> bool:
         Tick.comparisons += 1
         return float(self) >= other
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-from starlette.types import Scope
+from starlette.types import Message, Scope
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, StoredResponse
 from tests.apps import Probe, build_app
@@ -225,8 +226,9 @@ async def test_tenants_are_isolated(store: Store, key: str) -> None:
 
 
 async def test_custom_async_tenant_resolver(store: Store, key: str) -> None:
-    async def by_account(scope: dict[str, Any]) -> str:
-        return dict(scope["headers"]).get(b"x-account", b"").decode()
+    async def by_account(scope: Scope) -> str:
+        account: bytes = dict(scope["headers"]).get(b"x-account", b"")
+        return account.decode()
 
     probe = Probe()
     app = build_app(store, probe, tenant=by_account)
@@ -297,13 +299,15 @@ async def test_cancelled_request_releases_the_key(store: Store, key: str) -> Non
 async def test_disconnect_while_sending_the_body_claims_nothing(store: Store, key: str) -> None:
     probe = Probe()
     app = build_app(store, probe)
-    messages = iter([{"type": "http.request", "body": b"part", "more_body": True}, {"type": "http.disconnect"}])
-    sent: list[dict[str, Any]] = []
+    messages: Iterator[Message] = iter(
+        [{"type": "http.request", "body": b"part", "more_body": True}, {"type": "http.disconnect"}]
+    )
+    sent: list[Message] = []
 
-    async def receive() -> dict[str, Any]:
+    async def receive() -> Message:
         return next(messages)
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         sent.append(message)
 
     await app(keyed_scope("/charge", key), receive, send)

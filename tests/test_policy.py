@@ -12,6 +12,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Mount, Route
+from starlette.types import ASGIApp, Message
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, Policy, idempotent
 from tests.conftest import client_for
@@ -68,7 +69,7 @@ def test_policy_records() -> None:
     assert not policy.records(429)
 
 
-async def _run(endpoint_hits: list[str], app: object, path: str, key: str | None = None) -> int:
+async def _run(endpoint_hits: list[str], app: ASGIApp, path: str, key: str | None = None) -> int:
     headers = {"Idempotency-Key": key} if key else {}
     response = await client_for(app).post(path, content=b"x", headers=headers)
     return response.status_code
@@ -162,18 +163,18 @@ async def test_transactional_route_on_a_memory_store_fails_every_request_without
     assert hits == []
 
 
-async def lifespan_startup(app: Starlette) -> dict[str, object]:
+async def lifespan_startup(app: Starlette) -> Message:
     """Drive an ASGI lifespan up to startup, as a server does, and return the app's answer."""
-    messages: list[dict[str, object]] = [{"type": "lifespan.startup"}]
-    answers: list[dict[str, object]] = []
+    messages: list[Message] = [{"type": "lifespan.startup"}]
+    answers: list[Message] = []
 
-    async def receive() -> dict[str, object]:
+    async def receive() -> Message:
         if messages:
             return messages.pop()
         await asyncio.sleep(3600)  # a server would send lifespan.shutdown much later
         raise AssertionError("unreachable")
 
-    async def send(message: dict[str, object]) -> None:
+    async def send(message: Message) -> None:
         answers.append(message)
 
     task = asyncio.ensure_future(app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send))

@@ -20,6 +20,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, StoredResponse, idempotency_context
 from idempotency_mw.sql import bookkeeping, migrations
@@ -505,7 +506,7 @@ async def test_a_response_the_database_cannot_store_still_completes_the_key(pg_s
     to replay, and the retry is told so."""
     runs = 0
 
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
         nonlocal runs
         runs += 1
         await receive()

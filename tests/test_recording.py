@@ -21,6 +21,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Message
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, Store, StoredResponse
 from idempotency_mw.events import Event, Outcome
@@ -47,7 +48,8 @@ def plain_app(store: Store, background: Background, events: list[Event], **optio
 
 async def test_plain_record_is_completed_before_background_tasks_run(store: Store) -> None:
     key = str(uuid.uuid4())
-    background, events = Background(), []
+    background = Background()
+    events: list[Event] = []
     app = plain_app(store, background, events)
     call = Call(app, "/charge", key)
     await asyncio.wait_for(background.started.wait(), 5)
@@ -87,14 +89,14 @@ async def test_the_status_line_leaves_with_the_first_body_message(store: Store) 
         """Each message as the server gets it, with the record's state and whether the first chunk was made."""
         seen: list[tuple[str, bytes, str | None, bool]] = []
 
-        async def send(message: dict[str, Any]) -> None:
+        async def send(message: Message) -> None:
             info = await store.inspect(TENANT, key)
             state = info.state if info is not None else None
             seen.append((message["type"], message.get("body", b""), state, first_chunk_made.is_set()))
 
         bodies = [{"type": "http.request", "body": b"{}", "more_body": False}]
 
-        async def receive() -> dict[str, Any]:
+        async def receive() -> Message:
             if bodies:
                 return bodies.pop()
             await asyncio.Event().wait()  # the client stays
@@ -119,7 +121,8 @@ async def test_the_status_line_leaves_with_the_first_body_message(store: Store) 
 
 async def test_plain_background_failure_changes_nothing(store: Store) -> None:
     key = str(uuid.uuid4())
-    background, events = Background(), []
+    background = Background()
+    events: list[Event] = []
     background.fail = True
     background.go.set()
     app = plain_app(store, background, events)
@@ -152,7 +155,7 @@ async def test_events_are_emitted_before_the_final_body_goes_out(store: Store) -
     )
 
     async def outer(scope: Any, receive: Any, send: Any) -> None:
-        async def spy(message: dict[str, Any]) -> None:
+        async def spy(message: Message) -> None:
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 order.append("final body")
             await send(message)
@@ -184,7 +187,8 @@ async def test_cancellation_during_complete_still_completes() -> None:
     still complete, or the key would sit in progress and the handler would run again once the lease lapsed."""
     store = SlowCompleteStore()
     key = str(uuid.uuid4())
-    background, events = Background(), []
+    background = Background()
+    events: list[Event] = []
     background.go.set()
     call = Call(plain_app(store, background, events), "/charge", key)
     await asyncio.wait_for(store.completing.wait(), 5)

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import event, exc, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.pool import QueuePool
 from sqlmodel import select as sqlmodel_select
 from sqlmodel.ext.asyncio.session import AsyncSession as SQLModelSession
 from starlette.applications import Starlette
@@ -329,6 +330,7 @@ async def test_the_connection_goes_back_to_the_pool_with_a_clean_session(
             assert seen[1]["current_user"] == seen[1]["session_user"] == login
             async with engine.connect() as connection:  # the app's own use of its engine
                 assert dict((await connection.execute(text(SESSION_STATE))).mappings().one()) == seen[0]
+        assert isinstance(engine.pool, QueuePool)
         assert engine.pool.checkedout() == 0
         assert len(connects) == 1  # one pooled connection served every request: it was reset, not replaced
     finally:

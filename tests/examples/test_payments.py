@@ -385,6 +385,7 @@ async def test_concurrent_refunds_never_exceed_the_capture(client: httpx.AsyncCl
     row = await db.fetchrow(
         "SELECT amount_received, amount_refunded FROM payments.payment_intents WHERE id = $1", intent["id"]
     )
+    assert row is not None
     assert (row["amount_received"], row["amount_refunded"]) == (1000, 1000)
     assert sum(e["amount"] for e in await ledger_entries(db, intent["id"])) == 0
 
@@ -648,7 +649,9 @@ async def test_startup_without_migrate_runs_no_ddl(fresh_url: str) -> None:
         assert (await client.get("/healthz")).json() == {"status": "ok"}
     connection = await asyncpg.connect(fresh_url)
     try:
-        assert tuple(await connection.fetchrow(TABLES)) == (False, False)
+        tables = await connection.fetchrow(TABLES)
+        assert tables is not None
+        assert tuple(tables) == (False, False)
     finally:
         await connection.close()
 
@@ -659,7 +662,9 @@ async def test_startup_migrates_by_default(fresh_url: str) -> None:
         assert (await pay(client))["status"] == "succeeded"
     connection = await asyncpg.connect(fresh_url)
     try:
-        assert tuple(await connection.fetchrow(TABLES)) == (True, True)
+        tables = await connection.fetchrow(TABLES)
+        assert tables is not None
+        assert tuple(tables) == (True, True)
     finally:
         await connection.close()
 

@@ -261,6 +261,7 @@ async def test_updates_that_cannot_be_made_change_nothing_and_free_the_key(
     too_many = await client.post(f"/v1/customers/{jenny['id']}", data={"metadata[one_more]": "v"}, headers=headers)
     assert error(too_many, 400)["param"] == "metadata"
     row = await db_connection.fetchrow("SELECT metadata FROM payments.customers WHERE id = $1", jenny["id"])
+    assert row is not None
     assert "one_more" not in row["metadata"]  # the update rolled back with the refusal
     fixed = await client.post(f"/v1/customers/{jenny['id']}", data={"metadata[k0]": ""}, headers=headers)
     assert fixed.status_code == 200

@@ -318,8 +318,12 @@ async def test_sdk_error_classes_carry_request_ids(server: str, http: Any) -> No
     assert (unknown.value.param, unknown.value.code) == ("colour", "parameter_unknown")
 
     for bad_key in ("sk_live_nope", ""):
+
+        def retrieve(key: str = bad_key) -> Any:
+            return sync_client(key, server).v1.balance.retrieve()
+
         with pytest.raises(stripe.AuthenticationError) as refused:
-            await in_thread(lambda k=bad_key: sync_client(k, server).v1.balance.retrieve())
+            await in_thread(retrieve)
         assert refused.value.http_status == 401
         assert refused.value.request_id.startswith("req_")
     with pytest.raises(stripe.AuthenticationError):  # the async client, the same
