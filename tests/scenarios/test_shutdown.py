@@ -84,6 +84,12 @@ class Server:
             self.process.kill()
             return self.process.wait()
 
+    def close(self) -> None:
+        """Stop the server, and close the pipe its output came through (left open, it is a ResourceWarning)."""
+        self.stop()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
 
 async def state_of(store: PostgresStore, key: str) -> str | None:
     record = await store.inspect(TENANT, key)
@@ -117,7 +123,7 @@ async def test_sigterm_with_a_request_in_flight_releases_its_key(
             assert cut_off in (0, 500)
         assert await state_of(pg_store, key) is None, server.output()  # released, not left in progress for a lease
     finally:
-        server.stop()
+        server.close()
 
     restarted = Server(idempotency_database_url)
     try:
@@ -127,4 +133,4 @@ async def test_sigterm_with_a_request_in_flight_releases_its_key(
         assert retry.status_code == 201  # runs now: no 409 for the rest of a lease
         assert "idempotent-replayed" not in retry.headers
     finally:
-        restarted.stop()
+        restarted.close()
