@@ -20,6 +20,10 @@ from starlette.types import ASGIApp
 from faults.pgbouncer import PgBouncer
 from idempotency_mw import AuthorizationTenant, MemoryStore, PostgresStore, Store
 
+# The package's pytest plugin (idempotency_mw.testing: the PostgreSQL fixtures), loaded here rather than from its
+# entry point (pyproject.toml blocks that), so that it imports the library after pytest-cov has started measuring.
+pytest_plugins = ["idempotency_mw.testing"]
+
 # The default tenant resolver's secret, set before any app is built; child processes (fault workers) inherit it.
 TEST_TENANT_SECRET = "test-tenant-secret-0123456789abcdef0123456789abcdef"
 os.environ["IDEMPOTENCY_TENANT_SECRET"] = TEST_TENANT_SECRET
