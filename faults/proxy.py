@@ -151,6 +151,9 @@ class _Connection:
         except OSError:
             _reset(self.client_writer)
             return
+        except asyncio.CancelledError:  # the proxy is shutting down: the client's connection goes with it
+            _close(self.client_writer)
+            raise
         requests = asyncio.create_task(self._requests())
         responses = asyncio.create_task(self._responses(upstream_reader))
         try:
