@@ -37,11 +37,14 @@ async def answer_row(db: asyncpg.Connection, **columns: Any) -> asyncpg.Record:
         "headers": None,
         "body": None,
         "body_size": None,
+        "sealed": None,
+        "sealed_with": None,
         **columns,
     }
     row = await db.fetchrow(
         "SELECT $1::boolean AS owned, $2::boolean AS same_request, $3::boolean AS completed, $4::bigint AS fence, "
-        "$5::int AS attempts, $6::int AS status, $7::text AS headers, $8::bytea AS body, $9::int AS body_size",
+        "$5::int AS attempts, $6::int AS status, $7::text AS headers, $8::bytea AS body, $9::int AS body_size, "
+        "$10::bytea AS sealed, $11::text AS sealed_with",
         *values.values(),
     )
     assert row is not None
@@ -69,31 +72,31 @@ def test_fences_are_positive_63_bit_tokens() -> None:
 
 def test_a_completion_carries_the_response_with_its_headers_encoded() -> None:
     response = StoredResponse(201, HEADERS, b"body", 4)
-    assert completion("t", "k", 7, response) == ("t", "k", 7, 201, encode_headers(HEADERS), b"body", 4)
+    assert completion("t", "k", 7, response) == ("t", "k", 7, 201, encode_headers(HEADERS), b"body", 4, None, None)
 
 
 async def test_an_owned_claim_carries_its_fence(db: asyncpg.Connection) -> None:
     row = await answer_row(db, owned=True, fence=42, attempts=0)
-    assert claim_from_row(row) == Claim(ClaimOutcome.OWNED, fence=42, attempts=0)
+    assert claim_from_row(row, "t", "k") == Claim(ClaimOutcome.OWNED, fence=42, attempts=0)
 
 
 async def test_another_request_under_the_key_is_a_mismatch(db: asyncpg.Connection) -> None:
     row = await answer_row(db, same_request=False, completed=True, status=201)  # whatever its state
-    assert claim_from_row(row) == Claim(ClaimOutcome.MISMATCH, attempts=2)
+    assert claim_from_row(row, "t", "k") == Claim(ClaimOutcome.MISMATCH, attempts=2)
 
 
 async def test_the_same_request_still_running_is_in_progress(db: asyncpg.Connection) -> None:
-    assert claim_from_row(await answer_row(db)) == Claim(ClaimOutcome.IN_PROGRESS, attempts=2)
+    assert claim_from_row(await answer_row(db), "t", "k") == Claim(ClaimOutcome.IN_PROGRESS, attempts=2)
 
 
 async def test_the_same_request_completed_carries_its_response(db: asyncpg.Connection) -> None:
     row = await answer_row(db, completed=True, status=201, headers=encode_headers(HEADERS), body=b"done", body_size=4)
-    assert claim_from_row(row) == Claim(
+    assert claim_from_row(row, "t", "k") == Claim(
         ClaimOutcome.COMPLETED, response=StoredResponse(201, HEADERS, b"done", 4), attempts=2
     )
 
 
 async def test_a_completed_response_without_its_body_keeps_its_size(db: asyncpg.Connection) -> None:
     row = await answer_row(db, completed=True, status=200, headers="[]", body=None, body_size=5000)
-    claim = claim_from_row(row)
+    claim = claim_from_row(row, "t", "k")
     assert claim.response == StoredResponse(200, [], None, 5000)  # over the cap: not replayable, size known
