@@ -291,6 +291,9 @@ async def test_effect_and_record_commit_together(isolated_flavour: Flavour) -> N
     assert again.headers["idempotent-replayed"] == "true"
     assert again.content == first.content
     assert await flavour.effects(key) == 1
+    info = await flavour.store.inspect(tenant_of(), key)
+    assert info is not None
+    assert (info.state, info.lease_expires_at) == ("completed", None)  # inspect shows no lease on a completed record
 
 
 @pytest.mark.parametrize("note", ["raise", "500"])
@@ -356,6 +359,81 @@ async def test_fenced_out_completion_rolls_back_the_handlers_writes(isolated_fla
         assert retry.headers["idempotent-replayed"] == "true"
         assert retry.content == response.content
         assert await flavour.effects(key) == 1
+
+
+async def test_a_zombie_whose_snapshot_predates_a_completed_takeover_is_fenced_out(isolated_flavour: Flavour) -> None:
+    """Under REPEATABLE READ or SERIALIZABLE the zombie's snapshot still shows its own claim after a takeover; the
+    newer claim's response, stored first, is what stops its completion (a serialization failure there): its writes
+    roll back, it answers the fenced-out 409, and the key stays with the newer claim."""
+    flavour = isolated_flavour
+    key = str(uuid.uuid4())
+    gate = Gate()
+    gate.go.clear()
+    client = client_for(build(flavour, gate))
+    zombie = asyncio.create_task(client.post("/write?flush=1", headers={"Idempotency-Key": key}))
+    await asyncio.wait_for(gate.entered.wait(), 5)  # its first write took its snapshot
+    await flavour.db.execute(
+        "UPDATE idempotency_records SET lease_expires_at = now() - interval '1 second' WHERE key = $1", key
+    )
+    record = await flavour.db.fetchrow("SELECT tenant, fingerprint FROM idempotency_records WHERE key = $1", key)
+    assert record is not None
+    takeover = await flavour.store.claim(record["tenant"], key, bytes(record["fingerprint"]), lease=60, ttl=600)
+    assert takeover.outcome.value == "owned"
+    newer = StoredResponse(201, [(b"content-type", b"application/json")], b'{"newer":true}', 14)
+    assert await flavour.store.complete(record["tenant"], key, takeover.fence, newer)
+    gate.go.set()
+    response = await zombie
+    assert response.status_code == 409
+    assert response.json()["code"] == "idempotency_request_in_progress"
+    assert await flavour.effects(key) == 0
+    replay = await client.post("/write?flush=1", headers={"Idempotency-Key": key})
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.content == b'{"newer":true}'
+
+
+@pytest.mark.parametrize("name", list(FLAVOURS))
+async def test_a_serialization_failure_at_the_completion_releases_the_key(
+    name: str, isolation_urls: dict[str, str]
+) -> None:
+    """Under SERIALIZABLE, two handlers that each read what the other writes (write skew) cannot both commit, and
+    PostgreSQL may refuse the second at any statement: the completion's insert included. That is the handler's
+    transaction failing, not a newer claim of its key: the key is released (not held for its lease behind 409s),
+    and the retry runs afresh."""
+    both_read = asyncio.Barrier(2)
+    first_committed = asyncio.Event()
+    seen: set[str | None] = set()
+    async with flavour_on(name, isolation_urls["serializable"]) as flavour:
+
+        async def skewed(request: Request) -> Response:
+            context = idempotency_context(request)
+            assert context is not None
+            await flavour.fetchval(request, f"SELECT count(*) FROM {flavour.table}")
+            retry = context.key in seen
+            seen.add(context.key)
+            if not retry:
+                await both_read.wait()
+            await flavour.write(request, context.key or "none", "skew", flush=True)
+            if "second" in request.query_params and not retry:
+                await first_committed.wait()  # its completion runs after the first transaction committed
+            return JSONResponse({"done": True}, status_code=201)
+
+        app = Starlette(routes=[Route("/skew", skewed, methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=flavour.store, transactional=True)
+        client = client_for(app)
+        first_key, second_key = str(uuid.uuid4()), str(uuid.uuid4())
+        first = asyncio.create_task(client.post("/skew", headers={"Idempotency-Key": first_key}))
+        second = asyncio.create_task(client.post("/skew?second=1", headers={"Idempotency-Key": second_key}))
+        assert (await first).status_code == 201
+        first_committed.set()
+        (failed,) = await asyncio.gather(second, return_exceptions=True)
+        if isinstance(failed, BaseException):  # raised out of the app: its server answers 500
+            assert "could not serialize access" in str(failed), repr(failed)
+        else:
+            assert failed.status_code == 500, failed.text
+        assert await flavour.store.inspect(tenant_of(), second_key) is None  # released at once, not left to its lease
+        retry = await client.post("/skew?second=1", headers={"Idempotency-Key": second_key})
+        assert retry.status_code == 201
+        assert await flavour.effects(second_key) == 1
 
 
 async def test_a_duplicate_refused_while_the_original_runs_does_not_fail_it(isolated_flavour: Flavour) -> None:
