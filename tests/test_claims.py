@@ -74,7 +74,7 @@ async def test_a_claim_taken_over_meanwhile_is_fenced_out() -> None:
     takeover = await store.claim("t", "k", FINGERPRINT, lease=30, ttl=60)
     assert takeover.outcome is ClaimOutcome.OWNED
     assert await claim.complete(RESPONSE) is Outcome.FENCED_OUT
-    assert await claim.release() is Outcome.RELEASED  # refused by the fence: the takeover's record stays
+    assert await claim.release() is Outcome.FENCED_OUT  # refused by the fence: the takeover's record stays
     info = await store.inspect("t", "k")
     assert info is not None
     assert (info.state, info.fence) == ("in_progress", takeover.fence)
