@@ -22,7 +22,7 @@ from typing import Any, Protocol, cast
 import asyncpg
 
 from idempotency_mw.connections import NO_TIMEOUT, ConnectionPool
-from idempotency_mw.lending import remember, reset_sql, set_restore
+from idempotency_mw.lending import LentConnection, remember, reset_sql, set_restore
 from idempotency_mw.sql import session
 from idempotency_mw.store import PoolExhausted, StoreNotMigrated, StoreUnavailable
 
@@ -119,6 +119,30 @@ class Connector(Protocol):
     ) -> contextlib.AbstractAsyncContextManager[asyncpg.Connection | None]:
         """A connection that LISTENs on ``channel`` (``notified`` gets each notification) for as long as the block
         lasts; None where no session can listen (a transaction-pooling proxy)."""
+
+
+@contextlib.asynccontextmanager
+async def lent_connection(connector: Connector) -> AsyncIterator[asyncpg.Connection]:
+    """A connection of ``connector``'s for code other than the store's, at the database's default isolation level:
+    it comes back as its pool gave it, whatever the code did to it, and refuses use once the block has ended."""
+    connection = await connector.lend()
+    lent = LentConnection(connection)
+    lost = False
+    try:
+        if connector.begin_isolation() is not None:  # the store's own session reads READ COMMITTED
+            with reachable():
+                await connection.execute(
+                    "SELECT set_config('default_transaction_isolation', $1, false)",
+                    connector.database_isolation,
+                    timeout=connector.timeout,
+                )
+        yield cast(asyncpg.Connection, lent)
+    except BaseException as error:
+        lost = isinstance(error, (*UNAVAILABLE, StoreUnavailable))  # no reset for a connection that is gone
+        raise
+    finally:
+        lent.end()
+        await connector.give_back(connection, lost=lost)
 
 
 class OwnPool:

@@ -11,21 +11,19 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from idempotency_mw.connectors import UNAVAILABLE, AppPool, Connector, OwnPool, reachable
+from idempotency_mw.connectors import AppPool, Connector, OwnPool, lent_connection, reachable
 from idempotency_mw.lending import LentConnection
-from idempotency_mw.rows import claim_from_row, completion, new_fence, record_from_row, response_from_row
-from idempotency_mw.sql import bookkeeping, check_schema, migrations, queries
+from idempotency_mw.rows import claim_from_row, completion, new_fence, record_from_row, reseal_rows
+from idempotency_mw.sql import check_schema, migrate, queries
 from idempotency_mw.store import (
     Claim,
     ClaimOutcome,
     RecordInfo,
     ResealedBatch,
-    SealedResponse,
-    SealedResponseError,
     StoredResponse,
     StoreNotMigrated,
     StoreUnavailable,
@@ -33,7 +31,7 @@ from idempotency_mw.store import (
 )
 from idempotency_mw.transaction import Settlement
 from idempotency_mw.urls import postgres_url
-from idempotency_mw.waiting import CHANNEL, Waiters
+from idempotency_mw.waiting import SettlementListener, Waiters
 
 if TYPE_CHECKING:
     from idempotency_mw.encryption import ResponseCipher
@@ -116,8 +114,7 @@ class PostgresStore:
         self._closing = False
         self.claim_races = 0  # claims that found no row to answer from and ran claim_locked (benchmarks count them)
         self._waiters = Waiters()  # requests waiting for a claim of another's to settle (waiting.py)
-        self._listening: asyncio.Task[None] | None = None  # the notifications of other processes' settlements
-        self._listen_ended: asyncio.Event | None = None
+        self._listener = SettlementListener(self._connector, self.schema, self._waiters)
         self._explicit_elsewhere: bool | None = None  # claims on connections of no connector's (SQLAlchemy's)
 
     @property
@@ -137,7 +134,6 @@ class PostgresStore:
             self._closing = False
             self._unsettled.clear()
             self._all_settled = None
-            self._listening = self._listen_ended = None
         await self._connector.open()
         row = await self._connector.run("migrated", ())
         if row is None or not row[0]:
@@ -155,10 +151,7 @@ class PostgresStore:
         restart would get 409 until then.
         """
         self._closing = True
-        if self._listen_ended is not None:
-            self._listen_ended.set()
-        if self._listening is not None:
-            await asyncio.wait({self._listening}, timeout=self.timeout)
+        await self._listener.stop(self.timeout)
         if self._unsettled:
             self._all_settled = asyncio.Event()
             with contextlib.suppress(TimeoutError):
@@ -179,26 +172,9 @@ class PostgresStore:
         """See :meth:`Store.wait`: woken by this store's settlements, and by other processes' through LISTEN on one
         connection of its own (opened on the first wait; none behind a transaction-pooling proxy, where waiters wake
         at their deadline)."""
-        if (self._listening is None or self._listening.done()) and not self._closing:
-            self._listening = asyncio.ensure_future(self._listen())
+        if not self._closing:
+            self._listener.start()
         await self._waiters.wait(tenant, key, within)
-
-    async def _listen(self) -> None:
-        """Hold a connection that listens for settlements until the store closes, or the connection is lost (then
-        the next wait listens again). Where no session can listen, waiters wake at their deadline."""
-        prefix = f"{self.schema}:"
-
-        def notified(connection: object, pid: int, channel: str, payload: object) -> None:
-            if isinstance(payload, str) and payload.startswith(prefix):
-                self._waiters.wake_tag(payload[len(prefix) :])
-
-        ended = self._listen_ended = asyncio.Event()
-        async with self._connector.listening(CHANNEL, notified) as connection:
-            if connection is None:
-                await ended.wait()
-                return
-            connection.add_termination_listener(lambda _: ended.set())
-            await ended.wait()
 
     async def __aenter__(self) -> PostgresStore:
         await self.open()
@@ -212,26 +188,8 @@ class PostgresStore:
         """A connection for code other than ours (the resource-deleted race in the guide), waited for no longer than
         ``timeout``. It comes back as its pool gave it, whatever the code did to it (``lending.py``), and refuses use
         once the block has ended."""
-        connector = self._connector
-        connection = await connector.lend()
-        lent = LentConnection(connection)
-        lost = False
-        try:
-            if connector.begin_isolation() is not None:
-                # The store's own session reads READ COMMITTED; the app's code gets the database's default back.
-                with reachable():
-                    await connection.execute(
-                        "SELECT set_config('default_transaction_isolation', $1, false)",
-                        connector.database_isolation,
-                        timeout=self.timeout,
-                    )
-            yield cast(asyncpg.Connection, lent)
-        except BaseException as error:
-            lost = isinstance(error, (*UNAVAILABLE, StoreUnavailable))  # no reset for a connection that is gone
-            raise
-        finally:
-            lent.end()
-            await connector.give_back(connection, lost=lost)
+        async with lent_connection(self._connector) as connection:
+            yield connection
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[PostgresTransaction]:
@@ -365,25 +323,13 @@ class PostgresStore:
             raise ValueError("reencrypt needs a PostgresStore with a cipher: PostgresStore(..., cipher=...)")
         older = [key_id for key_id in cipher.key_ids if key_id != cipher.current]
         start, first = after or ("", ""), after is None
-        resealed: tuple[list[str], list[str], list[bytes]] = ([], [], [])
-        unreadable: list[tuple[str, str, str]] = []
         async with self._connector.session() as connection:
             with reachable(self.schema):
                 async with connection.transaction(isolation="read_committed"):
                     rows = await connection.fetch(
                         self._sql["reseal_batch"], *start, first, older, seal_plain, batch_size, timeout=self.timeout
                     )
-                    for row in rows:
-                        tenant, key = row["tenant"], row["key"]
-                        try:
-                            response = response_from_row(row, tenant, key, cipher)
-                        except SealedResponseError as error:
-                            unreadable.append((tenant, key, str(error)))
-                            continue
-                        sealed: SealedResponse = cipher.seal(tenant, key, response)
-                        resealed[0].append(tenant)
-                        resealed[1].append(key)
-                        resealed[2].append(sealed.sealed)
+                    resealed, unreadable = reseal_rows(rows, cipher)
                     if resealed[0]:
                         await connection.execute(self._sql["reseal"], cipher.current, *resealed, timeout=self.timeout)
         last = (rows[-1]["tenant"], rows[-1]["key"]) if len(rows) == batch_size else None
@@ -397,30 +343,10 @@ class PostgresStore:
         return {row["sealed_with"]: row["responses"] for row in rows}
 
     async def migrate(self) -> list[str]:
-        """Create the schema if it is missing and apply the migrations it lacks, in order, each in its own
-        transaction; return their names.
-
-        Safe to run repeatedly and from several processes at once: every transaction here, the one that creates
-        the schema and the bookkeeping table included, first takes a transaction-scoped advisory lock, so
-        concurrent runs take turns and each migration is applied once (see ``sql/migrate.sql``).
-        """
-        sql = bookkeeping(self.schema)
-        applied: list[str] = []
+        """Create the schema if it is missing and apply the migrations it lacks, in order; return their names. Safe
+        to run repeatedly and from several processes at once (``sql.migrate``)."""
         async with self._connector.session() as connection:
-            async with connection.transaction():
-                await connection.execute(sql["lock"])
-                if not await connection.fetchval(sql["schema_exists"]):
-                    await connection.execute(sql["create_schema"])
-                await connection.execute(sql["create_table"])
-            for version, name, migration in migrations(self.schema):
-                async with connection.transaction():
-                    await connection.execute(sql["lock"])
-                    if await connection.fetchval(sql["is_applied"], version):
-                        continue
-                    await connection.execute(migration)
-                    await connection.execute(sql["record"], version, name)
-                    applied.append(name)
-        return applied
+            return await migrate(connection, self.schema)
 
 
 class PostgresTransaction:

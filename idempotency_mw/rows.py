@@ -19,6 +19,7 @@ from idempotency_mw.store import (
     Headers,
     RecordInfo,
     SealedResponse,
+    SealedResponseError,
     StoredResponse,
     UnknownKeyId,
 )
@@ -88,6 +89,26 @@ def record_from_row(row: asyncpg.Record, cipher: ResponseCipher | None = None) -
         response=response,
         sealed_with=row["sealed_with"],
     )
+
+
+def reseal_rows(
+    rows: list[asyncpg.Record], cipher: ResponseCipher
+) -> tuple[tuple[list[str], list[str], list[bytes]], list[tuple[str, str, str]]]:
+    """The ``reseal_batch`` rows (``sql/queries.sql``) sealed again under the cipher's current key, as the ``reseal``
+    statement's three arrays (tenants, keys, sealed), and those that do not open: ``(tenant, key, why)``."""
+    resealed: tuple[list[str], list[str], list[bytes]] = ([], [], [])
+    unreadable: list[tuple[str, str, str]] = []
+    for row in rows:
+        tenant, key = row["tenant"], row["key"]
+        try:
+            response = response_from_row(row, tenant, key, cipher)
+        except SealedResponseError as error:
+            unreadable.append((tenant, key, str(error)))
+            continue
+        resealed[0].append(tenant)
+        resealed[1].append(key)
+        resealed[2].append(cipher.seal(tenant, key, response).sealed)
+    return resealed, unreadable
 
 
 def encode_headers(headers: Headers) -> str:

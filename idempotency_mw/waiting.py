@@ -11,8 +11,12 @@ import asyncio
 import contextlib
 import hashlib
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from idempotency_mw.store import Claim, ClaimOutcome
+
+if TYPE_CHECKING:
+    from idempotency_mw.connectors import Connector
 
 CHANNEL = "idempotency_mw_settled"  # the LISTEN/NOTIFY channel; payloads are "<schema>:<tag>"
 
@@ -76,3 +80,40 @@ class Waiters:
     @property
     def waiting(self) -> bool:
         return bool(self._events)
+
+
+class SettlementListener:
+    """Other processes' settlements, heard on one connection that LISTENs on :data:`CHANNEL` and wakes the
+    :class:`Waiters` they concern: started by the first wait, held until :meth:`stop` or until the connection is lost
+    (the next wait then starts it again). Where no session can listen (behind a transaction-pooling proxy), waiters
+    wake at their deadline."""
+
+    def __init__(self, connector: Connector, schema: str, waiters: Waiters) -> None:
+        self._connector = connector
+        self._prefix = f"{schema}:"
+        self._waiters = waiters
+        self._task: asyncio.Task[None] | None = None
+        self._ended = asyncio.Event()
+
+    def start(self) -> None:
+        """Listen, unless listening already."""
+        if self._task is None or self._task.done():
+            self._ended = asyncio.Event()
+            self._task = asyncio.ensure_future(self._listen(self._ended))
+
+    async def stop(self, within: float) -> None:
+        """Stop listening, waiting ``within`` seconds at most for the connection to close."""
+        self._ended.set()
+        if self._task is not None:
+            await asyncio.wait({self._task}, timeout=within)
+            self._task = None
+
+    def _notified(self, connection: object, pid: int, channel: str, payload: object) -> None:
+        if isinstance(payload, str) and payload.startswith(self._prefix):
+            self._waiters.wake_tag(payload[len(self._prefix) :])
+
+    async def _listen(self, ended: asyncio.Event) -> None:
+        async with self._connector.listening(CHANNEL, self._notified) as connection:
+            if connection is not None:
+                connection.add_termination_listener(lambda _: ended.set())
+            await ended.wait()

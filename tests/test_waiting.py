@@ -177,3 +177,28 @@ async def test_the_database_computes_the_same_settlement_tag(idempotency_databas
             assert tag == settlement_tag(tenant, key)
     finally:
         await connection.close()
+
+
+async def test_a_store_closed_as_its_listener_starts_keeps_no_connection(
+    idempotency_database_url: str, key: str
+) -> None:
+    """A wait starts the listener and the store closes before the listener has connected: the listener still ends,
+    and the connection it opens goes with it, instead of listening on after the close."""
+    name = f"imw-listener-{uuid.uuid4().hex[:8]}"
+    separator = "&" if "?" in idempotency_database_url else "?"
+    store = PostgresStore(f"{idempotency_database_url}{separator}application_name={name}", min_size=1, max_size=2)
+    await store.open()
+    waiting = asyncio.create_task(store.wait("t", key, 30))
+    await asyncio.sleep(0)  # the wait starts the listener
+    await store.close()
+    waiting.cancel()
+    admin = await asyncpg.connect(idempotency_database_url)
+    try:
+        for _ in range(50):
+            left = await admin.fetchval("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", name)
+            if left == 0:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await admin.close()
+    assert left == 0

@@ -1,4 +1,5 @@
-"""SQL kept in ``.sql`` files and loaded by name, so every statement the store runs can be read in one place.
+"""SQL kept in ``.sql`` files and loaded by name, so every statement the store runs can be read in one place; and
+the migrations applied in order (:func:`migrate`).
 
 Every table and sequence in them is written ``{schema}.name``, and the loader puts the store's schema there as a
 quoted identifier. Fully qualified names keep the statements independent of the session's ``search_path``, which
@@ -10,6 +11,10 @@ from __future__ import annotations
 import re
 from functools import cache
 from importlib import resources
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncpg
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 _SCHEMA = re.compile(r"[a-z_][a-z0-9_]*")
@@ -77,3 +82,29 @@ def reset_session() -> str:
 def session() -> dict[str, str]:
     """The statements of ``session.sql``: what the store asks of, and sets on, its connections' sessions."""
     return _split(resources.files(__package__).joinpath("session.sql").read_text())
+
+
+async def migrate(connection: asyncpg.Connection, schema: str) -> list[str]:
+    """Create ``schema`` if it is missing and apply the migrations it lacks, in order, each in its own transaction;
+    return their names.
+
+    Safe to run repeatedly and from several processes at once: every transaction here, the one that creates the
+    schema and the bookkeeping table included, first takes a transaction-scoped advisory lock, so concurrent runs
+    take turns and each migration is applied once (see ``migrate.sql``).
+    """
+    sql = bookkeeping(schema)
+    applied: list[str] = []
+    async with connection.transaction():
+        await connection.execute(sql["lock"])
+        if not await connection.fetchval(sql["schema_exists"]):
+            await connection.execute(sql["create_schema"])
+        await connection.execute(sql["create_table"])
+    for version, name, migration in migrations(schema):
+        async with connection.transaction():
+            await connection.execute(sql["lock"])
+            if await connection.fetchval(sql["is_applied"], version):
+                continue
+            await connection.execute(migration)
+            await connection.execute(sql["record"], version, name)
+            applied.append(name)
+    return applied
