@@ -81,8 +81,15 @@ class FunctionResetConnection(StoreConnection):
     process): what a migration could add. Not shipped; for this comparison only."""
 
     def get_reset_query(self) -> str:
-        full = super().get_reset_query()
-        return full[: full.index("DO $$")] + "SELECT public.bench_deallocate_sql_statements();"
+        return deallocation_in_a_function(super().get_reset_query())
+
+
+def deallocation_in_a_function(reset: str) -> str:
+    """``reset`` with its DO block replaced by a call of ``DEALLOCATE_FUNCTION``; what follows the block (the pool's
+    session state, restored) stays."""
+    start = reset.index("DO $$")
+    end = reset.index("$$;", start + len("DO $$")) + len("$$;")
+    return reset[:start] + "SELECT public.bench_deallocate_sql_statements();" + reset[end:]
 
 
 def transactional_app(store: PostgresStore) -> Starlette:

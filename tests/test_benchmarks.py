@@ -32,6 +32,21 @@ async def test_fixes_py_settles_every_request_in_each_of_its_variants(
         assert all(result[store][name] > 0 for name in (fixes.SHIPPED, fixes.FROM_THE_START, fixes.DIRECT))
 
 
+def test_the_function_reset_variant_keeps_the_pool_state_after_the_do_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variant that deallocates in a function replaces only the DO block: the shipped reset's restore of the
+    pool's session state (here the store's READ COMMITTED pin) still follows, so the two differ by the block alone."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import fixes
+
+    from idempotency_mw.connectors import PIN_RESTORE
+    from idempotency_mw.sql import reset_session
+
+    variant = fixes.deallocation_in_a_function(reset_session() + "\n" + PIN_RESTORE)
+    assert "DO $$" not in variant
+    assert variant.endswith(PIN_RESTORE)
+    assert variant.count("bench_deallocate_sql_statements()") == 1
+
+
 @pytest.mark.parametrize(
     ("kind", "variant", "count"),
     [
