@@ -941,19 +941,21 @@ def exactly_once_targets(found: dict[str, Any]) -> list[Target]:
     isolation, restore = found["isolation"]["compared"], found["restore"]["compared"]
     explicit, pin, share = isolation[APP_COMPARED], isolation[OWN_COMPARED], isolation[CHECKOUT_COMPARED]
     pieces = found["pieces"]["pieces"]
+    chosen = [pieces[name] for name in (FORM_ESCAPED_PIECE, FORM_ASCII_PIECE, RECORDER_PIECE, LEASE_PIECE)]
+
+    def spread(c: dict[str, Any], digits: int, unit: str = " µs") -> str:
+        return f"{c['added']:+.{digits}f}{unit} (rounds {c['low']:+.{digits}f} to {c['high']:+.{digits}f})"
 
     def database(phase: str) -> str:
         cpu = phases[phase]["db_cpu_us"]
-        return f"{cpu['added']:+.0f} µs database CPU" if cpu is not None else "database CPU not measured"
+        return f"{spread(cpu, 0)} database CPU" if cpu is not None else "database CPU not measured"
 
     return [
         Target(
             "0.2.0 the guard on the lent connection, per statement the handler runs",
             "published",
-            f"{guard['call_us']['added']:+.2f} µs per call ({guard['call_us']['before']:.2f} to "
-            f"{guard['call_us']['shipped']:.2f} µs without a round trip); client CPU per statement "
-            f"{guard['client_us']['added']:+.1f} µs (rounds {guard['client_us']['low']:+.1f} to "
-            f"{guard['client_us']['high']:+.1f})",
+            f"{spread(guard['call_us'], 2)} per call without a round trip ({guard['call_us']['before']:.2f} to "
+            f"{guard['call_us']['shipped']:.2f} µs); client CPU per statement {spread(guard['client_us'], 1)}",
             None,
         ),
         Target(
@@ -967,10 +969,10 @@ def exactly_once_targets(found: dict[str, Any]) -> list[Target]:
         Target(
             "0.2.0 the store's statements held to READ COMMITTED on a REPEATABLE READ database, per fresh request",
             "published",
-            f"app's pool {explicit['client_us']['added']:+.0f} µs client CPU, {explicit['wall_us']['added']:+.0f} µs "
-            f"wall (two statements, each in a transaction of its own); own pool {pin['client_us']['added']:+.1f} µs "
-            "client CPU (pinned once per connection); the share of an app's pool kept for finishing work "
-            f"{share['client_us']['added']:+.1f} µs client CPU per checkout",
+            f"app's pool {spread(explicit['client_us'], 0)} client CPU, {explicit['wall_us']['added']:+.0f} µs wall "
+            "(two statements, each in a transaction of its own); own pool, pinned once per connection: "
+            f"{spread(pin['client_us'], 1)} client CPU for the same client code, this comparison's resolution; the "
+            f"share of an app's pool kept for finishing work {spread(share['client_us'], 1)} client CPU per checkout",
             None,
         ),
         Target(
@@ -978,7 +980,7 @@ def exactly_once_targets(found: dict[str, Any]) -> list[Target]:
             "published",
             "; ".join(
                 f"{where} {values['wall_us']['added']:+.0f} µs wall"
-                + (f", {values['db_cpu_us']['added']:+.0f} µs database CPU" if values["db_cpu_us"] else "")
+                + (f", {spread(values['db_cpu_us'], 0)} database CPU" if values["db_cpu_us"] else "")
                 for where, values in restore.items()
             ),
             None,
@@ -986,9 +988,10 @@ def exactly_once_targets(found: dict[str, Any]) -> list[Target]:
         Target(
             "0.2.0 the fingerprint's UTF-8 escapes, the recorder's headers, the lease keeper per loop",
             "published",
-            f"{pieces[FORM_ESCAPED_PIECE]['added']:+.2f} µs (a form with UTF-8 escapes), "
-            f"{pieces[FORM_ASCII_PIECE]['added']:+.2f} µs (an ASCII form), {pieces[RECORDER_PIECE]['added']:+.2f} µs, "
-            f"{pieces[LEASE_PIECE]['added']:+.2f} µs",
+            f"{spread(pieces[FORM_ESCAPED_PIECE], 2)} (a form with UTF-8 escapes), "
+            f"{spread(pieces[FORM_ASCII_PIECE], 2)} (an ASCII form), {spread(pieces[RECORDER_PIECE], 2)}, "
+            f"{spread(pieces[LEASE_PIECE], 2)}"
+            + (": rounds on both sides of zero for each" if all(c["low"] <= 0 <= c["high"] for c in chosen) else ""),
             None,
         ),
     ]
@@ -1134,7 +1137,9 @@ def render_exactly_once(found: dict[str, Any], rounds: int) -> list[str]:
         "opens, against connections not pinned. And the share an app's pool now keeps for the work that finishes "
         "requests (a semaphore and a deadline around each checkout that does not finish a request: a fresh request "
         "has one, its claim's) against a checkout straight from the pool, in those requests and alone (a checkout "
-        "and its release, which runs asyncpg's own reset either way).",
+        "and its release, which runs asyncpg's own reset either way). The store's own pool runs the same statements "
+        "and the same client code per request pinned or not (the pin is one query as a connection opens): its row "
+        "shows what this comparison resolves.",
         table(
             [
                 "what",
@@ -1181,7 +1186,8 @@ def render_exactly_once(found: dict[str, Any], rounds: int) -> list[str]:
         f"shipped library and on `{pieces['before'][:7]}`, alternating: the fingerprint's form and query decoding "
         "(%XX escapes read as UTF-8, as Starlette reads them), the recorder's response start (headers that come "
         "as an iterator are copied into the message that goes on; a list passes as before) and the lease keeper "
-        "(one set of leases and timer per event loop).",
+        "(one set of leases and timer per event loop). A process's own speed varies from one to the next by more "
+        "than some of these differences: the rounds' range says how much.",
         table(
             ["piece", "before, µs", "shipped, µs", "added, µs (rounds)"],
             [[name, *cells(values, 2)] for name, values in pieces["pieces"].items()],
