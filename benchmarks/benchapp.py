@@ -35,12 +35,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import idempotency_mw
+
 VARIANTS = ("bare", "handwritten", "ours", "ours-memory", "fastidempotent", "fastapi-idempotency")
 PEERS = ("fastidempotent", "fastapi-idempotency")
 MiB = 1024 * 1024
 # The secret of our default tenant resolver (AuthorizationTenant) in every benchmark, so bulk-loaded records and
 # served requests agree on the load generator's tenant. A fixed value: nothing here is secret.
 TENANT_SECRET = "benchmark-tenant-secret-0123456789abcdef"
+LIBRARY = os.path.dirname(os.path.abspath(idempotency_mw.__file__))  # which copy of the library this process runs
 
 Hook = Callable[[], Awaitable[Any]]
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -187,19 +190,22 @@ class Collector:
 
 class CollectorStats:
     """Every variant's server keeps its :class:`Collector` installed for its whole life and answers ``GET /_gc``
-    with it, so the harness can report the collector's share of the app's CPU per request."""
+    with it, so the harness can report the collector's share of the app's CPU per request; ``GET /_library`` says
+    which copy of ``idempotency_mw`` it runs, so a harness that runs a git revision beside the working tree can
+    check it measured the one it meant to."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
         self.collector = Collector().__enter__()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] == "/_gc":
-            collector = self.collector
-            body = json.dumps({"seconds": collector.seconds, "collections": collector.collections}).encode()
-            await send(
-                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
-            )
-            await send({"type": "http.response.body", "body": body})
+        path = scope["path"] if scope["type"] == "http" else None
+        if path == "/_gc":
+            answer: dict[str, Any] = {"seconds": self.collector.seconds, "collections": self.collector.collections}
+        elif path == "/_library":
+            answer = {"path": LIBRARY}
+        else:
+            await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps(answer).encode()})

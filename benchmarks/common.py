@@ -1,15 +1,20 @@
-"""What every measurement shares: the run's context (database, venv, mode, durations) and markdown helpers."""
+"""What every measurement shares: the run's context (database, venv, mode, durations), copies of the library at a
+git revision, and markdown helpers."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import io
 import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +23,9 @@ from typing import Any
 import asyncpg
 from peers import EagerVenv
 from pgserver import Database
-from servers import HERE, bench_env
+from servers import HERE, REPO, WORK, bench_env
 
+LIBRARIES = WORK / "library"  # copies of the library at git revisions, one directory per commit
 TABLES = ("idempotency_records", "idempotency_responses", "idempotency_keys", "fastapi_idempotency_requests")
 
 
@@ -183,6 +189,54 @@ def per_request(
     if before is None or after is None or not requests:
         return None
     return {name: (after[name] - before[name]) / requests for name in before}
+
+
+# --- the library at another git revision ---------------------------------------------------------------------------
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def library_copy(ref: str) -> tuple[str, Path]:
+    """(commit, directory holding its ``idempotency_mw``): ``ref``'s library extracted once into .work, to be put
+    first on the ``PYTHONPATH`` of a process that runs it beside the working tree's."""
+    commit = git("rev-parse", "--verify", f"{ref}^{{commit}}")
+    destination = LIBRARIES / commit[:12]
+    if not (destination / "idempotency_mw" / "__init__.py").exists():
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", commit, "idempotency_mw"], cwd=REPO, capture_output=True, check=True
+        ).stdout
+        partial = destination.with_name(destination.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(partial, filter="data")
+        shutil.rmtree(destination, ignore_errors=True)
+        partial.rename(destination)
+    return commit, destination
+
+
+def library_digest(root: Path) -> str:
+    """A digest of the library's source (``.py`` and ``.sql`` files under ``root/idempotency_mw``)."""
+    digest = hashlib.sha256()
+    package = root / "idempotency_mw"
+    for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".sql") and "__pycache__" not in p.parts):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def working_tree() -> dict[str, Any]:
+    """The commit the working tree is on, and whether its library has changes not committed."""
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "idempotency_mw"))}
+
+
+def check_copy(what: str, imported: str | Path, root: Path) -> None:
+    """Stop the run unless ``what`` imported ``idempotency_mw`` from ``root``: a copy on the wrong path (or an
+    installed library before it) would measure other code than the results name."""
+    expected = (root / "idempotency_mw").resolve()
+    if Path(imported).resolve() != expected:
+        raise RuntimeError(f"{what} imported idempotency_mw from {imported}, not {expected}")
 
 
 def median(values: Iterable[float]) -> float:

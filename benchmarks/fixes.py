@@ -1,8 +1,11 @@
-"""Issue 14, target 6: what the fixes of issue 10 cost, each measured side by side with the variant it replaced.
+"""What fixes cost on the hot path, each measured side by side with what it replaced: issue 10's (issue 14,
+target 6), and those of 0.2.0 for any isolation level, the app's own connection state and lent connections.
 
     benchmarks/.work/venv/bin/python benchmarks/fixes.py --dsn postgresql://… [--postmaster-pid N] [--quick]
+    # prints JSON; run.py renders results/fixes.md (./dev bench --only fixes)
 
-In process, under uvloop, the ASGI app called directly (no sockets), variants interleaved round after round:
+In process, under uvloop, variants interleaved round after round. Issue 10's, through the ASGI app called directly
+(no sockets):
 
 - **Session reset** (defect 2): a transactional request (claim, the handler's one INSERT on the lent connection,
   completion and commit, the connection's reset) with the full reset of ``sql/reset_session.sql`` against asyncpg's
@@ -17,25 +20,53 @@ In process, under uvloop, the ASGI app called directly (no sockets), variants in
   mechanisms alone.
 - **Lease keeper** (defect 14): hold + drop per request, timed alone.
 - The **fingerprint** (defects 1 and 8) has its own measurement, ``fingerprint.py``.
+
+0.2.0's, one operation at a time, the variants taking turns operation by operation, each operation timed alone
+(medians per round, then over rounds, with the round-by-round differences); the library before them is commit
+43f0f80 (``common.library_copy``):
+
+- **The guard on the lent connection** (``lending.LentConnection``): a statement through it against the same
+  statement on the asyncpg connection itself; the call alone, without a round trip.
+- **Responses in a table of their own**: the shipped statements against 43f0f80's one-table ones, each layout on
+  a schema of its own in the same database, through raw asyncpg: fresh claim, completion, replay, and the
+  completion in a transaction; wall time, the server process's CPU (with ``--postmaster-pid``: the server is
+  local) and WAL bytes. Statements, not stores: the store of 43f0f80 differs in more than its tables.
+- **READ COMMITTED on a REPEATABLE READ database** (a database made for it): ``claim`` + ``complete`` through an
+  app's asyncpg pool with each statement in a READ COMMITTED transaction of its own against the plain statements
+  of before (and without the share of the pool kept for finishing work), and through the store's own pool pinned
+  per connection against not pinned.
+- **The pool's session state restored per lend**: the reset a lent connection runs with and without the SQL that
+  restores its pool's state, on a connection of the store's own and on one of an app's pool whose ``init`` sets a
+  role and settings; and reading that state, once per connection.
+- **Pieces**: the fingerprint's UTF-8 decoding of forms and queries, the recorder's response start and the lease
+  keeper per event loop, on the shipped library and on 43f0f80, each in processes of its own (``fixpieces.py``);
+  and the exception check of a transactional response, which is new.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import re
 import statistics
+import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import psutil
 from benchapp import TENANT_SECRET
-from common import Target, table, target_table
+from common import Target, check_copy, library_copy, table, target_table
 from overhead import BASE_HEADERS, SCOPE, Sink, receive
+from servers import HERE, REPO, bench_env
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -43,11 +74,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idempotency_mw import AuthorizationTenant, IdempotencyMiddleware, MemoryStore, PostgresStore
-from idempotency_mw.connectors import OwnPool, StoreConnection
+from idempotency_mw.connectors import PIN_RESTORE, AppPool, OwnPool, StoreConnection, reachable
 from idempotency_mw.context import idempotency_context
 from idempotency_mw.eager import outlasting, start_eagerly
 from idempotency_mw.leases import LeaseKeeper
+from idempotency_mw.lending import LentConnection, remember, reset_sql, set_restore
 from idempotency_mw.recording import PlainRun
+from idempotency_mw.rows import encode_headers, new_fence
+from idempotency_mw.sql import queries, reset_session, session
+from idempotency_mw.store import ClaimOutcome, StoredResponse
 
 TENANT = AuthorizationTenant(TENANT_SECRET)
 CONCURRENCY = 16
@@ -81,8 +116,15 @@ class FunctionResetConnection(StoreConnection):
     process): what a migration could add. Not shipped; for this comparison only."""
 
     def get_reset_query(self) -> str:
-        full = super().get_reset_query()
-        return full[: full.index("DO $$")] + "SELECT public.bench_deallocate_sql_statements();"
+        return deallocation_in_a_function(super().get_reset_query())
+
+
+def deallocation_in_a_function(reset: str) -> str:
+    """``reset`` with its DO block replaced by a call of ``DEALLOCATE_FUNCTION``; what follows the block (the pool's
+    session state, restored) stays."""
+    start = reset.index("DO $$")
+    end = reset.index("$$;", start + len("DO $$")) + len("$$;")
+    return reset[:start] + "SELECT public.bench_deallocate_sql_statements();" + reset[end:]
 
 
 def transactional_app(store: PostgresStore) -> Starlette:
@@ -275,14 +317,587 @@ async def pieces(n: int) -> dict[str, float]:
     }
 
 
+# -- 0.2.0: any isolation level, the app's connection state, lent connections --------------------------------------
+
+BEFORE = "43f0f80"  # the library before these fixes (the commit before cd7f9e4)
+RAW, LENT = "raw asyncpg connection (before)", "LentConnection (shipped)"
+ONE_TABLE, TWO_TABLES = "one table (before)", "two tables (shipped)"
+FRESH_CLAIM, COMPLETION, REPLAY, IN_TRANSACTION = (
+    "fresh claim",
+    "completion (plain mode)",
+    "replay (the claim of a completed key)",
+    "completion in the handler's transaction (BEGIN, completion, COMMIT)",
+)
+APP_EXPLICIT = "app's pool: each statement in a READ COMMITTED transaction (shipped)"
+APP_PLAIN = "app's pool: plain statements, under REPEATABLE READ (before)"
+APP_NO_SHARE = "app's pool: plain statements, no share kept for finishing work (before 0.2.0)"
+OWN_PINNED = "own pool: READ COMMITTED pinned per connection (shipped)"
+OWN_UNPINNED = "own pool: not pinned, under REPEATABLE READ (before)"
+RESET_ONLY, RESET_RESTORE = "reset only (before)", "reset, then the pool's state (shipped)"
+OWN_RESTORE, APP_RESTORE = "own pool: the READ COMMITTED pin", "app's pool: a role and two settings from its init"
+LIBRARY_SHIPPED, LIBRARY_BEFORE = "shipped", "before"
+APP_COMPARED = "the READ COMMITTED transactions on an app's pool"
+SHARE_COMPARED = "the share an app's pool keeps for finishing work, in fresh requests"
+OWN_COMPARED = "the READ COMMITTED pin on the store's own pool"
+CHECKOUT_COMPARED = "the share, a checkout of an app's pool alone (acquire and release)"
+ISOLATION_PAIRS = {  # what is compared: (shipped, before)
+    APP_COMPARED: (APP_EXPLICIT, APP_PLAIN),
+    SHARE_COMPARED: (APP_PLAIN, APP_NO_SHARE),
+    OWN_COMPARED: (OWN_PINNED, OWN_UNPINNED),
+}
+FORM_ASCII_PIECE = "fingerprint: a small form body, ASCII"
+FORM_ESCAPED_PIECE = "fingerprint: a small form body, UTF-8 escapes"
+RECORDER_PIECE = "recorder: the response start (headers in a list) and its final body"
+LEASE_PIECE = "lease keeper: hold + drop"
+TENANT_ID = "fixes-tenant"
+FINGERPRINT = bytes(range(32))
+STORED = StoredResponse(
+    201, [(b"content-type", b"application/json"), (b"content-length", b"21")], b'{"status":"accepted"}', 21
+)
+LEASE, TTL = 30.0, 86400.0
+STATEMENT_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+
+def compared(shipped: Sequence[float], before: Sequence[float]) -> dict[str, Any]:
+    """Medians of two variants measured in the same rounds, and the median of their paired differences (shipped
+    minus before, round by round) with its range."""
+    added = [a - b for a, b in zip(shipped, before, strict=True)]
+    return {
+        "shipped": statistics.median(shipped),
+        "before": statistics.median(before),
+        "added": statistics.median(added),
+        "low": min(added),
+        "high": max(added),
+        "each_shipped": list(shipped),
+        "each_before": list(before),
+    }
+
+
+def ordered(names: Sequence[str], r: int) -> list[str]:
+    """The variants in this round's order: forwards in even rounds, backwards in odd ones."""
+    return list(names) if r % 2 == 0 else list(names)[::-1]
+
+
+def with_database(dsn: str, name: str) -> str:
+    """The same server and credentials, another database."""
+    return urlunsplit(urlsplit(dsn)._replace(path=f"/{name}"))
+
+
+def backend_cpu(connection: Any, local: bool) -> float | None:
+    """CPU seconds the server process behind ``connection`` has used, in nanoseconds' resolution
+    (``/proc/<pid>/schedstat``), when the server runs on this machine; None otherwise."""
+    if not local:
+        return None
+    try:
+        return int(Path(f"/proc/{connection.get_server_pid()}/schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+async def wal_position(connection: asyncpg.Connection) -> int:
+    return int(await connection.fetchval("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint"))
+
+
+Operation = Callable[[int], Awaitable[object]]
+
+
+async def per_operation(
+    operations: dict[str, Operation], n: int, servers: dict[str, Any] | None = None, local: bool = False
+) -> dict[str, dict[str, float]]:
+    """Each variant's operation ``n`` times, the variants taking turns operation by operation (in one order, then
+    the other), each operation timed alone: the median µs of client CPU, wall time and, for a variant with a
+    connection in ``servers`` on a local server, the CPU of the server process behind it."""
+    samples: dict[str, dict[str, list[float]]] = {name: {"client": [], "wall": [], "server": []} for name in operations}
+    for i in range(n):
+        for name in ordered(list(operations), i):
+            connection = servers.get(name) if servers else None
+            server = backend_cpu(connection, local) if connection is not None else None
+            cpu, clock = time.process_time(), time.perf_counter()
+            await operations[name](i)
+            wall, cpu = time.perf_counter() - clock, time.process_time() - cpu
+            taken = samples[name]
+            taken["wall"].append(wall * 1e6)
+            taken["client"].append(cpu * 1e6)
+            if server is not None:
+                after = backend_cpu(connection, local)
+                if after is not None:
+                    taken["server"].append((after - server) * 1e6)
+    return {
+        name: {metric: statistics.median(values) for metric, values in taken.items() if values}
+        for name, taken in samples.items()
+    }
+
+
+def compared_metrics(
+    rounds: list[dict[str, dict[str, float]]], shipped: str, before: str, metrics: Sequence[str]
+) -> dict[str, Any]:
+    """``compared`` for each metric of ``per_operation``'s rounds (None for a metric that was not measured)."""
+    out: dict[str, Any] = {}
+    for metric in metrics:
+        if all(metric in r[shipped] and metric in r[before] for r in rounds):
+            out[metric] = compared([r[shipped][metric] for r in rounds], [r[before][metric] for r in rounds])
+        else:
+            out[metric] = None
+    return out
+
+
+async def guard_cost(dsn: str, rounds: int, statements: int) -> dict[str, Any]:
+    """A statement through the ``LentConnection`` a transactional handler holds against the same statement on the
+    asyncpg connection itself, statement by statement in turn: client CPU and wall time per statement; and a call
+    that makes no round trip, which is the guard alone."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        targets: dict[str, Any] = {RAW: connection, LENT: LentConnection(connection)}
+        for target in targets.values():  # prepared, and asyncpg's statement cache warm
+            for i in range(200):
+                await target.fetchval("SELECT $1::int", i)
+
+        def statement(target: Any) -> Operation:
+            async def run(i: int) -> object:
+                return await target.fetchval("SELECT $1::int", i)
+
+            return run
+
+        operations = {name: statement(target) for name, target in targets.items()}
+        measured: list[dict[str, dict[str, float]]] = []
+        alone: dict[str, list[float]] = {name: [] for name in targets}
+        calls = statements * 10
+        for r in range(rounds):
+            measured.append(await per_operation(operations, statements))
+            for name in ordered(list(targets), r):
+                target = targets[name]
+                started = time.process_time()
+                for _ in range(calls):
+                    target.is_in_transaction()
+                alone[name].append((time.process_time() - started) / calls * 1e6)
+        started = time.process_time()
+        for _ in range(calls):
+            LentConnection(connection).end()
+        lend = (time.process_time() - started) / calls * 1e6
+    finally:
+        await connection.close()
+    per_statement = compared_metrics(measured, LENT, RAW, ("client", "wall"))
+    return {
+        "statements": statements,
+        "client_us": per_statement["client"],
+        "wall_us": per_statement["wall"],
+        "call_us": compared(alone[LENT], alone[RAW]),
+        "lend_us": lend,
+    }
+
+
+@dataclass
+class Layout:
+    """One table layout's statements, prepared on a connection of its own."""
+
+    connection: asyncpg.Connection
+    claim: asyncpg.prepared_stmt.PreparedStatement
+    complete: asyncpg.prepared_stmt.PreparedStatement
+    complete_in_transaction: asyncpg.prepared_stmt.PreparedStatement
+    extra: tuple[None, ...]  # the shipped statements' parameters the one-table ones lack (all NULL in plain mode)
+    completed_status: str  # what a completion that landed answers
+
+    def claim_args(self, key: str) -> tuple[Any, ...]:
+        return (TENANT_ID, key, FINGERPRINT, LEASE, TTL, new_fence(), *self.extra[:1])
+
+    def completion_args(self, key: str, fence: int) -> tuple[Any, ...]:
+        headers = encode_headers(STORED.headers)
+        return (TENANT_ID, key, fence, STORED.status, headers, STORED.body, STORED.body_size, *self.extra[1:])
+
+    async def claim_fresh(self, key: str) -> int:
+        row = await self.claim.fetchrow(*self.claim_args(key))
+        assert row is not None, f"{key}: the claim returned no row"
+        assert row["owned"], f"{key}: a fresh claim was not owned"
+        return int(row["fence"])
+
+    async def complete_plain(self, key: str, fence: int) -> None:
+        await self.complete.fetch(*self.completion_args(key, fence))
+        assert self.complete.get_statusmsg() == self.completed_status, f"{key}: not completed"
+
+    async def replay(self, key: str) -> None:
+        row = await self.claim.fetchrow(*self.claim_args(key))
+        assert row is not None, f"{key}: the claim returned no row"
+        completed = row["state"] == "completed" if "state" in row else row["completed"]
+        assert completed, f"{key}: a completed key did not replay"
+        assert row["status"] == STORED.status, f"{key}: the replay's status is {row['status']}"
+
+    async def complete_in_a_transaction(self, key: str, fence: int) -> None:
+        transaction = self.connection.transaction()
+        await transaction.start()
+        await self.complete_in_transaction.fetch(*self.completion_args(key, fence))
+        status = self.complete_in_transaction.get_statusmsg()
+        await transaction.commit()
+        assert status == self.completed_status, f"{key}: not completed in the transaction"
+
+
+def layout_step(
+    layout: Layout, phase: str, keys: list[str], transactional: list[str], fences: dict[str, int]
+) -> Operation:
+    """The ``i``-th statement of ``phase`` on ``layout``: a fresh claim of ``keys[i]`` (its fence kept in
+    ``fences``), its completion, its replay, or the completion of ``transactional[i]`` in a transaction."""
+
+    async def run_one(i: int) -> object:
+        if phase == FRESH_CLAIM:
+            fences[keys[i]] = await layout.claim_fresh(keys[i])
+        elif phase == COMPLETION:
+            await layout.complete_plain(keys[i], fences[keys[i]])
+        elif phase == REPLAY:
+            await layout.replay(keys[i])
+        else:
+            await layout.complete_in_a_transaction(transactional[i], fences[transactional[i]])
+        return None
+
+    return run_one
+
+
+def statements_of(text: str, schema: str) -> dict[str, str]:
+    """A ``queries.sql`` split on its ``-- name:`` lines, in ``schema``."""
+    parts = STATEMENT_NAME.split(text.replace("{schema}", f'"{schema}"').replace("{schema_name}", schema))
+    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+async def responses_cost(dsn: str, local: bool, rounds: int, n: int) -> dict[str, Any]:
+    """The store's statements with responses in a table of their own (shipped) against the one-table statements of
+    the library before, each on a schema of its own in the same database, run through raw asyncpg (prepared, one
+    connection each, one statement at a time) so that nothing but the statements differs. Per statement, the two
+    layouts taking turns: wall time and the server process's CPU (a local server only); and WAL bytes, from the
+    server's WAL position around a batch of each. Commits do not wait for their WAL flush (``synchronous_commit``
+    off on these connections): both layouts flush once per commit, and a flush's time on a shared disk varies by
+    more than the statements differ."""
+    _, before_root = library_copy(BEFORE)
+    sql = before_root / "idempotency_mw" / "sql"
+    one, two = "bench_fixes_one_table", "bench_fixes_two_tables"
+    admin = await asyncpg.connect(dsn)
+    for schema in (one, two):
+        await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    await admin.execute(f'CREATE SCHEMA "{one}"')
+    await admin.execute((sql / "migrations" / "0001_initial.sql").read_text().replace("{schema}", f'"{one}"'))
+    migrating = PostgresStore(dsn, schema=two, min_size=0, max_size=1)
+    await migrating.migrate()
+    await migrating.close()
+    layouts: dict[str, Layout] = {}
+    phases = (FRESH_CLAIM, COMPLETION, REPLAY, IN_TRANSACTION)
+    timed: dict[str, list[dict[str, dict[str, float]]]] = {phase: [] for phase in phases}
+    wal: dict[str, dict[str, list[float]]] = {phase: {name: [] for name in (ONE_TABLE, TWO_TABLES)} for phase in phases}
+    try:
+        for name, statements, extra, landed in (
+            (ONE_TABLE, statements_of((sql / "queries.sql").read_text(), one), (), "UPDATE 1"),
+            (TWO_TABLES, queries(two), (None, None, None), "INSERT 0 1"),
+        ):
+            connection = await asyncpg.connect(dsn, server_settings={"synchronous_commit": "off"})
+            in_transaction = statements.get("complete_in_transaction", statements["complete"])
+            layouts[name] = Layout(
+                connection,
+                await connection.prepare(statements["claim"]),
+                await connection.prepare(statements["complete"]),
+                await connection.prepare(in_transaction),
+                extra,
+                landed,
+            )
+        servers = {name: layout.connection for name, layout in layouts.items()}
+        run = uuid.uuid4().hex[:8]
+        batch = min(n, 100)
+
+        async def wal_of(phase: str, name: str, work: Callable[[], Awaitable[None]]) -> None:
+            before = await wal_position(admin)
+            await work()
+            wal[phase][name].append((await wal_position(admin) - before) / batch)
+
+        async def batches(name: str, prefix: str) -> None:
+            """WAL bytes per statement, a batch of each phase in turn (and the warm-up)."""
+            layout = layouts[name]
+            keys = [f"{prefix}-{i}" for i in range(batch)]
+            fences: dict[str, int] = {}
+            transactional = [f"{prefix}-t{i}" for i in range(batch)]
+
+            async def claims(chosen: list[str]) -> None:
+                for key in chosen:
+                    fences[key] = await layout.claim_fresh(key)
+
+            async def completions() -> None:
+                for key in keys:
+                    await layout.complete_plain(key, fences[key])
+
+            async def replays() -> None:
+                for key in keys:
+                    await layout.replay(key)
+
+            async def in_transactions() -> None:
+                for key in transactional:
+                    await layout.complete_in_a_transaction(key, fences[key])
+
+            await wal_of(FRESH_CLAIM, name, lambda: claims(keys))
+            await wal_of(COMPLETION, name, completions)
+            await wal_of(REPLAY, name, replays)
+            await claims(transactional)
+            await wal_of(IN_TRANSACTION, name, in_transactions)
+
+        for name in layouts:  # warm-up: plans cached, the first pages of each table written
+            await batches(name, f"{run}-warm-{len(name)}")
+        for per_layout in wal.values():  # the warm-up's batches wrote the tables' first pages: not counted
+            for values in per_layout.values():
+                values.clear()
+        for r in range(rounds):
+            for name in ordered(list(layouts), r):
+                await batches(name, f"{run}-wal-{r}-{len(name)}")
+            keys = {name: [f"{run}-{r}-{len(name)}-{i}" for i in range(n)] for name in layouts}
+            transactional = {name: [f"{run}-{r}-{len(name)}-t{i}" for i in range(n)] for name in layouts}
+            fences: dict[str, int] = {}
+
+            for phase in phases:
+                if phase == IN_TRANSACTION:
+                    for name, layout in layouts.items():
+                        for key in transactional[name]:
+                            fences[key] = await layout.claim_fresh(key)
+                operations = {
+                    name: layout_step(layout, phase, keys[name], transactional[name], fences)
+                    for name, layout in layouts.items()
+                }
+                timed[phase].append(await per_operation(operations, n, servers, local))
+    finally:
+        for layout in layouts.values():
+            await layout.connection.close()
+        for schema in (one, two):
+            await admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        await admin.close()
+    out: dict[str, Any] = {}
+    for phase in phases:
+        metrics = compared_metrics(timed[phase], TWO_TABLES, ONE_TABLE, ("wall", "server"))
+        out[phase] = {
+            "wall_us": metrics["wall"],
+            "db_cpu_us": metrics["server"],
+            "wal_bytes": compared(wal[phase][TWO_TABLES], wal[phase][ONE_TABLE]),
+        }
+    return {"statements": n, "wal_batch": batch, "phases": out}
+
+
+async def isolation_cost(dsn: str, rounds: int, n: int) -> dict[str, Any]:
+    """Fresh plain-mode requests' store work (``claim`` then ``complete``) on a database whose default isolation is
+    REPEATABLE READ, the variants taking turns request by request: through an app's asyncpg pool, each statement in
+    a READ COMMITTED transaction of its own (shipped) against the plain statements of before; and through the
+    store's own pool, pinned to READ COMMITTED per connection (shipped) against not pinned. Wall time and client
+    CPU per request; commits do not wait for their WAL flush (``synchronous_commit`` off on that database), of
+    which every variant has one per statement."""
+    name = f"bench_fixes_rr_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(dsn)
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    stores: dict[str, PostgresStore] = {}
+    pool: asyncpg.Pool | None = None
+    measured: dict[str, list[dict[str, dict[str, float]]]] = {what: [] for what in ISOLATION_PAIRS}
+    checkouts: list[dict[str, dict[str, float]]] = []
+    try:
+        await admin.execute(f"ALTER DATABASE \"{name}\" SET default_transaction_isolation = 'repeatable read'")
+        await admin.execute(f'ALTER DATABASE "{name}" SET synchronous_commit = off')
+        url = with_database(dsn, name)
+        migrating = PostgresStore(url, min_size=0, max_size=1)
+        await migrating.migrate()
+        await migrating.close()
+        pool = await asyncpg.create_pool(url, min_size=4, max_size=4)
+        for variant in (APP_EXPLICIT, APP_PLAIN, APP_NO_SHARE):
+            stores[variant] = PostgresStore(pool)
+        for variant in (OWN_PINNED, OWN_UNPINNED):
+            stores[variant] = PostgresStore(url, min_size=1, max_size=2)
+        own = stores[OWN_UNPINNED]._connector
+        assert isinstance(own, OwnPool)
+        own.pool.setup = None  # this comparison only: the statements run under the database's default, as before
+        for store in stores.values():
+            await store.open()
+        for variant in (APP_PLAIN, APP_NO_SHARE):
+            connector = stores[variant]._connector
+            assert isinstance(connector, AppPool)
+            assert connector._explicit is True  # it found REPEATABLE READ
+            connector._explicit = False  # this comparison only: plain statements, as before
+        without_share(stores[APP_NO_SHARE]._connector, pool)
+        assert stores[OWN_PINNED].database_isolation == "repeatable read"
+        assert stores[OWN_UNPINNED].database_isolation is None
+        run = uuid.uuid4().hex[:8]
+
+        def request(variant: str, prefix: str) -> Operation:
+            store = stores[variant]
+
+            async def run_one(i: int) -> object:
+                key = f"{prefix}-{len(variant)}-{i}"
+                claim = await store.claim(TENANT_ID, key, FINGERPRINT, lease=LEASE, ttl=TTL)
+                assert claim.outcome is ClaimOutcome.OWNED
+                return await store.complete(TENANT_ID, key, claim.fence, STORED)
+
+            return run_one
+
+        await per_operation({variant: request(variant, f"{run}-warm") for variant in stores}, 50)
+        for r in range(rounds):
+            for g, what in enumerate(ordered(list(ISOLATION_PAIRS), r)):  # two variants at a time, taking turns
+                operations = {variant: request(variant, f"{run}-{r}-{g}") for variant in ISOLATION_PAIRS[what]}
+                measured[what].append(await per_operation(operations, n))
+
+        def checkout(connector: Any) -> Operation:
+            async def run_one(i: int) -> object:
+                connection = await connector._acquire(False)
+                await connector._release(connection)
+                return None
+
+            return run_one
+
+        alone = {variant: checkout(stores[variant]._connector) for variant in (APP_PLAIN, APP_NO_SHARE)}
+        await per_operation(alone, 50)
+        for _ in range(rounds):
+            checkouts.append(await per_operation(alone, n))
+    finally:
+        for store in stores.values():
+            await store.close()
+        if pool is not None:
+            await pool.close()
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+    measured[CHECKOUT_COMPARED] = checkouts
+    compared_pairs: dict[str, Any] = {}
+    for what, (shipped, before) in (*ISOLATION_PAIRS.items(), (CHECKOUT_COMPARED, (APP_PLAIN, APP_NO_SHARE))):
+        metrics = compared_metrics(measured[what], shipped, before, ("wall", "client"))
+        compared_pairs[what] = {"wall_us": metrics["wall"], "client_us": metrics["client"]}
+    return {"requests": n, "compared": compared_pairs}
+
+
+def without_share(connector: object, pool: asyncpg.Pool) -> None:
+    """An app's pool as the store used it before 0.2.0 (this comparison only): a checkout straight from the pool,
+    without the share that keeps one connection for the work that finishes requests."""
+    assert isinstance(connector, AppPool)
+    for name in ("_acquire", "_release"):  # replaced below: a renamed method would leave the share in place
+        assert callable(getattr(connector, name, None)), f"AppPool has no {name} any more"
+    timeout = connector.timeout
+
+    async def acquire(urgent: bool) -> asyncpg.Connection:
+        with reachable():
+            return cast(asyncpg.Connection, await pool.acquire(timeout=timeout))
+
+    async def release(connection: asyncpg.Connection) -> None:
+        with contextlib.suppress(Exception):
+            await pool.release(cast(asyncpg.pool.PoolConnectionProxy, connection), timeout=timeout)
+
+    connector._acquire = acquire  # type: ignore[method-assign]
+    connector._release = release  # type: ignore[method-assign]
+
+
+async def restore_cost(dsn: str, local: bool, rounds: int, n: int) -> dict[str, Any]:
+    """What a lent connection runs as it comes back, the variants taking turns reset by reset: the full reset with
+    the SQL that restores its pool's session state (shipped) against the reset alone (before). On a connection of
+    the store's own (the READ COMMITTED pin) and on one of an app's pool whose ``init`` sets a role and two
+    settings; and the capture of that state, once per connection of an app's pool."""
+    own = await asyncpg.connect(dsn)
+    await own.fetchrow(session()["pin_read_committed"])
+    set_restore(own, PIN_RESTORE)  # as OwnPool does for each connection it opens
+
+    async def init(connection: asyncpg.Connection) -> None:
+        role = await connection.fetchval("SELECT current_user")
+        await connection.execute(
+            f"SET ROLE \"{role}\"; SET search_path = bench_app, public; SET statement_timeout = '30s'"
+        )
+
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1, init=init)
+    app = await pool.acquire()
+    measured: dict[str, list[dict[str, dict[str, float]]]] = {OWN_RESTORE: [], APP_RESTORE: []}
+    try:
+        captures = max(n // 5, 1)
+        started = time.perf_counter()
+        for _ in range(captures):
+            await app.fetchval(session()["capture"])
+        capture = (time.perf_counter() - started) / captures * 1e6
+        await remember(app, time_limit=5.0)
+        connections = {OWN_RESTORE: own, APP_RESTORE: app}
+        for connection in connections.values():
+            assert reset_sql(connection) != reset_session() + "\n", "no pool state to restore"
+
+        def resets(connection: Any) -> dict[str, Operation]:
+            async def reset_only(i: int) -> object:
+                return await connection.execute(reset_session())
+
+            async def reset_and_restore(i: int) -> object:
+                return await connection.execute(reset_sql(connection))
+
+            return {RESET_ONLY: reset_only, RESET_RESTORE: reset_and_restore}
+
+        for where, connection in connections.items():
+            servers = {variant: connection for variant in (RESET_ONLY, RESET_RESTORE)}
+            await per_operation(resets(connection), 20, servers, local)  # warm-up
+            for _ in range(rounds):
+                measured[where].append(await per_operation(resets(connection), n, servers, local))
+        await app.execute(reset_sql(app))
+        restored = await app.fetchval("SELECT current_setting('search_path')")
+        assert restored == "bench_app, public", f"the app pool's search_path came back as {restored!r}"
+    finally:
+        await pool.release(app)
+        await pool.close()
+        await own.close()
+    out: dict[str, Any] = {}
+    for where, rounds_measured in measured.items():
+        metrics = compared_metrics(rounds_measured, RESET_RESTORE, RESET_ONLY, ("wall", "server"))
+        out[where] = {"wall_us": metrics["wall"], "db_cpu_us": metrics["server"]}
+    return {"resets": n, "capture_us": capture, "compared": out}
+
+
+def pieces_compared(rounds: int, n: int) -> dict[str, Any]:
+    """``fixpieces.py`` on the working tree and on the library before, one process each per round, alternating."""
+    commit, before_root = library_copy(BEFORE)
+    roots = {LIBRARY_SHIPPED: REPO, LIBRARY_BEFORE: before_root}
+    per: dict[str, list[dict[str, float]]] = {which: [] for which in roots}
+    for r in range(rounds):
+        for which in ordered(list(roots), r):
+            done = subprocess.run(
+                [sys.executable, str(HERE / "fixpieces.py"), "-n", str(n)],
+                cwd=str(HERE),
+                env=bench_env(str(roots[which])),
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=False,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"fixpieces.py on the {which} library failed: {done.stderr[-3000:]}")
+            found = json.loads(done.stdout)
+            check_copy(f"fixpieces.py ({which})", found["library"], roots[which])
+            per[which].append(found["us"])
+    names = list(per[LIBRARY_SHIPPED][0])
+    return {
+        "before": commit,
+        "calls": n,
+        "pieces": {
+            name: compared([p[name] for p in per[LIBRARY_SHIPPED]], [p[name] for p in per[LIBRARY_BEFORE]])
+            for name in names
+        },
+    }
+
+
+def new_pieces(n: int) -> dict[str, float]:
+    """µs per call of what this round added to the request path with nothing before it to compare with."""
+    started = time.process_time()
+    for _ in range(n):
+        outer = sys.exception()  # as a transactional run starts the app
+        handling = sys.exception()  # as the response starts
+        _ = handling is not None and handling is not outer
+    return {"the exception check of a transactional response": (time.process_time() - started) / n * 1e6}
+
+
+async def exactly_once(dsn: str, pid: int | None, rounds: int, quick: bool) -> dict[str, Any]:
+    local = pid is not None
+    return {
+        "guard": await guard_cost(dsn, rounds, 2000 if quick else 5000),
+        "responses": await responses_cost(dsn, local, rounds, 200 if quick else 800),
+        "isolation": await isolation_cost(dsn, rounds, 200 if quick else 800),
+        "restore": await restore_cost(dsn, local, rounds, 200 if quick else 800),
+        "pieces": pieces_compared(rounds, 20000 if quick else 50000),
+        "new_pieces": new_pieces(200000),
+    }
+
+
 async def main(dsn: str, pid: int | None, quick: bool) -> dict[str, Any]:
     rounds = 5 if quick else 9
+    loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
     return {
         "concurrency": CONCURRENCY,
         "rounds": rounds,
+        "loop": "uvloop" if loop == "uvloop" else "asyncio",
         "reset": await reset_cost(dsn, pid, rounds, 1000 if quick else 2000),
         "settle": await settle_cost(dsn, rounds, 1000 if quick else 3000),
         "pieces": await pieces(50000),
+        "exactly_once": await exactly_once(dsn, pid, rounds, quick),
     }
 
 
@@ -317,6 +932,68 @@ def targets(result: dict[str, Any]) -> list[Target]:
             f"{result['pieces']['lease keeper: hold + drop']:.1f} µs",
             None,
         ),
+        *(exactly_once_targets(result["exactly_once"]) if "exactly_once" in result else []),
+    ]
+
+
+def exactly_once_targets(found: dict[str, Any]) -> list[Target]:
+    guard, phases = found["guard"], found["responses"]["phases"]
+    isolation, restore = found["isolation"]["compared"], found["restore"]["compared"]
+    explicit, pin, share = isolation[APP_COMPARED], isolation[OWN_COMPARED], isolation[CHECKOUT_COMPARED]
+    pieces = found["pieces"]["pieces"]
+    chosen = [pieces[name] for name in (FORM_ESCAPED_PIECE, FORM_ASCII_PIECE, RECORDER_PIECE, LEASE_PIECE)]
+
+    def spread(c: dict[str, Any], digits: int, unit: str = " µs") -> str:
+        return f"{c['added']:+.{digits}f}{unit} (rounds {c['low']:+.{digits}f} to {c['high']:+.{digits}f})"
+
+    def database(phase: str) -> str:
+        cpu = phases[phase]["db_cpu_us"]
+        return f"{spread(cpu, 0)} database CPU" if cpu is not None else "database CPU not measured"
+
+    return [
+        Target(
+            "0.2.0 the guard on the lent connection, per statement the handler runs",
+            "published",
+            f"{spread(guard['call_us'], 2)} per call without a round trip ({guard['call_us']['before']:.2f} to "
+            f"{guard['call_us']['shipped']:.2f} µs); client CPU per statement {spread(guard['client_us'], 1)}",
+            None,
+        ),
+        Target(
+            "0.2.0 responses in a table of their own, per statement",
+            "published",
+            f"completion {database(COMPLETION)}, {phases[COMPLETION]['wal_bytes']['added']:+.0f} B WAL; in the "
+            f"handler's transaction {database(IN_TRANSACTION)}; fresh claim {database(FRESH_CLAIM)}; replay "
+            f"{database(REPLAY)}",
+            None,
+        ),
+        Target(
+            "0.2.0 the store's statements held to READ COMMITTED on a REPEATABLE READ database, per fresh request",
+            "published",
+            f"app's pool {spread(explicit['client_us'], 0)} client CPU, {explicit['wall_us']['added']:+.0f} µs wall "
+            "(two statements, each in a transaction of its own); own pool, pinned once per connection: "
+            f"{spread(pin['client_us'], 1)} client CPU for the same client code, this comparison's resolution; the "
+            f"share of an app's pool kept for finishing work {spread(share['client_us'], 1)} client CPU per checkout",
+            None,
+        ),
+        Target(
+            "0.2.0 the pool's session state restored, per lent connection",
+            "published",
+            "; ".join(
+                f"{where} {values['wall_us']['added']:+.0f} µs wall"
+                + (f", {spread(values['db_cpu_us'], 0)} database CPU" if values["db_cpu_us"] else "")
+                for where, values in restore.items()
+            ),
+            None,
+        ),
+        Target(
+            "0.2.0 the fingerprint's UTF-8 escapes, the recorder's headers, the lease keeper per loop",
+            "published",
+            f"{spread(pieces[FORM_ESCAPED_PIECE], 2)} (a form with UTF-8 escapes), "
+            f"{spread(pieces[FORM_ASCII_PIECE], 2)} (an ASCII form), {spread(pieces[RECORDER_PIECE], 2)}, "
+            f"{spread(pieces[LEASE_PIECE], 2)}"
+            + (": rounds on both sides of zero for each" if all(c["low"] <= 0 <= c["high"] for c in chosen) else ""),
+            None,
+        ),
     ]
 
 
@@ -325,11 +1002,13 @@ def render(result: dict[str, Any]) -> str:
     settle = result["settle"]
     return "\n\n".join(
         [
-            "# What the fixes of issue 10 cost",
-            f"In process, uvloop, the ASGI app called directly, {result['concurrency']} requests at a time, "
+            "# What the fixes cost: issue 10's, and 0.2.0's for any isolation level and the app's connections",
+            f"In process, under {result.get('loop', 'uvloop')}, each fix side by side with what it replaced, "
             f"{result['rounds']} interleaved rounds, medians. The fingerprint's cost per body shape is in "
             "[fingerprint.md](fingerprint.md).",
             target_table(targets(result)),
+            "## The fixes of issue 10",
+            f"The ASGI app called directly, {result['concurrency']} requests at a time.",
             "**Session reset** (defect 2): transactional requests on `PostgresStore` (claim, one INSERT by the "
             "handler on the lent connection, completion, commit, the connection's reset), with the full reset of "
             "`sql/reset_session.sql` against asyncpg's own (`RESET ALL`-style, which leaves the role, temp tables "
@@ -372,8 +1051,152 @@ def render(result: dict[str, Any]) -> str:
             ),
             "Each mechanism alone (µs per call):",
             table(["piece", "µs"], [[name, f"{value:.2f}"] for name, value in result["pieces"].items()]),
+            *(render_exactly_once(result["exactly_once"], result["rounds"]) if "exactly_once" in result else []),
         ]
     )
+
+
+def cells(c: dict[str, Any], digits: int) -> list[str]:
+    """Before, shipped, and the paired difference with its range over rounds."""
+    return [
+        f"{c['before']:.{digits}f}",
+        f"{c['shipped']:.{digits}f}",
+        f"{c['added']:+.{digits}f} ({c['low']:+.{digits}f} to {c['high']:+.{digits}f})",
+    ]
+
+
+def render_exactly_once(found: dict[str, Any], rounds: int) -> list[str]:
+    guard, responses, isolation = found["guard"], found["responses"], found["isolation"]
+    restore, pieces = found["restore"], found["pieces"]
+    paired = "median of the round-by-round differences, shipped minus before, and their range"
+    return [
+        "## The fixes of 0.2.0: any isolation level, the app's connection state, lent connections",
+        f"Each fix on a hot path against what it replaced, in {rounds} rounds. One operation at a time (no "
+        "concurrency, so a difference is the fix's and not a queue's), the variants taking turns operation by "
+        "operation, each operation timed alone; a round's figure is the median over its operations (a preempted "
+        'one does not move it), every number below is the median over rounds, and "added" the '
+        f"{paired}. The library before these fixes is commit `{pieces['before'][:7]}`.",
+        "**The guard on the lent connection**: a transactional handler's connection is a `LentConnection`, which "
+        "refuses every call once its request has ended. A statement (`fetchval('SELECT $1::int')`, "
+        f"{guard['statements']} per round) through it and on the asyncpg connection itself; and a call that "
+        f"makes no round trip (`is_in_transaction()`, {guard['statements'] * 10} in a row per round and variant), "
+        "which is the guard alone. Lending and ending a "
+        f"`LentConnection` costs {guard['lend_us']:.2f} µs per request.",
+        table(
+            ["per statement", "before, µs", "shipped, µs", "added, µs (rounds)"],
+            [
+                ["client CPU, a statement", *cells(guard["client_us"], 1)],
+                ["wall time, a statement", *cells(guard["wall_us"], 1)],
+                ["client CPU, a call without a round trip", *cells(guard["call_us"], 2)],
+            ],
+        ),
+        "**Responses in a table of their own** (`idempotency_responses`): compared statement by statement, "
+        "not through the stores, because the store before these fixes also differs in its connections, its claim's "
+        "commit (one WAL flush per transactional request) and the waiters' notifications, which a comparison of "
+        "whole requests would put on the table layout. The statements of "
+        f"`{pieces['before'][:7]}` (one table) and the shipped ones (two tables; plain-mode parameters, the new ones "
+        "NULL) each on a schema of their own in the same database, through raw asyncpg, prepared, one connection "
+        f"each, {responses['statements']} keys per phase and round: fresh claims, their completions, a replay of "
+        "each, and completions in a transaction of their own as a handler's transaction completes (`BEGIN`, the "
+        "completion, `COMMIT`; the one-table library completed there with its plain `UPDATE`). Database CPU is the "
+        "server process's, from `/proc/<pid>/schedstat` (a local server only); WAL bytes come from the server's WAL "
+        f"position around a batch of {responses['wal_batch']} statements of one layout at a time (they vary little "
+        "round to round); commits do not wait for their WAL "
+        "flush (`synchronous_commit` off on these two connections): both layouts flush once per commit, and a "
+        "flush's time on this shared disk varies by more than the statements do.",
+        table(
+            [
+                "statement",
+                "wall before, µs",
+                "shipped",
+                "added (rounds)",
+                "database CPU before, µs",
+                "shipped",
+                "added (rounds)",
+                "WAL before, B",
+                "shipped",
+            ],
+            [
+                [
+                    phase,
+                    *cells(values["wall_us"], 0),
+                    *(cells(values["db_cpu_us"], 0) if values["db_cpu_us"] is not None else ["-", "-", "-"]),
+                    f"{values['wal_bytes']['before']:.0f}",
+                    f"{values['wal_bytes']['shipped']:.0f}",
+                ]
+                for phase, values in responses["phases"].items()
+            ],
+        ),
+        "**The store's statements under READ COMMITTED** on a database whose default is REPEATABLE READ "
+        "(`ALTER DATABASE … SET default_transaction_isolation`), and whose commits do not wait for their flush "
+        f"(as above). {isolation['requests']} fresh plain-mode requests per round and variant, each "
+        "`PostgresStore.claim` then `complete`. Through an app's asyncpg pool the store cannot set anything on the "
+        "app's sessions, so each statement runs in a READ COMMITTED transaction of its own (`BEGIN`, the "
+        "statement, `COMMIT`: two round trips more per statement) against the plain statements of before, which "
+        "fail under concurrent writes on such a database; on its own pool each connection is pinned once as it "
+        "opens, against connections not pinned. And the share an app's pool now keeps for the work that finishes "
+        "requests (a semaphore and a deadline around each checkout that does not finish a request: a fresh request "
+        "has one, its claim's) against a checkout straight from the pool, in those requests and alone (a checkout "
+        "and its release, which runs asyncpg's own reset either way). The store's own pool runs the same statements "
+        "and the same client code per request pinned or not (the pin is one query as a connection opens): its row "
+        "shows what this comparison resolves.",
+        table(
+            [
+                "what",
+                "wall before, µs",
+                "shipped",
+                "added (rounds)",
+                "client CPU before, µs",
+                "shipped",
+                "added (rounds)",
+            ],
+            [
+                [what, *cells(values["wall_us"], 0), *cells(values["client_us"], 1)]
+                for what, values in isolation["compared"].items()
+            ],
+        ),
+        "**The pool's session state restored per lend**: what a lent connection runs as it comes back, timed "
+        f"alone ({restore['resets']} per round): `sql/reset_session.sql`, then the SQL that gives the connection "
+        "back the state its pool set up (shipped), against the reset alone (before, which left a connection of "
+        "the app's pool without the role its `init` set). On a connection of the store's own pool that state is "
+        "its READ COMMITTED pin; on one of an app's pool, an `init` that runs `SET ROLE`, `SET search_path` and "
+        "`SET statement_timeout`. Both are one round trip. Reading that state, once per connection of an app's "
+        f"pool the first time it is lent, takes {restore['capture_us']:.0f} µs (a query of `pg_settings`).",
+        table(
+            [
+                "connection",
+                "wall before, µs",
+                "shipped",
+                "added (rounds)",
+                "database CPU before, µs",
+                "shipped",
+                "added (rounds)",
+            ],
+            [
+                [
+                    where,
+                    *cells(values["wall_us"], 0),
+                    *(cells(values["db_cpu_us"], 0) if values["db_cpu_us"] is not None else ["-", "-", "-"]),
+                ]
+                for where, values in restore["compared"].items()
+            ],
+        ),
+        "**Pieces of the request path** that changed with these fixes, each timed alone (CPU time, "
+        f"{pieces['calls']} calls, the cycle collector paused) by `fixpieces.py` in a process of its own on the "
+        f"shipped library and on `{pieces['before'][:7]}`, alternating: the fingerprint's form and query decoding "
+        "(%XX escapes read as UTF-8, as Starlette reads them), the recorder's response start (headers that come "
+        "as an iterator are copied into the message that goes on; a list passes as before) and the lease keeper "
+        "(one set of leases and timer per event loop). A process's own speed varies from one to the next by more "
+        "than some of these differences: the rounds' range says how much.",
+        table(
+            ["piece", "before, µs", "shipped, µs", "added, µs (rounds)"],
+            [[name, *cells(values, 2)] for name, values in pieces["pieces"].items()],
+        ),
+        "New on the path with nothing before it: "
+        + "; ".join(f"{name}, {value:.2f} µs" for name, value in found["new_pieces"].items())
+        + " (`sys.exception()` as the app starts and as its response starts, which tells a response the app made "
+        "of an exception, whose writes roll back).",
+    ]
 
 
 if __name__ == "__main__":

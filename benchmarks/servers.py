@@ -40,19 +40,32 @@ def bench_env(python_path: str = str(REPO)) -> dict[str, str]:
 
 
 class Server:
-    """``uvicorn benchapp:create_app`` for one variant; ``url`` is its base URL once started."""
+    """``uvicorn benchapp:create_app`` (or another ``app`` factory) for one variant; ``url`` is its base URL once
+    started. ``python_path`` is where it imports ``idempotency_mw`` from: the working tree, or a copy of a git
+    revision (``common.library_copy``)."""
 
-    def __init__(self, python: str, variant: str, dsn: str | None, *, log_name: str | None = None) -> None:
+    def __init__(
+        self,
+        python: str,
+        variant: str,
+        dsn: str | None,
+        *,
+        log_name: str | None = None,
+        app: str = "benchapp:create_app",
+        python_path: Path = REPO,
+    ) -> None:
         self.python = python
         self.variant = variant
         self.dsn = dsn
+        self.app = app
+        self.python_path = python_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = WORK / "logs" / f"{log_name or variant}.log"
 
     def __enter__(self) -> Server:
-        env = bench_env()
+        env = bench_env(str(self.python_path))
         env["BENCH_VARIANT"] = self.variant
         if self.dsn:
             env["BENCH_DSN"] = self.dsn
@@ -63,7 +76,7 @@ class Server:
                     self.python,
                     "-m",
                     "uvicorn",
-                    "benchapp:create_app",
+                    self.app,
                     "--factory",
                     "--app-dir",
                     str(HERE),
@@ -110,6 +123,15 @@ class Server:
             except OSError:
                 time.sleep(0.1)
         raise TimeoutError(f"{self.variant} server did not answer within {timeout} s")
+
+    def library(self) -> str:
+        """The directory this server imported ``idempotency_mw`` from (``GET /_library``)."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            connection.request("GET", "/_library")
+            return str(json.loads(connection.getresponse().read())["path"])
+        finally:
+            connection.close()
 
     def collector(self) -> dict[str, Any]:
         """The server's cycle collector so far: ``{"seconds": …, "collections": [gen0, gen1, gen2]}``."""

@@ -32,6 +32,59 @@ async def test_fixes_py_settles_every_request_in_each_of_its_variants(
         assert all(result[store][name] > 0 for name in (fixes.SHIPPED, fixes.FROM_THE_START, fixes.DIRECT))
 
 
+async def test_fixes_py_runs_each_variant_of_the_0_2_0_fixes(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lent connection's guard, the two table layouts' statements, the store on a REPEATABLE READ database
+    (through an app's pool with and without its explicit transactions and its share, and its own pool pinned or
+    not), the pool-state restore, and the pieces on the library before (``fixpieces.py`` in a process of its own):
+    each asserts its own answers (claims owned, completions landed, replays found, the restored search_path)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import fixes
+
+    found = {
+        "guard": await fixes.guard_cost(migrated_url, rounds=1, statements=5),
+        "responses": await fixes.responses_cost(migrated_url, False, rounds=1, n=3),
+        "isolation": await fixes.isolation_cost(migrated_url, rounds=1, n=3),
+        "restore": await fixes.restore_cost(migrated_url, False, rounds=1, n=3),
+        "pieces": fixes.pieces_compared(rounds=1, n=10),
+        "new_pieces": fixes.new_pieces(10),
+    }
+    assert set(found["responses"]["phases"]) == {
+        fixes.FRESH_CLAIM,
+        fixes.COMPLETION,
+        fixes.REPLAY,
+        fixes.IN_TRANSACTION,
+    }
+    assert found["responses"]["phases"][fixes.COMPLETION]["wal_bytes"]["shipped"] > 0
+    assert set(found["isolation"]["compared"]) == {
+        fixes.APP_COMPARED,
+        fixes.SHARE_COMPARED,
+        fixes.CHECKOUT_COMPARED,
+        fixes.OWN_COMPARED,
+    }
+    assert set(found["restore"]["compared"]) == {fixes.OWN_RESTORE, fixes.APP_RESTORE}
+    assert set(found["pieces"]["pieces"]) >= {fixes.FORM_ESCAPED_PIECE, fixes.RECORDER_PIECE, fixes.LEASE_PIECE}
+    markdown = "\n\n".join(fixes.render_exactly_once(found, 1))
+    assert "| completion (plain mode) |" in markdown
+    assert [t.ok for t in fixes.exactly_once_targets(found)] == [None] * 5
+
+
+def test_the_function_reset_variant_keeps_the_pool_state_after_the_do_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variant that deallocates in a function replaces only the DO block: the shipped reset's restore of the
+    pool's session state (here the store's READ COMMITTED pin) still follows, so the two differ by the block alone."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import fixes
+
+    from idempotency_mw.connectors import PIN_RESTORE
+    from idempotency_mw.sql import reset_session
+
+    variant = fixes.deallocation_in_a_function(reset_session() + "\n" + PIN_RESTORE)
+    assert "DO $$" not in variant
+    assert variant.endswith(PIN_RESTORE)
+    assert variant.count("bench_deallocate_sql_statements()") == 1
+
+
 @pytest.mark.parametrize(
     ("kind", "variant", "count"),
     [

@@ -232,21 +232,22 @@ def test_run_lengths(durability: ModuleType) -> None:
 def test_library_copies_and_their_digest(
     durability: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(durability, "LIBRARIES", tmp_path / "library")
-    commit, copy = durability.library_copy("HEAD")
-    assert commit == durability.git("rev-parse", "HEAD")
+    common = importlib.import_module("common")
+    monkeypatch.setattr(common, "LIBRARIES", tmp_path / "library")
+    commit, copy = common.library_copy("HEAD")
+    assert commit == common.git("rev-parse", "HEAD")
     assert (copy / "idempotency_mw" / "__init__.py").exists()
     assert (copy / "idempotency_mw" / "sql" / "queries.sql").exists()
-    assert durability.library_copy("HEAD") == (commit, copy)  # extracted once
+    assert common.library_copy("HEAD") == (commit, copy)  # extracted once
     twin = tmp_path / "twin"
     shutil.copytree(copy, twin)
-    assert durability.library_digest(twin) == durability.library_digest(copy)
+    assert common.library_digest(twin) == common.library_digest(copy)
     (twin / "idempotency_mw" / "__pycache__").mkdir(exist_ok=True)
     (twin / "idempotency_mw" / "__pycache__" / "x.py").write_text("compiled")
-    assert durability.library_digest(twin) == durability.library_digest(copy)
+    assert common.library_digest(twin) == common.library_digest(copy)
     with open(twin / "idempotency_mw" / "sql" / "queries.sql", "a") as sql:
         sql.write("-- changed\n")
-    assert durability.library_digest(twin) != durability.library_digest(copy)
+    assert common.library_digest(twin) != common.library_digest(copy)
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="the shim is built with gcc")
