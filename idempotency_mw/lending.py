@@ -55,7 +55,8 @@ def reset_sql(connection: Any) -> str:
 class LentConnection:
     """An asyncpg connection for the length of a loan: every method of ``asyncpg.Connection`` works on the
     connection until :meth:`end`, and raises ``asyncpg.InterfaceError`` after it (a method looked up before the end
-    and called after it too)."""
+    and called after it too). Like asyncpg's pool proxy, it guards the connection's methods, not the objects they
+    returned during the loan (a prepared statement, a cursor)."""
 
     __slots__ = ("_connection",)
 
