@@ -110,9 +110,12 @@ def test_the_performance_figures_are_the_published_results() -> None:
 
 
 def test_the_fault_table_is_the_published_results() -> None:
+    """The README quotes a selection of the published scenarios, as published, and every one that lost or repeated
+    an operation."""
     published = {row[0]: row for row in table_rows(FAULT_RESULTS.read_text()) if row[0] != "scenario"}
     quoted = {row[0]: row for row in table_rows(section("Under faults")) if row[0] != "scenario"}
-    assert set(quoted) == set(published)
+    assert set(quoted) <= set(published)
+    assert {scenario for scenario, row in published.items() if row[3] != "0" or row[4] != "0"} <= set(quoted)
     for scenario, (_, operations, duplicates, lost) in quoted.items():
         row = published[scenario]
         assert (operations, duplicates, lost) == (row[1], row[3], row[4]), scenario
