@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -126,3 +127,19 @@ def test_run_lengths_and_database_urls(beforeafter: ModuleType) -> None:
     )
     assert beforeafter.database_url("postgresql://u:p@db:5433/app", "b") == "postgresql://u:p@db:5433/b"
     assert len(set(beforeafter.DATABASES.values())) == len(beforeafter.NAMES)
+
+
+def test_run_py_runs_it_on_request_and_judges_it_in_the_summary(
+    beforeafter: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Wired like durability: a step, targets for the summary, left out of the quick run unless asked for."""
+    run = importlib.import_module("run")
+    assert set(run.MEASUREMENTS) == set(run.STEPS) == set(run.TARGETS) == set(run.ISSUE_ORDER)
+    assert run.STEPS["beforeafter"] == (beforeafter.measure, beforeafter.render)
+    assert "beforeafter" in run.QUICK_SKIPS
+    monkeypatch.setattr(run, "RAW", tmp_path)
+    meta = {"started": "2026-11-26 23:00", "mode": "full", "minutes": 4.0}
+    (tmp_path / "beforeafter.json").write_text(json.dumps({"meta": meta, "result": result(NOISY, NOISY, NOISY)}))
+    summary = run.summary()
+    assert "| before/after: replays, requests/s after / before (4444444), paired slices | within the now/now" in summary
+    assert "[beforeafter.md](beforeafter.md) (full)" in summary
