@@ -27,8 +27,8 @@ the noise band, which is the 95% interval of the median of after-again / after, 
 not. Met means this run cannot tell before and after apart any better than it tells two servers of one library
 apart; missed means that even the 95% interval of after / before lies outside the band.
 
-    .venv/bin/python benchmarks/beforeafter.py --quick           # 12 rounds of 1-second slices
-    .venv/bin/python benchmarks/beforeafter.py                   # 18 rounds of 2-second slices
+    .venv/bin/python benchmarks/beforeafter.py --quick           # about 2 minutes: 12 rounds of 1-second slices
+    .venv/bin/python benchmarks/beforeafter.py                   # about 4 minutes: 18 rounds of 2-second slices
     .venv/bin/python benchmarks/beforeafter.py --before <ref>    # another "before" than the round's base
     ./dev bench --quick --only beforeafter                       # the same through run.py
 """
