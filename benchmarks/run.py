@@ -11,7 +11,8 @@ Steps: the load generator (wrk) and the benchmark venv with the peers are made r
 the fingerprint's cost per body shape (issue 10) run;
 then one PostgreSQL (embedded, restarted with pg_stat_statements; or ``DATABASE_URL``) serves every other
 measurement: round trips, end to end, scale, garbage collection, memory, and (in the full run, or with
-``--only instructions``) the instructions per request that valgrind counts. The durable commits of transactional
+``--only instructions``) the instructions per request that valgrind counts, and (in the full run, or with ``--only
+beforeafter``) the before/after pair of this round's redesign. The durable commits of transactional
 requests (``durability.py``; in the full run, or with ``--only durability``) run on a PostgreSQL of their own, with
 a shim that slows its flushes. Each measurement writes
 ``results/<name>.md`` and its raw numbers to ``results/raw/<name>.json``; ``results/README.md`` is the summary.
@@ -30,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import beforeafter
 import durability
 import encryption
 import endtoend
@@ -60,6 +62,7 @@ MEASUREMENTS = (
     "storepath",
     "fixes",
     "endtoend",
+    "beforeafter",
     "scale",
     "gc",
     "memory",
@@ -68,8 +71,8 @@ MEASUREMENTS = (
     "encryption",
     "waiting",
 )  # the order they run in
-# About 3 and 4 minutes: in the full run, or the quick one with --only instructions / --only durability.
-QUICK_SKIPS = ("instructions", "durability")
+# About 3, 4 and 2 minutes: in the full run, or the quick one with --only instructions / durability / beforeafter.
+QUICK_SKIPS = ("instructions", "durability", "beforeafter")
 # issue 5's, then 10's and 14's
 ISSUE_ORDER = (
     "roundtrips",
@@ -85,6 +88,7 @@ ISSUE_ORDER = (
     "durability",
     "encryption",
     "waiting",
+    "beforeafter",
 )
 VERSIONS = (
     "starlette",
@@ -210,6 +214,7 @@ STEPS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[dict[str, 
     "storepath": (run_storepath, lambda result, ctx: storepath.render(result)),
     "fixes": (run_fixes, lambda result, ctx: fixes.render(result)),
     "endtoend": (endtoend.measure, endtoend.render),
+    "beforeafter": (beforeafter.measure, beforeafter.render),
     "scale": (scale.measure, scale.render),
     "gc": (purge.measure, purge.render),
     "memory": (rss.measure, rss.render),
@@ -286,6 +291,7 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "durability": durability.targets,
     "encryption": encryption.targets,
     "waiting": waiting.targets,
+    "beforeafter": beforeafter.targets,
 }
 
 
@@ -389,6 +395,9 @@ def main() -> None:
                 database = "DATABASE_URL"
             if name == "durability":  # measured on a server of its own, with the slow-flush shim, in short slices
                 version, database = result["server"]["version"], durability.SERVER_DESCRIPTION
+                per_run = result["settings"]["slice_seconds"]
+            if name == "beforeafter":  # in short slices, on databases of its own on the run's server
+                version, database = result["server"]["version"], f"{database}; {beforeafter.DATABASE_NOTE}"
                 per_run = result["settings"]["slice_seconds"]
             meta = measurement_meta(
                 began=began,
