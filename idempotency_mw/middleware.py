@@ -372,15 +372,16 @@ class IdempotentRequest:
         claimer: Store | TransactionalRun = self.transaction or self.store
         key, tenant, digest = self.key, self.tenant, self.digest
         started = time.perf_counter()
-        # A task of its own: a cancellation must not lose a claim that landed.
-        task = start_eagerly(
-            claim_or_wait(
+        if policy.on_conflict == "wait":
+            claiming = claim_or_wait(
                 lambda: claimer.claim(tenant, key, digest, lease=policy.lease, ttl=policy.ttl),
                 lambda within: self.store.wait(tenant, key, within),
-                policy.wait if policy.on_conflict == "wait" else None,
-            ),
-            "idempotency claim",
-        )
+                policy.wait,
+            )
+        else:
+            claiming = claimer.claim(tenant, key, digest, lease=policy.lease, ttl=policy.ttl)
+        # A task of its own: a cancellation must not lose a claim that landed.
+        task = start_eagerly(claiming, "idempotency claim")
         try:
             claim = await outlasting(task)
         except asyncio.CancelledError:

@@ -28,12 +28,12 @@ def settlement_tag(tenant: str, key: str) -> str:
 
 
 async def claim_or_wait(
-    claim: Callable[[], Awaitable[Claim]], wait: Callable[[float], Awaitable[None]], within: float | None
+    claim: Callable[[], Awaitable[Claim]], wait: Callable[[float], Awaitable[None]], within: float
 ) -> Claim:
     """The ``claim``; while another request runs under its key, claimed again each time ``wait`` says that request
-    may have settled, for ``within`` seconds at most (None: answer the conflict at once)."""
+    may have settled, for ``within`` seconds at most."""
     claimed = await claim()
-    if claimed.outcome is not ClaimOutcome.IN_PROGRESS or within is None:
+    if claimed.outcome is not ClaimOutcome.IN_PROGRESS:
         return claimed
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
