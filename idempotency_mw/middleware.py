@@ -368,7 +368,8 @@ class IdempotentRequest:
         self.phase = Phase.CLAIMING
         self.report.reach_store(self.scope)
         policy = self.policy
-        self._start_run()
+        if policy.transactional:
+            self._start_run()  # the claim is taken on the connection its transaction then uses
         claimer: Store | TransactionalRun = self.transaction or self.store
         key, tenant, digest = self.key, self.tenant, self.digest
         started = time.perf_counter()
@@ -417,6 +418,7 @@ class IdempotentRequest:
         self.phase = Phase.RUNNING
         if self.transaction is not None:
             return await self._begin()
+        self._start_run()
         assert self.plain is not None
         self.plain.claimed()
         self._set_context(IdempotencyContext(self.tenant, self.key))
