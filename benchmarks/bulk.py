@@ -33,7 +33,7 @@ INSERT INTO idempotency_records (tenant, key, fingerprint, fence, lease_expires_
 SELECT CASE WHEN i % $4 = 0 THEN $1 ELSE 'tenant-' || (i % 997) END,
        $2 || '-' || i, $3, i, NULL, 0,
        now() - interval '1 hour',
-       CASE WHEN $7 THEN now() - interval '1 hour' - (i % 3600) * interval '1 second'
+       CASE WHEN $7::boolean THEN now() - interval '1 hour' - (i % 3600) * interval '1 second'
             ELSE now() + interval '24 hours' END
 FROM generate_series($5::bigint, $6::bigint) AS i
 """
@@ -41,7 +41,7 @@ FROM generate_series($5::bigint, $6::bigint) AS i
 RESPONSES = """
 INSERT INTO idempotency_responses (tenant, key, fence, status, headers, body, body_size, completed_at)
 SELECT CASE WHEN i % $4 = 0 THEN $1 ELSE 'tenant-' || (i % 997) END,
-       $2 || '-' || i, i, 201, $3::jsonb, $8::bytea, octet_length($8::bytea), now() - interval '1 hour'
+       $2 || '-' || i, i, 201, $3::jsonb, $7::bytea, octet_length($7::bytea), now() - interval '1 hour'
 FROM generate_series($5::bigint, $6::bigint) AS i
 """
 
@@ -65,7 +65,8 @@ async def add_records(url: str, start: int, stop: int, *, prefix: str, expired: 
         indexes = await connection.fetch(
             "SELECT i.tablename, i.indexname, i.indexdef, c.conname, c.contype FROM pg_indexes i "
             "LEFT JOIN pg_constraint c ON c.conindid = (quote_ident(i.schemaname) || '.' || "
-            "quote_ident(i.indexname))::regclass WHERE i.tablename = ANY($1::text[])",
+            "quote_ident(i.indexname))::regclass AND c.contype IN ('p', 'u') "
+            "WHERE i.tablename = ANY($1::text[])",
             list(TABLES),
         )
         for foreign_key in foreign_keys:

@@ -32,6 +32,37 @@ async def test_fixes_py_settles_every_request_in_each_of_its_variants(
         assert all(result[store][name] > 0 for name in (fixes.SHIPPED, fixes.FROM_THE_START, fixes.DIRECT))
 
 
+async def test_storepath_py_replays_through_both_claim_statements(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """storepath.py reads the claim statements' rows itself: a reshaped row fails here, not in a benchmark run."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import storepath
+
+    result = await storepath.replays(migrated_url, 3, 1, "test-storepath")
+    assert set(result["wal_bytes_per_replay"]) == {"claim", "claim_locked"}
+
+
+async def test_bulk_loads_records_and_puts_every_constraint_back(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bulk.py drops the tables' constraints for the load and restores them, the responses' foreign key included."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import asyncpg
+    import bulk
+
+    query = "SELECT conrelid::regclass::text, contype::text FROM pg_constraint WHERE conrelid = ANY($1::regclass[])"
+    connection = await asyncpg.connect(migrated_url)
+    try:
+        constraints = sorted(map(tuple, await connection.fetch(query, list(bulk.TABLES))))
+        await bulk.add_records(migrated_url, 0, 10, prefix="test-bulk")
+        assert sorted(map(tuple, await connection.fetch(query, list(bulk.TABLES)))) == constraints
+        assert ("idempotency_responses", "f") in constraints
+        assert await connection.fetchval("SELECT count(*) FROM idempotency_responses") == 10
+    finally:
+        await connection.close()
+
+
 async def test_fixes_py_runs_each_variant_of_the_0_2_0_fixes(
     migrated_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
