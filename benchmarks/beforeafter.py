@@ -492,7 +492,10 @@ def main() -> None:
         return
     import run  # here, not above: run.py imports this module
 
-    meta = run.measurement_meta(
+    written = run.publish(
+        "beforeafter",
+        markdown,
+        result,
         began=began,
         mode="quick" if args.quick else "full",
         postgres=result["server"]["version"],
@@ -501,9 +504,7 @@ def main() -> None:
         versions=versions,
         seconds=settings.slice_seconds,
     )
-    run.write("beforeafter", markdown, result, meta)
-    (run.RESULTS / "README.md").write_text(run.summary() + "\n")
-    log(f"written to {run.RESULTS / 'beforeafter.md'}")
+    log(f"written to {written}")
 
 
 if __name__ == "__main__":

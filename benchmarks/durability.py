@@ -903,7 +903,10 @@ def main() -> None:
         return
     import run  # here, not above: run.py imports this module
 
-    meta = run.measurement_meta(
+    written = run.publish(
+        "durability",
+        markdown,
+        result,
         began=began,
         mode="quick" if args.quick else "full",
         postgres=result["server"]["version"],
@@ -912,9 +915,7 @@ def main() -> None:
         versions=versions,
         seconds=settings.slice_seconds,
     )
-    run.write("durability", markdown, result, meta)
-    (run.RESULTS / "README.md").write_text(run.summary() + "\n")
-    log(f"written to {run.RESULTS / 'durability.md'}")
+    log(f"written to {written}")
 
 
 SERVER_DESCRIPTION = "embedded, its own, with the slow-flush shim"

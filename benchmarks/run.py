@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import beforeafter
@@ -274,6 +275,14 @@ def write(name: str, markdown: str, result: dict[str, Any], meta: dict[str, Any]
     RAW.mkdir(parents=True, exist_ok=True)
     (RAW / f"{name}.json").write_text(json.dumps({"meta": meta, "result": result}, indent=1, default=str) + "\n")
     (RESULTS / f"{name}.md").write_text(markdown + "\n\n" + header(meta) + "\n")
+
+
+def publish(name: str, markdown: str, result: dict[str, Any], **meta: Any) -> Path:
+    """Write a measurement that ran on its own (its script's ``main``, not this run) as this run would, with
+    ``measurement_meta(**meta)``, and the summary again; return its markdown file."""
+    write(name, markdown, result, measurement_meta(**meta))
+    (RESULTS / "README.md").write_text(summary() + "\n")
+    return RESULTS / f"{name}.md"
 
 
 # name -> the targets of issue 5 that measurement is judged on, computed from its raw result on disk

@@ -7,6 +7,7 @@ which is how ``fixes.py`` went stale once; so each runs here, at a tiny size, ag
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -256,3 +257,22 @@ def test_the_eager_search_takes_pyenv_default_builds_newest_patch_first(
     assert peers._eager_candidates() == [
         str(tmp_path / "versions" / build / "bin" / "python3") for build in ("3.12.10", "3.12.2", "3.13.1")
     ]
+
+
+def test_a_measurement_run_on_its_own_is_published_as_run_py_would(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """durability.py and beforeafter.py publish through run.publish: the raw result with its meta, the markdown
+    with its header, and the summary, which judges the result again from the file."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import run
+
+    published = json.loads((BENCHMARKS / "results" / "raw" / "beforeafter.json").read_text())
+    monkeypatch.setattr(run, "RESULTS", tmp_path)
+    monkeypatch.setattr(run, "RAW", tmp_path / "raw")
+    meta = {"postgres": "18", "database": "test", "load_before": "0.1", "versions": {}, "seconds": 1.0}
+    written = run.publish("beforeafter", "# pair", published["result"], began=0.0, mode="quick", **meta)
+    assert written == tmp_path / "beforeafter.md"
+    assert written.read_text().startswith("# pair\n")
+    assert json.loads((tmp_path / "raw" / "beforeafter.json").read_text())["result"] == published["result"]
+    assert "before/after: fresh keys" in (tmp_path / "README.md").read_text()
