@@ -609,52 +609,49 @@ async def test_a_handler_that_changes_search_path_still_completes(
 # The flushes sessions wait for at their commits: those of the WAL writer, autovacuum and the checkpointer (an
 # asynchronous commit's flush among them, done in the background) keep no request waiting.
 WAL_FSYNCS = "SELECT sum(fsyncs)::bigint FROM pg_stat_io WHERE object = 'wal' AND backend_type = 'client backend'"
+REQUESTS = 40
+
+
+async def wal_flushes_per_request(url: str, app: Starlette, store: PostgresStore, path: str) -> float:
+    """The WAL flushes sessions waited for, per fresh keyed request to ``path``, as PostgreSQL counts them (its
+    statistics flushed as the store's connections close)."""
+    client = client_for(app)
+    admin = await asyncpg.connect(url)
+    try:
+        await client.post(path, headers={"Idempotency-Key": str(uuid.uuid4())})  # statements prepared
+        before = await admin.fetchval(WAL_FSYNCS)
+        for _ in range(REQUESTS):
+            assert (await client.post(path, headers={"Idempotency-Key": str(uuid.uuid4())})).status_code == 201
+        await store.close()
+        await admin.execute("SELECT pg_stat_force_next_flush()")
+        await asyncio.sleep(0.1)
+        return float(await admin.fetchval(WAL_FSYNCS) - before) / REQUESTS
+    finally:
+        await admin.close()
 
 
 async def test_a_fresh_transactional_request_waits_for_one_wal_flush(migrated_url: str) -> None:
     """The claim commits at once, for duplicates to see, but does not wait for its WAL flush: the handler's COMMIT
     flushes it, WAL being flushed in order, so the claim is durable whenever the effect is. 2 flushes per request
-    before; 1 now (counted by PostgreSQL, its statistics flushed as the store's connections close)."""
-    requests = 40
+    before; 1 now."""
     admin = await asyncpg.connect(migrated_url)
     try:
         await admin.execute("CREATE TABLE IF NOT EXISTS tx_effects (key text, note text)")
-        store = PostgresStore(migrated_url, min_size=1, max_size=2)
-        client = client_for(writing_app(store))
-        await client.post("/write", headers={"Idempotency-Key": str(uuid.uuid4())})  # statements prepared
-        before = await admin.fetchval(WAL_FSYNCS)
-        for _ in range(requests):
-            assert (await client.post("/write", headers={"Idempotency-Key": str(uuid.uuid4())})).status_code == 201
-        await store.close()
-        await admin.execute("SELECT pg_stat_force_next_flush()")
-        await asyncio.sleep(0.1)
-        flushes = await admin.fetchval(WAL_FSYNCS) - before
     finally:
         await admin.close()
-    assert flushes < requests * 1.3, f"{flushes / requests:.2f} WAL flushes per fresh transactional request"
+    store = PostgresStore(migrated_url, min_size=1, max_size=2)
+    flushes = await wal_flushes_per_request(migrated_url, writing_app(store), store, "/write")
+    assert flushes < 1.3, f"{flushes:.2f} WAL flushes per fresh transactional request"
 
 
 async def test_a_plain_claim_still_waits_for_its_flush(migrated_url: str) -> None:
     """Plain mode's effect is outside the database: a claim lost in a crash could let the retry run it again, so its
     claim and its completion each wait for their flush, as before."""
-    requests = 40
-    admin = await asyncpg.connect(migrated_url)
-    try:
-        store = PostgresStore(migrated_url, min_size=1, max_size=2)
-        app = Starlette(routes=[Route("/plain", lambda request: JSONResponse({}, status_code=201), methods=["POST"])])
-        app.add_middleware(IdempotencyMiddleware, store=store)
-        client = client_for(app)
-        await client.post("/plain", headers={"Idempotency-Key": str(uuid.uuid4())})  # statements prepared
-        before = await admin.fetchval(WAL_FSYNCS)
-        for _ in range(requests):
-            assert (await client.post("/plain", headers={"Idempotency-Key": str(uuid.uuid4())})).status_code == 201
-        await store.close()
-        await admin.execute("SELECT pg_stat_force_next_flush()")
-        await asyncio.sleep(0.1)
-        flushes = await admin.fetchval(WAL_FSYNCS) - before
-    finally:
-        await admin.close()
-    assert flushes >= requests * 1.9, f"{flushes / requests:.2f} WAL flushes per fresh plain request"
+    store = PostgresStore(migrated_url, min_size=1, max_size=2)
+    app = Starlette(routes=[Route("/plain", lambda request: JSONResponse({}, status_code=201), methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    flushes = await wal_flushes_per_request(migrated_url, app, store, "/plain")
+    assert flushes >= 1.9, f"{flushes:.2f} WAL flushes per fresh plain request"
 
 
 def test_the_store_names_its_statements(pg_store: PostgresStore) -> None:
