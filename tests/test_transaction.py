@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
 import pytest
 from sqlalchemy import exc, select, text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
@@ -223,6 +224,18 @@ class Gate:
         self.go.set()
 
 
+async def held_request(
+    flavour: Flavour, path: str, key: str, **options: Any
+) -> tuple[httpx.AsyncClient, Gate, asyncio.Task[httpx.Response]]:
+    """A keyed ``POST path`` to :func:`build`'s app whose handler has written and waits at its gate (``gate.go``)."""
+    gate = Gate()
+    gate.go.clear()
+    client = client_for(build(flavour, gate, **options))
+    request = asyncio.create_task(client.post(path, headers={"Idempotency-Key": key}))
+    await asyncio.wait_for(gate.entered.wait(), 5)
+    return client, gate, request
+
+
 class CardDeclined(Exception):
     """An app's own exception, which its exception handler turns into a 402."""
 
@@ -321,11 +334,7 @@ async def test_fenced_out_completion_rolls_back_the_handlers_writes(isolated_fla
     refused."""
     flavour = isolated_flavour
     key = str(uuid.uuid4())
-    gate = Gate()
-    gate.go.clear()
-    client = client_for(build(flavour, gate))
-    zombie = asyncio.create_task(client.post("/write?flush=1", headers={"Idempotency-Key": key}))
-    await asyncio.wait_for(gate.entered.wait(), 5)
+    client, gate, zombie = await held_request(flavour, "/write?flush=1", key)
     # Another worker takes the key over: the lease lapsed (a long pause, say) and a retry claimed it.
     await flavour.db.execute(
         "UPDATE idempotency_records SET lease_expires_at = now() - interval '1 second' WHERE key = $1", key
@@ -367,11 +376,7 @@ async def test_a_zombie_whose_snapshot_predates_a_completed_takeover_is_fenced_o
     roll back, it answers the fenced-out 409, and the key stays with the newer claim."""
     flavour = isolated_flavour
     key = str(uuid.uuid4())
-    gate = Gate()
-    gate.go.clear()
-    client = client_for(build(flavour, gate))
-    zombie = asyncio.create_task(client.post("/write?flush=1", headers={"Idempotency-Key": key}))
-    await asyncio.wait_for(gate.entered.wait(), 5)  # its first write took its snapshot
+    client, gate, zombie = await held_request(flavour, "/write?flush=1", key)  # its first write took its snapshot
     await flavour.db.execute(
         "UPDATE idempotency_records SET lease_expires_at = now() - interval '1 second' WHERE key = $1", key
     )
@@ -441,11 +446,7 @@ async def test_a_duplicate_refused_while_the_original_runs_does_not_fail_it(isol
     make the original's completion a serialization failure (500, nothing committed)."""
     flavour = isolated_flavour
     key = str(uuid.uuid4())
-    gate = Gate()
-    gate.go.clear()
-    client = client_for(build(flavour, gate))
-    original = asyncio.create_task(client.post("/write", headers={"Idempotency-Key": key}))
-    await asyncio.wait_for(gate.entered.wait(), 5)
+    client, gate, original = await held_request(flavour, "/write", key)
     for _ in range(3):
         duplicate = await client.post("/write", headers={"Idempotency-Key": key})
         assert duplicate.status_code == 409
@@ -461,11 +462,7 @@ async def test_a_handler_that_outlives_lease_renewals_completes(isolated_flavour
     runs longer than a third of its lease from ever completing."""
     flavour = isolated_flavour
     key = str(uuid.uuid4())
-    gate = Gate()
-    gate.go.clear()
-    client = client_for(build(flavour, gate, lease=0.3))
-    original = asyncio.create_task(client.post("/write", headers={"Idempotency-Key": key}))
-    await asyncio.wait_for(gate.entered.wait(), 5)
+    _, gate, original = await held_request(flavour, "/write", key, lease=0.3)
     await asyncio.sleep(0.5)  # a renewal every 0.1 s
     gate.go.set()
     assert (await original).status_code == 201
