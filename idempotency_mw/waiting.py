@@ -70,7 +70,8 @@ class Waiters:
 
     def wake(self, tenant: str, key: str) -> None:
         """The record's claim settled here (completed, released, or fenced out)."""
-        self.wake_tag(settlement_tag(tenant, key))
+        if self._events:  # with nobody waiting there is no tag to compute
+            self.wake_tag(settlement_tag(tenant, key))
 
     def wake_tag(self, tag: str) -> None:
         found = self._events.pop(tag, None)
