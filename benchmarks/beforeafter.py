@@ -1,11 +1,13 @@
-"""The before/after pair of this round's redesign: the end-to-end benchmark on the library of the round's base and on
-the working tree's, in the same run, with the noise of the benchmark measured beside it.
+"""Before/after pairs: the end-to-end benchmark on the library of a base revision and on the working tree's, in the
+same run, with the noise of the benchmark measured beside it. Two are published: ``beforeafter`` against the round's
+base (what this round costs against 0.1.0) and ``redesign`` against the library just before the redesign (what the
+redesign and the features after it cost).
 
 The redesign is to change nothing a user sees, and to move the end-to-end benchmark by no more than its noise. Two
 runs of the end-to-end benchmark minutes apart differ by more than that on a shared machine, so the pair is measured
 the way target 14.1 is (``endtoend.run_paired``), with three servers up at once:
 
-- **before**: the library of ``--before`` (default ``BASE``, the round's base), extracted with ``git archive`` into
+- **before**: the library of the pair's base (``PAIRS``; or ``--before``), extracted with ``git archive`` into
   ``benchmarks/.work/library/<commit>/`` and put first on its server's ``PYTHONPATH`` (``common.library_copy``);
 - **after**: the working tree's library;
 - **after-again**: a second server of the working tree's library. after-again / after is what the benchmark reads
@@ -29,8 +31,9 @@ apart; missed means that even the 95% interval of after / before lies outside th
 
     .venv/bin/python benchmarks/beforeafter.py --quick           # about 2 minutes: 12 rounds of 1-second slices
     .venv/bin/python benchmarks/beforeafter.py                   # about 4 minutes: 18 rounds of 2-second slices
-    .venv/bin/python benchmarks/beforeafter.py --before <ref>    # another "before" than the round's base
-    ./dev bench --quick --only beforeafter                       # the same through run.py
+    .venv/bin/python benchmarks/beforeafter.py --pair redesign   # the redesign's own pair
+    .venv/bin/python benchmarks/beforeafter.py --before <ref>    # another "before" than the pair's base
+    ./dev bench --quick --only beforeafter,redesign              # the same through run.py
 """
 
 from __future__ import annotations
@@ -70,7 +73,14 @@ from common import (
 from endtoend import CONNECTIONS, POOL, check
 from servers import HERE, REPO, Server, bench_env
 
-BASE = "43f0f80"  # the round's base: the library before the redesign
+BASE = "43f0f80"  # the round's base (0.1.0): before this round's fixes, features and redesign
+REDESIGN_BASE = "7440d2a"  # the library just before the redesign: the round's isolation fixes in, nothing after
+# A pair is published under its name: the round's (what 0.2.0 costs against 0.1.0), and the redesign's own.
+PAIRS = {"beforeafter": BASE, "redesign": REDESIGN_BASE}
+TITLES = {
+    "beforeafter": ("Before and after this round", "the round's base"),
+    "redesign": ("Before and after the redesign", "the library just before the redesign"),
+}
 NAMES = ("after", "after-again", "before")
 DATABASES = {"after": "beforeafter_after", "after-again": "beforeafter_after_again", "before": "beforeafter_before"}
 MODES = ("fresh", "replay")
@@ -107,14 +117,23 @@ class Settings:
     warm_up: float
     before: str = BASE
     quick: bool = True
+    name: str = "beforeafter"  # the pair (PAIRS) the result is published as
 
 
-def settings_for(quick: bool, seconds: float | None = None) -> Settings:
-    """12 rounds of 1-second slices (quick) or 18 of 2 s; ``seconds`` shortens the slices, never lengthens them."""
+def settings_for(quick: bool, seconds: float | None = None, name: str = "beforeafter") -> Settings:
+    """12 rounds of 1-second slices (quick) or 18 of 2 s; ``seconds`` shortens the slices, never lengthens them.
+    ``name``: the pair, whose base is the default ``before``."""
     slice_seconds = 1.0 if quick else 2.0
     if seconds:
         slice_seconds = min(seconds, slice_seconds)
-    return Settings(rounds=12 if quick else 18, slice_seconds=slice_seconds, warm_up=1.0 if quick else 2.0, quick=quick)
+    return Settings(
+        rounds=12 if quick else 18,
+        slice_seconds=slice_seconds,
+        warm_up=1.0 if quick else 2.0,
+        before=PAIRS[name],
+        quick=quick,
+        name=name,
+    )
 
 
 # --- the databases ------------------------------------------------------------------------------------------------
@@ -287,8 +306,13 @@ def measure_with(python: str, url: str, settings: Settings) -> dict[str, Any]:
 
 
 def measure(ctx: Context) -> dict[str, Any]:
-    """run.py's entry: the run's server and venv; ``--seconds`` shortens the slices."""
+    """run.py's entry for the round's pair: the run's server and venv; ``--seconds`` shortens the slices."""
     return measure_with(ctx.python, ctx.db.url, settings_for(ctx.quick, ctx.seconds))
+
+
+def measure_redesign(ctx: Context) -> dict[str, Any]:
+    """run.py's entry for the redesign's own pair."""
+    return measure_with(ctx.python, ctx.db.url, settings_for(ctx.quick, ctx.seconds, "redesign"))
 
 
 # --- reading the result -------------------------------------------------------------------------------------------
@@ -336,12 +360,13 @@ def ratio_summary(ratios: Sequence[float]) -> str:
 
 def targets(result: dict[str, Any]) -> list[Target]:
     before = result["library"]["before"]
+    label = "before/after" if result["settings"].get("name", "beforeafter") == "beforeafter" else "redesign"
     out = []
     for mode in MODES:
         change, noise = round_ratios(result, mode, *CHANGE), round_ratios(result, mode, *NOISE)
         out.append(
             Target(
-                f"before/after: {MODE_LABELS[mode]}, requests/s after / before ({before['commit'][:7]}), paired slices",
+                f"{label}: {MODE_LABELS[mode]}, requests/s after / before ({before['commit'][:7]}), paired slices",
                 "within the now/now noise",
                 f"{ratio_summary(change)}; now/now {ratio_summary(noise)}",
                 judge(change, noise),
@@ -416,10 +441,11 @@ def render(result: dict[str, Any], ctx: Context | None = None) -> str:
         for name in NAMES
         if entry[mode][name]["invalid"]
     ]
+    title, base = TITLES[settings.get("name", "beforeafter")]
     return "\n\n".join(
         [
-            "# Before and after this round's redesign",
-            "The end-to-end benchmark on the round's base and on the working tree, in one run "
+            f"# {title}",
+            f"The end-to-end benchmark on {base} and on the working tree, in one run "
             f"([README](../README.md#before-and-after-the-redesign), `beforeafter.py`): three servers of "
             "`benchapp`'s `ours` variant (plain mode, `PostgresStore` with its defaults) up at once on one "
             "PostgreSQL, each on a database of its own migrated by its own library: *before*, *after*, and "
@@ -471,13 +497,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="12 rounds of 1-second slices instead of 18 of 2 s")
     parser.add_argument("--rounds", type=int, help="rounds of slices")
     parser.add_argument("--seconds", type=float, help="seconds per slice (wrk counts whole seconds)")
-    parser.add_argument("--before", default=BASE, help="the git revision of 'before' (default: %(default)s)")
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="beforeafter", help="the pair to measure and publish")
+    parser.add_argument("--before", help="another git revision for 'before' than the pair's base")
     parser.add_argument("--no-write", action="store_true", help="print the tables, leave results/ as it is")
     args = parser.parse_args()
-    settings = settings_for(args.quick)
+    settings = settings_for(args.quick, name=args.pair)
     settings.rounds = args.rounds or settings.rounds
     settings.slice_seconds = args.seconds or settings.slice_seconds
-    settings.before = args.before
+    settings.before = args.before or settings.before
     began, load_before = time.time(), load_average()
     loadgen.ensure_wrk()
     python, _, versions = peers.ensure()
@@ -493,7 +520,7 @@ def main() -> None:
     import run  # here, not above: run.py imports this module
 
     written = run.publish(
-        "beforeafter",
+        args.pair,
         markdown,
         result,
         began=began,

@@ -12,7 +12,8 @@ the fingerprint's cost per body shape (issue 10) run;
 then one PostgreSQL (embedded, restarted with pg_stat_statements; or ``DATABASE_URL``) serves every other
 measurement: round trips, end to end, scale, garbage collection, memory, and (in the full run, or with
 ``--only instructions``) the instructions per request that valgrind counts, and (in the full run, or with ``--only
-beforeafter``) the before/after pair of this round's redesign. The durable commits of transactional
+beforeafter,redesign,opcodes``) the before/after pairs of this round and of its redesign, and the Python
+opcodes per request of each library revision of the round. The durable commits of transactional
 requests (``durability.py``; in the full run, or with ``--only durability``) run on a PostgreSQL of their own, with
 a shim that slows its flushes. Each measurement writes
 ``results/<name>.md`` and its raw numbers to ``results/raw/<name>.json``; ``results/README.md`` is the summary.
@@ -40,6 +41,7 @@ import fingerprint
 import fixes
 import instructions
 import loadgen
+import opcodes
 import overhead
 import peers
 import pgserver
@@ -64,6 +66,8 @@ MEASUREMENTS = (
     "fixes",
     "endtoend",
     "beforeafter",
+    "redesign",
+    "opcodes",
     "scale",
     "gc",
     "memory",
@@ -72,8 +76,9 @@ MEASUREMENTS = (
     "encryption",
     "waiting",
 )  # the order they run in
-# About 3, 4 and 2 minutes: in the full run, or the quick one with --only instructions / durability / beforeafter.
-QUICK_SKIPS = ("instructions", "durability", "beforeafter")
+# About 3, 4, 2, 2 and 5 minutes: in the full run, or the quick one with --only instructions / durability /
+# beforeafter / redesign / opcodes.
+QUICK_SKIPS = ("instructions", "durability", "beforeafter", "redesign", "opcodes")
 # issue 5's, then 10's and 14's
 ISSUE_ORDER = (
     "roundtrips",
@@ -90,6 +95,8 @@ ISSUE_ORDER = (
     "encryption",
     "waiting",
     "beforeafter",
+    "redesign",
+    "opcodes",
 )
 VERSIONS = (
     "starlette",
@@ -216,6 +223,8 @@ STEPS: dict[str, tuple[Callable[[Context], dict[str, Any]], Callable[[dict[str, 
     "fixes": (run_fixes, lambda result, ctx: fixes.render(result)),
     "endtoend": (endtoend.measure, endtoend.render),
     "beforeafter": (beforeafter.measure, beforeafter.render),
+    "redesign": (beforeafter.measure_redesign, beforeafter.render),
+    "opcodes": (opcodes.measure, opcodes.render),
     "scale": (scale.measure, scale.render),
     "gc": (purge.measure, purge.render),
     "memory": (rss.measure, rss.render),
@@ -301,6 +310,8 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "encryption": encryption.targets,
     "waiting": waiting.targets,
     "beforeafter": beforeafter.targets,
+    "redesign": beforeafter.targets,
+    "opcodes": lambda r: [],  # attribution of the pairs, judged end to end there
 }
 
 
@@ -405,7 +416,7 @@ def main() -> None:
             if name == "durability":  # measured on a server of its own, with the slow-flush shim, in short slices
                 version, database = result["server"]["version"], durability.SERVER_DESCRIPTION
                 per_run = result["settings"]["slice_seconds"]
-            if name == "beforeafter":  # in short slices, on databases of its own on the run's server
+            if name in beforeafter.PAIRS:  # in short slices, on databases of its own on the run's server
                 version, database = result["server"]["version"], f"{database}; {beforeafter.DATABASE_NOTE}"
                 per_run = result["settings"]["slice_seconds"]
             meta = measurement_meta(

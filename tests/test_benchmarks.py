@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -276,3 +277,48 @@ def test_a_measurement_run_on_its_own_is_published_as_run_py_would(
     assert written.read_text().startswith("# pair\n")
     assert json.loads((tmp_path / "raw" / "beforeafter.json").read_text())["result"] == published["result"]
     assert "before/after: fresh keys" in (tmp_path / "README.md").read_text()
+
+
+async def test_opcodes_py_counts_a_library_the_same_twice(migrated_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """opcodes.py drives the middleware as benchapp builds it (asserting every answer) and its counts are exact: two
+    counts of one library agree to the opcode, which is what lets it compare revisions without noise."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import opcodes
+
+    first: dict[str, Any] = await opcodes._drive(migrated_url, 5)
+    second: dict[str, Any] = await opcodes._drive(migrated_url, 5)
+    for mode in opcodes.MODES:
+        assert first[mode] == second[mode]
+        assert first[mode]["idempotency_mw/middleware.py"] > 0
+        assert opcodes.library_total(first[mode]) > 0
+    assert opcodes.library_total(first["fresh"]) > opcodes.library_total(first["replay"])
+
+
+def test_opcodes_py_groups_code_and_renders_each_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import opcodes
+
+    assert opcodes.group("/r/benchmarks/.work/library/abc/idempotency_mw/sql/__init__.py") == (
+        "idempotency_mw/sql/__init__.py"
+    )
+    assert opcodes.group("/v/lib/python3.11/site-packages/asyncpg/pool.py") == "asyncpg"
+    assert opcodes.group("/p/lib/python3.11/asyncio/tasks.py") == "asyncio"
+    assert opcodes.group("/p/lib/python3.11/hmac.py") == "standard library"
+    assert opcodes.group("/r/benchmarks/benchapp.py") == "benchmark driver"
+
+    def revision(name: str, fresh: float, replay: float) -> dict[str, object]:
+        return {
+            "revision": name,
+            "commit": "0123456789abcdef" if name != opcodes.WORKTREE else "fedcba9876543210",
+            "subject": f"change {name}",
+            "digest": "d",
+            "fresh": {"idempotency_mw/middleware.py": fresh, "asyncio": 100.0},
+            "replay": {"idempotency_mw/middleware.py": replay, "asyncio": 50.0},
+        }
+
+    markdown = opcodes.render(
+        {"requests": 5, "revisions": [revision("base", 1000, 400), revision(opcodes.WORKTREE, 1120, 390)]}
+    )
+    assert "| `0123456` | change base | 1000 |  | 1100 | 400 |  | 450 |" in markdown
+    assert "| working tree | change worktree | 1120 | +120 | 1220 | 390 | -10 | 440 |" in markdown
+    assert "| `idempotency_mw/middleware.py` | 1000 | 1120 | +120 | 400 | 390 | -10 |" in markdown
