@@ -114,8 +114,9 @@ WHERE query NOT ILIKE '%pg_stat_statements%'
 def statement_name(query: str) -> str:
     """Which of the store's statements (or the transaction's) a ``pg_stat_statements`` text is."""
     for marker, name in (  # pg_stat_statements shows constants as $n: the markers avoid them
-        ("WITH inserted AS", "claim"),
-        ("WITH cleared AS", "claim_locked"),
+        ("claimed AS (", "claim_locked"),
+        ("updated AS (", "claim_or_take_over"),
+        ("counted AS (", "claim"),
         ("WITH owned AS", "complete"),
         ("INSERT INTO idempotency_responses", "complete in the transaction"),
         ("SET lease_expires_at", "renew"),

@@ -65,6 +65,7 @@ class Prepared:
 
     connection: asyncpg.Connection
     claim: Any
+    claim_or_take_over: Any
     claim_locked: Any
     parameters: int  # of the claim statements
 
@@ -86,10 +87,11 @@ class Connections:
         for _ in range(self.size):
             connection = await asyncpg.connect(self.dsn)
             claim = await connection.prepare(sql["claim"])
+            claim_or_take_over = await connection.prepare(sql["claim_or_take_over"])
             claim_locked = await connection.prepare(sql["claim_locked"])
             await connection.prepare(self.complete_sql)  # into asyncpg's statement cache, like the handler's insert
             parameters = len(claim.get_parameters())
-            self.idle.append(Prepared(connection, claim, claim_locked, parameters))
+            self.idle.append(Prepared(connection, claim, claim_or_take_over, claim_locked, parameters))
 
     async def close(self) -> None:
         await asyncio.gather(*(entry.connection.close() for entry in self.idle))
@@ -149,8 +151,10 @@ def two_commits(connections: Connections) -> Endpoint:
             tenant = request.headers.get("authorization", "")
             args: tuple[Any, ...] = (tenant, key, hashlib.sha256(body).digest(), LEASE, TTL, new_fence())
             args += (None,) * (entry.parameters - len(args))
-            row = await entry.claim.fetchrow(*args)
-            if row is None:  # a race with a concurrent claim of the key (see sql/queries.sql)
+            row = await entry.claim.fetchrow(*args)  # a fresh key, a replay, a 409 or a 422 (see sql/queries.sql)
+            if row is None:  # a takeover, or a race
+                row = await entry.claim_or_take_over.fetchrow(*args)
+            if row is None:  # a race with a concurrent claim of the key
                 row = await entry.claim_locked.fetchrow(*args)
             if row["owned"]:
                 try:

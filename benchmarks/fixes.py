@@ -322,6 +322,7 @@ async def pieces(n: int) -> dict[str, float]:
 BEFORE = "43f0f80"  # the library before these fixes (the commit before cd7f9e4)
 RAW, LENT = "raw asyncpg connection (before)", "LentConnection (shipped)"
 ONE_TABLE, TWO_TABLES = "one table (before)", "two tables (shipped)"
+LEAN, EVERY_CASE = "claim (shipped)", "claim_or_take_over (every case, as the one claim before)"
 FRESH_CLAIM, COMPLETION, REPLAY, IN_TRANSACTION = (
     "fresh claim",
     "completion (plain mode)",
@@ -588,7 +589,8 @@ async def responses_cost(dsn: str, local: bool, rounds: int, n: int) -> dict[str
             in_transaction = statements.get("complete_in_transaction", statements["complete"])
             layouts[name] = Layout(
                 connection,
-                await connection.prepare(statements["claim"]),
+                # the claim that answers every case in one statement, as the one-table library's did
+                await connection.prepare(statements.get("claim_or_take_over", statements["claim"])),
                 await connection.prepare(statements["complete"]),
                 await connection.prepare(in_transaction),
                 extra,
@@ -669,6 +671,72 @@ async def responses_cost(dsn: str, local: bool, rounds: int, n: int) -> dict[str
             "wal_bytes": compared(wal[phase][TWO_TABLES], wal[phase][ONE_TABLE]),
         }
     return {"statements": n, "wal_batch": batch, "phases": out}
+
+
+async def claim_split_cost(dsn: str, local: bool, rounds: int, n: int) -> dict[str, Any]:
+    """The claim as shipped, which leaves a takeover to ``claim_or_take_over``, against ``claim_or_take_over``
+    answering the same requests itself, as the one claim statement of the library before did: per fresh claim and
+    per replay, wall time and the server process's CPU, through raw asyncpg on the store's tables, prepared, one
+    connection each, one statement at a time, the two taking turns. Commits do not wait for their WAL flush, as in
+    :func:`responses_cost`. The first round warms up and is not counted."""
+    migrating = PostgresStore(dsn, min_size=0, max_size=1)
+    await migrating.migrate()
+    await migrating.close()
+    sql = queries("public")
+    names = (LEAN, EVERY_CASE)
+    connections = {name: await asyncpg.connect(dsn, server_settings={"synchronous_commit": "off"}) for name in names}
+    timed: dict[str, list[dict[str, dict[str, float]]]] = {FRESH_CLAIM: [], REPLAY: []}
+    try:
+        prepared = {
+            LEAN: await connections[LEAN].prepare(sql["claim"]),
+            EVERY_CASE: await connections[EVERY_CASE].prepare(sql["claim_or_take_over"]),
+        }
+        complete = await connections[LEAN].prepare(sql["complete"])
+        run = uuid.uuid4().hex[:8]
+
+        def step(statement: Any, phase: str, keys: list[str], fences: dict[str, int]) -> Operation:
+            async def run_one(i: int) -> object:
+                row = await statement.fetchrow(TENANT_ID, keys[i], FINGERPRINT, LEASE, TTL, new_fence(), None)
+                assert row is not None, f"{keys[i]}: the claim returned no row"
+                if phase == FRESH_CLAIM:
+                    assert row["owned"], f"{keys[i]}: a fresh claim was not owned"
+                    fences[keys[i]] = int(row["fence"])
+                else:
+                    assert row["completed"], f"{keys[i]}: a completed key did not replay"
+                return None
+
+            return run_one
+
+        for r in range(rounds + 1):
+            keys = {name: [f"{run}-split-{r}-{len(name)}-{i}" for i in range(n)] for name in names}
+            fences: dict[str, int] = {}
+            fresh = await per_operation(
+                {name: step(prepared[name], FRESH_CLAIM, keys[name], fences) for name in names}, n, connections, local
+            )
+            headers = encode_headers(STORED.headers)
+            for key, fence in fences.items():
+                await complete.fetch(
+                    TENANT_ID, key, fence, STORED.status, headers, STORED.body, STORED.body_size, None, None
+                )
+            replay = await per_operation(
+                {name: step(prepared[name], REPLAY, keys[name], fences) for name in names}, n, connections, local
+            )
+            if r:
+                timed[FRESH_CLAIM].append(fresh)
+                timed[REPLAY].append(replay)
+    finally:
+        for connection in connections.values():
+            await connection.close()
+    return {
+        "statements": n,
+        "phases": {
+            phase: {
+                "wall_us": (metrics := compared_metrics(timed[phase], LEAN, EVERY_CASE, ("wall", "server")))["wall"],
+                "db_cpu_us": metrics["server"],
+            }
+            for phase in timed
+        },
+    }
 
 
 async def isolation_cost(dsn: str, rounds: int, n: int) -> dict[str, Any]:
@@ -880,6 +948,7 @@ async def exactly_once(dsn: str, pid: int | None, rounds: int, quick: bool) -> d
     return {
         "guard": await guard_cost(dsn, rounds, 2000 if quick else 5000),
         "responses": await responses_cost(dsn, local, rounds, 200 if quick else 800),
+        "claim_split": await claim_split_cost(dsn, local, rounds, 200 if quick else 800),
         "isolation": await isolation_cost(dsn, rounds, 200 if quick else 800),
         "restore": await restore_cost(dsn, local, rounds, 200 if quick else 800),
         "pieces": pieces_compared(rounds, 20000 if quick else 50000),
@@ -938,6 +1007,7 @@ def targets(result: dict[str, Any]) -> list[Target]:
 
 def exactly_once_targets(found: dict[str, Any]) -> list[Target]:
     guard, phases = found["guard"], found["responses"]["phases"]
+    split = found["claim_split"]["phases"] if "claim_split" in found else None
     isolation, restore = found["isolation"]["compared"], found["restore"]["compared"]
     explicit, pin, share = isolation[APP_COMPARED], isolation[OWN_COMPARED], isolation[CHECKOUT_COMPARED]
     pieces = found["pieces"]["pieces"]
@@ -946,8 +1016,8 @@ def exactly_once_targets(found: dict[str, Any]) -> list[Target]:
     def spread(c: dict[str, Any], digits: int, unit: str = " µs") -> str:
         return f"{c['added']:+.{digits}f}{unit} (rounds {c['low']:+.{digits}f} to {c['high']:+.{digits}f})"
 
-    def database(phase: str) -> str:
-        cpu = phases[phase]["db_cpu_us"]
+    def database(phase: str, compared: dict[str, Any] | None = None) -> str:
+        cpu = (compared or phases)[phase]["db_cpu_us"]
         return f"{spread(cpu, 0)} database CPU" if cpu is not None else "database CPU not measured"
 
     return [
@@ -965,6 +1035,18 @@ def exactly_once_targets(found: dict[str, Any]) -> list[Target]:
             f"handler's transaction {database(IN_TRANSACTION)}; fresh claim {database(FRESH_CLAIM)}; replay "
             f"{database(REPLAY)}",
             None,
+        ),
+        *(
+            [
+                Target(
+                    "0.2.0 the claim without a takeover's parts (a takeover in a second statement), per statement",
+                    "published",
+                    f"fresh claim {database(FRESH_CLAIM, split)}; replay {database(REPLAY, split)}",
+                    None,
+                )
+            ]
+            if split is not None
+            else []
         ),
         Target(
             "0.2.0 the store's statements held to READ COMMITTED on a REPEATABLE READ database, per fresh request",
@@ -1065,6 +1147,37 @@ def cells(c: dict[str, Any], digits: int) -> list[str]:
     ]
 
 
+def render_claim_split(split: dict[str, Any]) -> list[str]:
+    return [
+        "**The claim without a takeover's parts**: `claim` answers a fresh key, a replay, a 409 and a 422 and "
+        "leaves an expired record or a lapsed lease to `claim_or_take_over`, which answers every case as the one "
+        "claim statement did. PostgreSQL sets up every part of a statement each time it runs it, so the two are "
+        "compared on the requests both answer: the same tables, through raw asyncpg, prepared, one connection "
+        f"each, {split['statements']} keys per phase and round, fresh claims and then a replay of each once they "
+        "are completed; commits do not wait for their flush (as above). *before* is `claim_or_take_over`, "
+        "*shipped* `claim`.",
+        table(
+            [
+                "statement",
+                "wall before, µs",
+                "shipped",
+                "added (rounds)",
+                "database CPU before, µs",
+                "shipped",
+                "added",
+            ],
+            [
+                [
+                    phase,
+                    *cells(values["wall_us"], 0),
+                    *(cells(values["db_cpu_us"], 0) if values["db_cpu_us"] is not None else ["-", "-", "-"]),
+                ]
+                for phase, values in split["phases"].items()
+            ],
+        ),
+    ]
+
+
 def render_exactly_once(found: dict[str, Any], rounds: int) -> list[str]:
     guard, responses, isolation = found["guard"], found["responses"], found["isolation"]
     restore, pieces = found["restore"], found["pieces"]
@@ -1127,6 +1240,7 @@ def render_exactly_once(found: dict[str, Any], rounds: int) -> list[str]:
                 for phase, values in responses["phases"].items()
             ],
         ),
+        *(render_claim_split(found["claim_split"]) if "claim_split" in found else []),
         "**The store's statements under READ COMMITTED** on a database whose default is REPEATABLE READ "
         "(`ALTER DATABASE … SET default_transaction_isolation`), and whose commits do not wait for their flush "
         f"(as above). {isolation['requests']} fresh plain-mode requests per round and variant, each "

@@ -33,33 +33,38 @@ LEASE, TTL = 30.0, 86400.0
 REPLAYED = (b"idempotent-replayed", b"true")
 
 
+# A connection with its statements prepared, in this order.
+STATEMENTS = ("claim", "claim_or_take_over", "claim_locked", "complete")
+Entry = tuple[asyncpg.Connection, Any, Any, Any, Any]
+
+
 class Connections:
-    """A LIFO pool of connections, each with the two statements prepared."""
+    """A LIFO pool of connections, each with the store's claim and completion statements prepared (STATEMENTS)."""
 
     def __init__(self, dsn: str, size: int = POOL_SIZE) -> None:
         self.dsn = dsn
         self.size = size
-        self.idle: list[tuple[asyncpg.Connection, Any, Any, Any]] = []
-        self.waiters: list[asyncio.Future[tuple[asyncpg.Connection, Any, Any, Any]]] = []
+        self.idle: list[Entry] = []
+        self.waiters: list[asyncio.Future[Entry]] = []
 
     async def open(self) -> None:
         sql = queries("public")
         for _ in range(self.size):
             connection = await asyncpg.connect(self.dsn)
-            prepared = [await connection.prepare(sql[name]) for name in ("claim", "claim_locked", "complete")]
+            prepared = [await connection.prepare(sql[name]) for name in STATEMENTS]
             self.idle.append((connection, *prepared))
 
     async def close(self) -> None:
         await asyncio.gather(*(entry[0].close() for entry in self.idle))
 
-    async def take(self) -> tuple[asyncpg.Connection, Any, Any, Any]:
+    async def take(self) -> Entry:
         if self.idle:
             return self.idle.pop()
-        waiter: asyncio.Future[tuple[asyncpg.Connection, Any, Any, Any]] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
         self.waiters.append(waiter)
         return await waiter
 
-    def give(self, entry: tuple[asyncpg.Connection, Any, Any, Any]) -> None:
+    def give(self, entry: Entry) -> None:
         while self.waiters:
             waiter = self.waiters.pop(0)
             if not waiter.done():
@@ -82,16 +87,18 @@ def idempotent(
         args = (tenant, key, fingerprint, LEASE, TTL, new_fence(), None)
         entry = await connections.take()
         try:
-            row = await entry[1].fetchrow(*args)
-            if row is None:  # a race with a concurrent claim of the key (see sql/queries.sql)
+            row = await entry[1].fetchrow(*args)  # a fresh key, a replay, a 409 or a 422 (see sql/queries.sql)
+            if row is None:  # a takeover, or a race
                 row = await entry[2].fetchrow(*args)
+            if row is None:  # a race with a concurrent claim of the key
+                row = await entry[3].fetchrow(*args)
         finally:
             connections.give(entry)
         if row["owned"]:
             response = await handler(request)
             entry = await connections.take()
             try:
-                await entry[3].fetchrow(
+                await entry[4].fetchrow(
                     tenant,
                     key,
                     row["fence"],

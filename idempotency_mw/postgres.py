@@ -251,8 +251,10 @@ class PostgresStore:
         # max: a record never expires under a live lease (sql/queries.sql, renew)
         unflushed = None if flush else "off"
         args = (tenant, key, fingerprint, float(lease), float(max(ttl, lease)), new_fence(), unflushed)
-        row = await run("claim", args)
-        if row is None:  # lost a race with a concurrent claim of the key (see sql/queries.sql): lock and look again
+        row = await run("claim", args)  # a fresh key, a replay, a 409 or a 422 (see sql/queries.sql)
+        if row is None:  # an expired record or a lapsed lease to take over, or a race
+            row = await run("claim_or_take_over", args)
+        if row is None:  # lost a race with a concurrent claim of the key: lock and look again
             self.claim_races += 1
             row = await run("claim_locked", args)
             assert row is not None  # INSERT … ON CONFLICT DO UPDATE … RETURNING always returns the row

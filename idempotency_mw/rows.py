@@ -35,7 +35,8 @@ def new_fence() -> int:
 
 
 def claim_from_row(row: asyncpg.Record, tenant: str, key: str, cipher: ResponseCipher | None = None) -> Claim:
-    """The answer of the ``claim`` and ``claim_locked`` statements (``sql/queries.sql``) for ``(tenant, key)``."""
+    """The answer of the claim statements (``claim``, ``claim_or_take_over``, ``claim_locked`` in
+    ``sql/queries.sql``) for ``(tenant, key)``."""
     attempts = row["attempts"]
     if row["owned"]:
         return Claim(ClaimOutcome.OWNED, fence=row["fence"], attempts=attempts)

@@ -334,10 +334,63 @@ async def test_a_replay_writes_nothing(migrated_url: str) -> None:
         assert store.claim_races == 0
 
 
-async def test_a_claim_that_meets_a_row_committed_after_its_snapshot_still_answers(migrated_url: str) -> None:
-    """The claim's INSERT waits for a concurrent insert of the key and then does nothing, while the rest of the
-    statement reads the snapshot taken before that insert committed, so it finds no row. It must then look again
-    (claim_locked) and answer from the row as it is: here, in progress, 409."""
+async def wait_for_lock_wait(connection: asyncpg.Connection) -> None:
+    """Until a session of this database waits for another's transaction (a row it must wait for)."""
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        waiting = await connection.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event = 'transactionid'"
+        )
+        if waiting:
+            return
+    raise AssertionError("no session ever waited for the open transaction")
+
+
+def counting_statements(store: PostgresStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the statements the store runs on its own connections from now on, in order."""
+    names: list[str] = []
+    run = store._connector.run
+
+    async def counted(name: str, args: tuple[Any, ...], **options: bool) -> Any:
+        names.append(name)
+        return await run(name, args, **options)
+
+    monkeypatch.setattr(store._connector, "run", counted)
+    return names
+
+
+async def test_every_answer_but_a_takeover_is_one_statement(migrated_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """claim answers a fresh key, a replay, a 409 and a 422 alone; an expired record or a lapsed lease to take over
+    goes on to claim_or_take_over (sql/queries.sql), which PostgreSQL costs more to run for every claim."""
+    async with PostgresStore(migrated_url, min_size=1, max_size=2) as store:
+        names = counting_statements(store, monkeypatch)
+
+        async def statements_of(key: str, fingerprint: bytes = FINGERPRINT) -> tuple[ClaimOutcome, list[str]]:
+            names.clear()
+            claim = await store.claim("t", key, fingerprint, lease=30, ttl=60)
+            return claim.outcome, list(names)
+
+        assert await statements_of("paid") == (ClaimOutcome.OWNED, ["claim"])
+        assert await statements_of("paid") == (ClaimOutcome.IN_PROGRESS, ["claim"])
+        assert await statements_of("paid", b"other" * 4) == (ClaimOutcome.MISMATCH, ["claim"])
+        await fetch(migrated_url, "UPDATE idempotency_records SET lease_expires_at = now() - interval '1 s'")
+        assert await statements_of("paid", b"other" * 4) == (ClaimOutcome.MISMATCH, ["claim"])
+        assert await statements_of("paid") == (ClaimOutcome.OWNED, ["claim", "claim_or_take_over"])
+        (fence,) = [row[0] for row in await fetch(migrated_url, "SELECT fence FROM idempotency_records")]
+        assert await store.complete("t", "paid", fence, RESPONSE)
+        assert await statements_of("paid") == (ClaimOutcome.COMPLETED, ["claim"])
+        assert await statements_of("paid", b"other" * 4) == (ClaimOutcome.MISMATCH, ["claim"])
+        await fetch(migrated_url, "UPDATE idempotency_records SET expires_at = now() - interval '1 s'")
+        assert await statements_of("paid", b"other" * 4) == (ClaimOutcome.OWNED, ["claim", "claim_or_take_over"])
+        (attempts,) = [row[0] for row in await fetch(migrated_url, "SELECT attempts FROM idempotency_records")]
+        assert attempts == 0  # the record started afresh, for the other request
+        assert store.claim_races == 0
+
+
+async def test_a_claim_that_meets_an_insert_committed_after_its_snapshot_still_answers(migrated_url: str) -> None:
+    """claim's INSERT waits for a concurrent insert of the key and then does nothing, while the rest of the statement
+    reads the snapshot taken before that insert committed, so it finds no row. claim_or_take_over then reads a newer
+    snapshot and answers from the row as it is: here, in progress, 409."""
     other = await asyncpg.connect(migrated_url)
     try:
         async with PostgresStore(migrated_url, min_size=1, max_size=2) as store:
@@ -349,18 +402,49 @@ async def test_a_claim_that_meets_a_row_committed_after_its_snapshot_still_answe
                 FINGERPRINT,
             )
             claiming = asyncio.create_task(store.claim("t", "raced", FINGERPRINT, lease=30, ttl=60))
-            for _ in range(100):  # until the claim waits on the uncommitted row
-                await asyncio.sleep(0.02)
-                waiting = await other.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND wait_event = 'transactionid'"
-                )
-                if waiting:
-                    break
-            assert waiting == 1
+            await wait_for_lock_wait(other)
             await transaction.commit()
             claim = await claiming
             assert claim.outcome is ClaimOutcome.IN_PROGRESS
+            assert store.claim_races == 0
+    finally:
+        await other.close()
+
+
+async def test_a_claim_that_meets_a_completion_committed_after_its_snapshot_still_answers(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """claim_or_take_over's UPDATE waits for a completion of the key and re-reads the record, whose lease then ended;
+    the response is not in its snapshot, so it finds no row to answer from. It must then look again (claim_locked)
+    and answer from the rows as they are: here, completed, a replay. The completion begins as claim_or_take_over is
+    about to run, once claim has found a lapsed lease (a takeover is its to decide)."""
+    other = await asyncpg.connect(migrated_url)
+    try:
+        async with PostgresStore(migrated_url, min_size=1, max_size=2) as store:
+            owned = await store.claim("t", "raced", FINGERPRINT, lease=30, ttl=60)
+            await fetch(migrated_url, "UPDATE idempotency_records SET lease_expires_at = now() - interval '1 s'")
+            completing = other.transaction()
+            run = store._connector.run
+            committed: list[asyncio.Task[None]] = []
+
+            async def commit_once_claim_waits() -> None:
+                await wait_for_lock_wait(other)
+                await completing.commit()
+
+            async def completion_races_claim(name: str, args: tuple[Any, ...], **options: bool) -> Any:
+                if name == "claim_or_take_over" and not committed:
+                    await completing.start()
+                    row = ("t", "raced", owned.fence, RESPONSE.status, '[["content-type", "application/json"]]')
+                    await other.execute(
+                        store.statement("complete"), *row, RESPONSE.body, RESPONSE.body_size, None, None
+                    )
+                    committed.append(asyncio.create_task(commit_once_claim_waits()))
+                return await run(name, args, **options)
+
+            monkeypatch.setattr(store._connector, "run", completion_races_claim)
+            claim = await store.claim("t", "raced", FINGERPRINT, lease=30, ttl=60)
+            await committed[0]
+            assert (claim.outcome, claim.response) == (ClaimOutcome.COMPLETED, RESPONSE)
             assert store.claim_races == 1
     finally:
         await other.close()
@@ -656,5 +740,6 @@ async def test_a_plain_claim_still_waits_for_its_flush(migrated_url: str) -> Non
 
 def test_the_store_names_its_statements(pg_store: PostgresStore) -> None:
     assert 'INSERT INTO "public".idempotency_responses' in pg_store.statement("complete_in_transaction")
-    with pytest.raises(KeyError, match="no statement 'completion'; it has claim, claim_locked, complete"):
+    named = "no statement 'completion'; it has claim, claim_locked, claim_or_take_over, complete"
+    with pytest.raises(KeyError, match=named):
         pg_store.statement("completion")

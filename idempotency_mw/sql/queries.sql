@@ -4,29 +4,75 @@
 -- depends on the session's search_path; {schema_name} is its plain name, inside a string.
 
 -- name: claim
--- Insert a fresh record; or take over an expired record, or a lapsed lease of the same request; or count the
--- attempt on a record that is still running or was made by a different request (409, 422); or, for a completed
--- record of the same request, only read it and its response: a replay writes nothing (no new row version, no WAL,
--- no transaction id), so a storm of retries stays a storm of reads.
--- A record is completed when its response exists (idempotency_responses): a transactional handler's transaction
--- inserts it and never writes the record row, which renewals and duplicates update meanwhile (migrations/0002).
--- $6 is the fence of this claim: a random 63-bit token the store draws (see postgres.py, new_fence), not a
--- sequence value, because a sequence can hand out a value again after a restore or the promotion of a standby
--- that missed its last values, and a stale worker's fence would then own the newer claim.
--- ON CONFLICT DO NOTHING sees a row committed after this statement's snapshot (it waits for a concurrent insert
--- to commit), but the rest of the statement sees only the snapshot. So in a race with a concurrent claim or a
--- completion the statement can return no row: the store then runs claim_locked, which always answers
--- (postgres.py, claim). A completion committed after the snapshot shows as a lease that ended (NULL) in the
--- UPDATE, which re-reads the row it waited for; its response is not in the snapshot, so that case returns no row
--- either.
--- Every condition that a concurrent write can change is written on the row being updated (r), which the UPDATE
--- re-reads after waiting for such a write; e is the snapshot's record and response.
+-- The claim of a key, in every case but a takeover: insert a fresh record; or, for a record that exists, read a
+-- completed one of the same request and its response (a replay writes nothing: no new row version, no WAL, no
+-- transaction id, so a storm of retries stays a storm of reads), or count the attempt of a request still running
+-- under a live lease (409) or of a different request (422). Anything else returns no row, and the store runs
+-- claim_or_take_over, which answers every case: an expired record or a lapsed lease to take over, or a race with a
+-- concurrent claim or completion. PostgreSQL sets up every part of a statement at each execution, so the common
+-- answers go through this one, without the takeover's parts.
+-- ON CONFLICT DO NOTHING sees a row committed after this statement's snapshot (it waits for a concurrent insert to
+-- commit), but the rest of the statement sees only the snapshot (e): such a row, or a response committed after
+-- the snapshot, is not counted nor replayed here. The conditions that a concurrent write can change are written on
+-- the row being updated (r), which the UPDATE re-reads after waiting for such a write: a record expired, or whose
+-- lease ended or lapsed meanwhile, is not counted.
+-- $6 is the fence of this claim: a random 63-bit token the store draws (see rows.py, new_fence), not a sequence
+-- value, because a sequence can hand out a value again after a restore or the promotion of a standby that missed
+-- its last values, and a stale worker's fence would then own the newer claim.
 -- $7 is synchronous_commit for this statement's own commit: NULL keeps the session's. A transactional request
 -- passes 'off': its claim is visible at once, and the handler's COMMIT, which waits for its flush, flushes the claim
 -- before it (WAL is flushed in order), so the claim is durable whenever the effect is, for one flush instead of two.
 -- A crash can only lose a claim whose effect never committed; the retry then runs afresh.
 -- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds (at least $4, see renew), $6 fence,
 -- $7 synchronous_commit
+WITH commit_setting AS MATERIALIZED (
+    SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
+), inserted AS (
+    INSERT INTO {schema}.idempotency_records AS r
+        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at)
+    SELECT $1, $2, $3, $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
+    FROM commit_setting
+    ON CONFLICT (tenant, key) DO NOTHING
+    RETURNING r.fence, r.attempts
+), existing AS (
+    SELECT r.fence, r.fingerprint, r.attempts, r.expires_at <= now() AS expired, s.key IS NOT NULL AS completed,
+           s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
+    FROM {schema}.idempotency_records AS r
+    LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
+    WHERE r.tenant = $1 AND r.key = $2 AND NOT EXISTS (SELECT FROM inserted)
+), counted AS (
+    UPDATE {schema}.idempotency_records AS r SET attempts = r.attempts + 1
+    FROM existing AS e
+    WHERE r.tenant = $1 AND r.key = $2 AND r.expires_at > now()
+      AND (r.fingerprint <> $3 OR (NOT e.completed AND r.lease_expires_at > now()))
+    RETURNING r.fence, r.fingerprint, r.attempts, e.completed
+)
+SELECT true AS owned, false AS completed, true AS same_request, i.attempts,
+       NULL::smallint AS status, NULL::jsonb AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
+       NULL::bytea AS sealed, NULL::text AS sealed_with, i.fence
+FROM inserted AS i
+UNION ALL
+SELECT false, c.completed, c.fingerprint = $3, c.attempts, NULL, NULL, NULL, NULL, NULL, NULL, c.fence
+FROM counted AS c
+UNION ALL
+SELECT false, true, true, e.attempts, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with, e.fence
+FROM existing AS e
+WHERE e.completed AND e.fingerprint = $3 AND NOT e.expired;
+
+-- name: claim_or_take_over
+-- The claim in every case, for when ``claim`` returned no row: insert a fresh record; or take over an expired
+-- record, or a lapsed lease of the same request; or count the attempt on a record that is still running or was made
+-- by a different request (409, 422); or, for a completed record of the same request, only read it and its response.
+-- A record is completed when its response exists (idempotency_responses): a transactional handler's transaction
+-- inserts it and never writes the record row, which renewals and duplicates update meanwhile (migrations/0002).
+-- As in ``claim``, ON CONFLICT DO NOTHING sees a row committed after this statement's snapshot but the rest of the
+-- statement sees only the snapshot. So in a race with a concurrent claim or a completion the statement can return
+-- no row: the store then runs claim_locked, which always answers (postgres.py, claim). A completion committed after
+-- the snapshot shows as a lease that ended (NULL) in the UPDATE, which re-reads the row it waited for; its response
+-- is not in the snapshot, so that case returns no row either.
+-- Every condition that a concurrent write can change is written on the row being updated (r), which the UPDATE
+-- re-reads after waiting for such a write; e is the snapshot's record and response.
+-- $1 to $7 as for claim
 WITH commit_setting AS MATERIALIZED (
     SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
 ), inserted AS (
@@ -93,10 +139,10 @@ SELECT
 FROM found AS f;
 
 -- name: claim_locked
--- The claim in one INSERT … ON CONFLICT DO UPDATE, for when ``claim`` returned nothing usable (a race with a
--- concurrent claim or completion, see above): DO UPDATE locks and returns the current row even when it was
+-- The claim in one INSERT … ON CONFLICT DO UPDATE, for when ``claim_or_take_over`` returned nothing usable (a race
+-- with a concurrent claim or completion, see above): DO UPDATE locks and returns the current row even when it was
 -- committed after this statement's snapshot, so it always answers. It writes the record row in every case, a
--- replay too (without counting it). A response is read from this statement's snapshot, taken after ``claim``'s.
+-- replay too (without counting it). A response is read from this statement's snapshot, taken after the others'.
 -- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds, $6 fence, $7 synchronous_commit (see claim)
 WITH commit_setting AS MATERIALIZED (
     SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
