@@ -18,7 +18,7 @@ library (on the first-parent line, so a merge counts as one change), and the wor
 changes not committed; or ``--revisions a,b,...``, where ``worktree`` names the working tree. Each revision is
 extracted (``common.library_copy``), migrates a database of its own and is counted in a process that imports it.
 
-    .venv/bin/python benchmarks/opcodes.py                                      # the round: about 5 minutes
+    .venv/bin/python benchmarks/opcodes.py                                      # the round: about 2 minutes
     .venv/bin/python benchmarks/opcodes.py --revisions 7440d2a,worktree --no-write
 """
 

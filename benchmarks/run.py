@@ -76,7 +76,7 @@ MEASUREMENTS = (
     "encryption",
     "waiting",
 )  # the order they run in
-# About 3, 4, 2, 2 and 5 minutes: in the full run, or the quick one with --only instructions / durability /
+# About 3, 4, 2, 2 and 2 minutes: in the full run, or the quick one with --only instructions / durability /
 # beforeafter / redesign / opcodes.
 QUICK_SKIPS = ("instructions", "durability", "beforeafter", "redesign", "opcodes")
 # issue 5's, then 10's and 14's
