@@ -42,17 +42,13 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import json
 import statistics
-import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import loadgen
@@ -62,16 +58,19 @@ from common import (
     Context,
     Target,
     check_copy,
+    database_url,
     library_copy,
     library_digest,
     load_average,
     median_interval,
+    migrate_with,
+    recreate_databases,
     table,
     target_table,
     working_tree,
 )
 from endtoend import CONNECTIONS, POOL, check
-from servers import HERE, REPO, Server, bench_env
+from servers import REPO, Server
 
 BASE = "43f0f80"  # the round's base (0.1.0): before this round's fixes, features and redesign
 REDESIGN_BASE = "7440d2a"  # the library just before the redesign: the round's isolation fixes in, nothing after
@@ -89,21 +88,6 @@ NOISE = ("after-again", "after")  # the same library on both sides
 MODE_LABELS = {"fresh": "fresh keys", "replay": "replays"}
 ORDERS = list(itertools.permutations(NAMES))  # one per round, in turn
 DATABASE_NOTE = "a database per server"
-
-MIGRATE = """\
-import asyncio, json, sys
-import idempotency_mw
-from idempotency_mw import PostgresStore
-
-async def main() -> list[str]:
-    store = PostgresStore(sys.argv[1], min_size=1, max_size=1)
-    try:
-        return list(await store.migrate())
-    finally:
-        await store.close()
-
-print(json.dumps({"path": idempotency_mw.__path__[0], "applied": asyncio.run(main())}))
-"""
 
 
 def log(message: str) -> None:
@@ -139,47 +123,13 @@ def settings_for(quick: bool, seconds: float | None = None, name: str = "beforea
 # --- the databases ------------------------------------------------------------------------------------------------
 
 
-def database_url(url: str, name: str) -> str:
-    """``url`` with its database replaced by ``name`` (the server, user and options kept)."""
-    return urlunsplit(urlsplit(url)._replace(path="/" + name))
-
-
-async def _recreate(url: str, names: Sequence[str], create: bool) -> None:
-    connection = await asyncpg.connect(url)
-    try:
-        for name in names:
-            await connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-            if create:
-                await connection.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await connection.close()
-
-
 def create_databases(url: str) -> None:
     """An empty database per server (one left by an interrupted run is dropped first)."""
-    asyncio.run(_recreate(url, list(DATABASES.values()), create=True))
+    asyncio.run(recreate_databases(url, list(DATABASES.values()), create=True))
 
 
 def drop_databases(url: str) -> None:
-    asyncio.run(_recreate(url, list(DATABASES.values()), create=False))
-
-
-def migrate(python: str, url: str, root: Path) -> dict[str, Any]:
-    """Migrate ``url`` with the library under ``root``, in a process of its own that imports that copy: the
-    directory it imported ``idempotency_mw`` from and the migrations it applied."""
-    done = subprocess.run(
-        [python, "-c", MIGRATE, url],
-        cwd=str(HERE),
-        env=bench_env(str(root)),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"migrating with the library under {root} failed:\n{done.stderr[-3000:]}")
-    found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return found
+    asyncio.run(recreate_databases(url, list(DATABASES.values()), create=False))
 
 
 async def _tables(url: str) -> list[str]:
@@ -270,7 +220,7 @@ def measure_with(python: str, url: str, settings: Settings) -> dict[str, Any]:
     create_databases(url)
     try:
         for name in NAMES:
-            migrated = migrate(python, urls[name], roots[name])
+            migrated = migrate_with(python, urls[name], roots[name])
             check_copy(f"{name} (migration)", migrated["path"], roots[name])
             result["servers"][name] = {
                 "database": DATABASES[name],

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 from peers import EagerVenv
@@ -319,3 +320,57 @@ def machine() -> dict[str, str]:
 def load_average() -> str:
     one, five, _ = os.getloadavg()
     return f"{one:.1f} (1 min), {five:.1f} (5 min)"
+
+
+# -- databases of their own, migrated by a library copy ---------------------------------------------------------
+
+MIGRATE = """\
+import asyncio, json, sys
+import idempotency_mw
+from idempotency_mw import PostgresStore
+
+async def main() -> list[str]:
+    store = PostgresStore(sys.argv[1], min_size=1, max_size=1)
+    try:
+        return list(await store.migrate())
+    finally:
+        await store.close()
+
+print(json.dumps({"path": idempotency_mw.__path__[0], "applied": asyncio.run(main())}))
+"""
+
+
+def database_url(url: str, name: str) -> str:
+    """``url`` with its database replaced by ``name`` (the server, user and options kept)."""
+    return urlunsplit(urlsplit(url)._replace(path="/" + name))
+
+
+async def recreate_databases(url: str, names: Sequence[str], create: bool) -> None:
+    """Drop each of ``names`` on the server of ``url`` (one left by an interrupted run too), and create it again
+    empty with ``create``."""
+    connection = await asyncpg.connect(url)
+    try:
+        for name in names:
+            await connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            if create:
+                await connection.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await connection.close()
+
+
+def migrate_with(python: str, url: str, root: Path) -> dict[str, Any]:
+    """Migrate ``url`` with the library under ``root``, in a process of its own that imports that copy: the
+    directory it imported ``idempotency_mw`` from and the migrations it applied."""
+    done = subprocess.run(
+        [python, "-c", MIGRATE, url],
+        cwd=str(HERE),
+        env=bench_env(str(root)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"migrating with the library under {root} failed:\n{done.stderr[-3000:]}")
+    found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found

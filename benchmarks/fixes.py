@@ -1147,6 +1147,12 @@ def cells(c: dict[str, Any], digits: int) -> list[str]:
     ]
 
 
+def statement_cells(values: dict[str, Any]) -> list[str]:
+    """A statement's wall time and database CPU, each before, shipped and added (dashes for CPU not measured)."""
+    cpu = cells(values["db_cpu_us"], 0) if values["db_cpu_us"] is not None else ["-", "-", "-"]
+    return [*cells(values["wall_us"], 0), *cpu]
+
+
 def render_claim_split(split: dict[str, Any]) -> list[str]:
     return [
         "**The claim without a takeover's parts**: `claim` answers a fresh key, a replay, a 409 and a 422 and "
@@ -1166,14 +1172,7 @@ def render_claim_split(split: dict[str, Any]) -> list[str]:
                 "shipped",
                 "added",
             ],
-            [
-                [
-                    phase,
-                    *cells(values["wall_us"], 0),
-                    *(cells(values["db_cpu_us"], 0) if values["db_cpu_us"] is not None else ["-", "-", "-"]),
-                ]
-                for phase, values in split["phases"].items()
-            ],
+            [[phase, *statement_cells(values)] for phase, values in split["phases"].items()],
         ),
     ]
 
@@ -1232,8 +1231,7 @@ def render_exactly_once(found: dict[str, Any], rounds: int) -> list[str]:
             [
                 [
                     phase,
-                    *cells(values["wall_us"], 0),
-                    *(cells(values["db_cpu_us"], 0) if values["db_cpu_us"] is not None else ["-", "-", "-"]),
+                    *statement_cells(values),
                     f"{values['wal_bytes']['before']:.0f}",
                     f"{values['wal_bytes']['shipped']:.0f}",
                 ]

@@ -33,9 +33,28 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 from types import FrameType
 from typing import Any
+
+import asyncpg
+import peers
+import pgserver
+from beforeafter import BASE
+from common import (
+    REPO,
+    Context,
+    check_copy,
+    database_url,
+    git,
+    library_copy,
+    library_digest,
+    load_average,
+    migrate_with,
+    recreate_databases,
+    table,
+    working_tree,
+)
+from servers import HERE, bench_env
 
 REQUESTS = 300
 WARM_UP = 200
@@ -137,29 +156,22 @@ def drive(dsn: str, requests: int) -> dict[str, Any]:
 def round_revisions() -> list[str]:
     """The round's base, every first-parent commit since that changed the library, and the working tree when its
     library has changes not committed."""
-    from beforeafter import BASE
-    from common import git, working_tree
-
     changed = git("rev-list", "--reverse", "--first-parent", f"{BASE}..HEAD", "--", "idempotency_mw").split()
     return [BASE, *changed, *([WORKTREE] if working_tree()["dirty"] else [])]
 
 
 def count(python: str, url: str, revision: str, requests: int) -> dict[str, Any]:
     """One revision's counts, on a database of its own migrated by that revision's library."""
-    from beforeafter import _recreate, database_url, migrate
-    from common import REPO, check_copy, git, library_copy, library_digest
-    from servers import HERE, bench_env
-
     if revision == WORKTREE:
         commit, root, subject = git("rev-parse", "HEAD"), REPO, "the working tree"
     else:
         commit, root = library_copy(revision)
         subject = git("log", "-1", "--format=%s", commit)
     database = f"opcodes_{commit[:12]}"
-    asyncio.run(_recreate(url, [database], create=True))
+    asyncio.run(recreate_databases(url, [database], create=True))
     try:
         dsn = database_url(url, database)
-        migrated = migrate(python, dsn, root)
+        migrated = migrate_with(python, dsn, root)
         check_copy(f"{revision} (migration)", migrated["path"], root)
         done = subprocess.run(
             [python, __file__, "--drive", dsn, "--requests", str(requests)],
@@ -175,7 +187,7 @@ def count(python: str, url: str, revision: str, requests: int) -> dict[str, Any]
         counted: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
         check_copy(revision, counted.pop("path"), root)
     finally:
-        asyncio.run(_recreate(url, [database], create=False))
+        asyncio.run(recreate_databases(url, [database], create=False))
     return {"revision": revision, "commit": commit, "subject": subject, "digest": library_digest(root), **counted}
 
 
@@ -188,7 +200,7 @@ def measure_with(python: str, url: str, revisions: list[str], requests: int = RE
     return {"requests": requests, "revisions": counted}
 
 
-def measure(ctx: Any) -> dict[str, Any]:
+def measure(ctx: Context) -> dict[str, Any]:
     """run.py's entry: the round's revisions, on the run's server and venv."""
     return measure_with(ctx.python, ctx.db.url, round_revisions())
 
@@ -200,9 +212,7 @@ def _delta(now: float, before: float | None) -> str:
     return "" if before is None else f"{now - before:+.0f}"
 
 
-def render(result: dict[str, Any], ctx: Any = None) -> str:
-    from common import table
-
+def render(result: dict[str, Any], ctx: Context | None = None) -> str:
     revisions = result["revisions"]
     rows = []
     previous: dict[str, float] | None = None
@@ -268,23 +278,18 @@ def main() -> None:
     if args.drive:
         print(json.dumps(drive(args.drive, args.requests)))
         return
-    import peers
-    import pgserver
-    from beforeafter import _server_version
-    from common import load_average
-
     revisions = args.revisions.split(",") if args.revisions else round_revisions()
     began, load_before = time.time(), load_average()
     python, _, versions = peers.ensure()
     with pgserver.database() as db:
         result = measure_with(python, db.url, revisions, args.requests)
         database = "embedded" if db.embedded else "DATABASE_URL"
-        postgres = asyncio.run(_server_version(db.url))
+        postgres = asyncio.run(server_version(db.url))
     markdown = render(result)
     print(markdown)
     if args.no_write:
         return
-    import run
+    import run  # here, not above: run.py imports this module
 
     written = run.publish(
         "opcodes",
@@ -301,6 +306,13 @@ def main() -> None:
     print(f"written to {written}", file=sys.stderr)
 
 
+async def server_version(url: str) -> str:
+    connection = await asyncpg.connect(url)
+    try:
+        return await pgserver.server_version(connection)
+    finally:
+        await connection.close()
+
+
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

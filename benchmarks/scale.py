@@ -19,12 +19,21 @@ import contextlib
 import uuid
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import bulk
 import loadgen
-from common import Context, Target, median, per_request, ratio, server_counters, table, target_table
+from common import (
+    Context,
+    Target,
+    database_url,
+    median,
+    per_request,
+    ratio,
+    server_counters,
+    table,
+    target_table,
+)
 from endtoend import check
 from servers import Server
 
@@ -39,11 +48,6 @@ REPETITIONS = {"quick": 5, "full": 11}
 SECONDS = {"quick": 2.5, "full": 8.0}  # per load run
 LIMIT = 1.25  # the target: the largest table's p50 and p99 at most 25% above the smallest's
 DB_FIELDS = ("exec_ms", "blks_read", "wal_fpi", "wal_bytes")
-
-
-def database_url(url: str, name: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(path=f"/{name}"))
 
 
 def database_name(level: int) -> str:
