@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 import os
 import re
 import struct
@@ -34,16 +36,22 @@ except ImportError as error:  # cryptography is an optional dependency of the pa
         "idempotency_mw.encryption needs cryptography: pip install 'idempotency-mw[encryption]'"
     ) from error
 
+from idempotency_mw.keyring import check_key_id, parse_keys
 from idempotency_mw.rows import decode_headers, encode_headers
-from idempotency_mw.store import SealedResponse, SealedResponseError, StoredResponse, UnknownKeyId
+from idempotency_mw.store import (
+    PlainResponseRefused,
+    SealedResponse,
+    SealedResponseError,
+    StoredResponse,
+    UnknownKeyId,
+)
 
-__all__ = ["KEYS_VARIABLE", "ResponseCipher", "SealedResponseError", "UnknownKeyId"]
+__all__ = ["KEYS_VARIABLE", "PlainResponseRefused", "ResponseCipher", "SealedResponseError", "UnknownKeyId"]
 
 KEYS_VARIABLE = "IDEMPOTENCY_RESPONSE_KEYS"
 KEY_BYTES = 32  # AES-256
 NONCE_BYTES = 12  # GCM's 96-bit nonce, drawn at random for every response
 VERSION = 1  # the first byte of every sealed response, and part of what it is bound to
-_KEY_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _HEX = re.compile(r"[0-9a-fA-F]{64}")
 _AAD_PREFIX = b"idempotency_mw response"
 _STATUS_AND_HEADERS = struct.Struct(">HI")  # status, then the length of the headers' JSON
@@ -56,19 +64,26 @@ class ResponseCipher:
     A key id is 1 to 64 characters of ``A-Z a-z 0-9 . _ -`` (a date, say: ``2026-11``); it is stored beside each
     response, so it must never name another key later. Keys are checked here: a wrong length, a repeated id, or the
     same key under two ids is a ``ValueError`` naming the key id (never the key).
+
+    A store with a cipher refuses to replay a response stored plain (:class:`PlainResponseRefused`): a role that can
+    write the table but holds no key could otherwise replace a sealed response with a plain one of its own making
+    (an injected ``Set-Cookie``, an HTML body), and it would be replayed to the tenant. ``allow_plain=True`` replays
+    plain responses all the same, for the time between turning encryption on and the end of
+    ``idempotency-mw reencrypt --seal-plain``: then remove it.
     """
 
-    def __init__(self, keys: Mapping[str, bytes | str] | Iterable[tuple[str, bytes | str]]) -> None:
+    def __init__(
+        self, keys: Mapping[str, bytes | str] | Iterable[tuple[str, bytes | str]], *, allow_plain: bool = False
+    ) -> None:
         pairs = list(keys.items()) if isinstance(keys, Mapping) else list(keys)
         if not pairs:
             raise ValueError("ResponseCipher needs at least one key: the first given is the one that seals")
+        self.allow_plain = allow_plain
         self._keys: dict[str, AESGCM] = {}
+        self._derivers: dict[str, hmac.HMAC] = {}
         seen: dict[bytes, str] = {}
         for key_id, key in pairs:
-            if not isinstance(key_id, str) or not _KEY_ID.fullmatch(key_id):
-                raise ValueError(
-                    f"response key id {key_id!r}: use 1 to 64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"
-                )
+            check_key_id("response key", key_id)
             if key_id in self._keys:
                 raise ValueError(f"response key id {key_id!r} is given twice: each key needs an id of its own")
             material = _key_bytes(key_id, key)
@@ -78,26 +93,18 @@ class ResponseCipher:
                 )
             seen[material] = key_id
             self._keys[key_id] = AESGCM(material)
+            self._derivers[key_id] = hmac.new(material, digestmod=hashlib.sha256)
         self.current = pairs[0][0]  # the id of the key that seals
         self.key_ids = tuple(self._keys)
 
     @classmethod
-    def parse(cls, text: str) -> ResponseCipher:
+    def parse(cls, text: str, *, allow_plain: bool = False) -> ResponseCipher:
         """Keys written ``id:key,id:key`` (commas or whitespace between them), the current key first: the form of
         ``IDEMPOTENCY_RESPONSE_KEYS``."""
-        pairs = []
-        for item in re.split(r"[,\s]+", text.strip()):
-            if not item:
-                continue
-            key_id, colon, key = item.partition(":")
-            if not colon or not key_id or not key:
-                shown = key_id if colon else "(no 'id:' before it)"
-                raise ValueError(f"response key {shown!r}: write each key as id:key, e.g. 2026-11:<44 base64 chars>")
-            pairs.append((key_id, key))
-        return cls(pairs)
+        return cls(parse_keys("response key", text, "2026-11:<44 base64 chars>"), allow_plain=allow_plain)
 
     @classmethod
-    def from_env(cls, variable: str = KEYS_VARIABLE) -> ResponseCipher:
+    def from_env(cls, variable: str = KEYS_VARIABLE, *, allow_plain: bool = False) -> ResponseCipher:
         """The keys in the environment variable ``variable`` (see :meth:`parse`); ``ValueError`` if it is unset or
         empty, since a store asked to encrypt must not quietly store plain responses."""
         text = os.environ.get(variable, "")
@@ -108,7 +115,7 @@ class ResponseCipher:
                 'print(ResponseCipher.new_key())")'
             )
         try:
-            return cls.parse(text)
+            return cls.parse(text, allow_plain=allow_plain)
         except ValueError as error:
             raise ValueError(f"{variable}: {error}") from None
 
@@ -162,8 +169,19 @@ class ResponseCipher:
         """``sealed`` opened and sealed again under the current key (a fresh nonce)."""
         return self.seal(tenant, key, self.open(tenant, key, sealed))
 
+    def derive(self, label: bytes) -> list[tuple[str, bytes]]:
+        """For each key, current first, its id and a 32-byte key derived from it for another use (HMAC-SHA256 of
+        ``label`` under the key): the fingerprint keys of a store that has no other secret (``fingerprint.py``)."""
+        derived = []
+        for key_id, deriver in self._derivers.items():
+            mac = deriver.copy()
+            mac.update(label)
+            derived.append((key_id, mac.digest()))
+        return derived
+
     def __repr__(self) -> str:  # never the keys
-        return f"ResponseCipher(current={self.current!r}, key_ids={self.key_ids!r})"
+        plain = ", allow_plain=True" if self.allow_plain else ""
+        return f"ResponseCipher(current={self.current!r}, key_ids={self.key_ids!r}{plain})"
 
 
 def _associated(key_id: str, tenant: str, key: str, body_size: int) -> bytes:

@@ -18,7 +18,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from idempotency_mw.store import Claim, ClaimOutcome, RecordInfo, SealedResponse, StoredResponse, UnknownKeyId
+from idempotency_mw.store import (
+    Claim,
+    ClaimOutcome,
+    PlainResponseRefused,
+    RecordInfo,
+    SealedResponse,
+    StoredResponse,
+    UnknownKeyId,
+)
 from idempotency_mw.waiting import Waiters
 
 if TYPE_CHECKING:
@@ -140,6 +148,8 @@ class MemoryStore:
     def _opened(self, tenant: str, key: str, response: StoredResponse | SealedResponse) -> StoredResponse:
         """A response as stored, or opened by the cipher (:class:`UnknownKeyId` without one that has its key)."""
         if isinstance(response, StoredResponse):
+            if self.cipher is not None and not self.cipher.allow_plain:
+                raise PlainResponseRefused()
             return response
         if self.cipher is None:
             raise UnknownKeyId(response.key_id, ())

@@ -69,8 +69,8 @@ class PostgresStore:
     transactions it lends to handlers keep the database's default (``connectors.py``).
 
     ``cipher`` (an :class:`~idempotency_mw.encryption.ResponseCipher`) seals every response it stores, in its own
-    completions and in handlers' transactions alike, and opens them for replays and ``inspect``; responses stored
-    plain before still replay. See docs/configuration.md, "Encrypting stored responses".
+    completions and in handlers' transactions alike, and opens them for replays and ``inspect``; a response stored
+    plain is refused unless the cipher allows it. See docs/configuration.md, "Encrypting stored responses".
     """
 
     def __init__(

@@ -17,6 +17,7 @@ from idempotency_mw.store import (
     Claim,
     ClaimOutcome,
     Headers,
+    PlainResponseRefused,
     RecordInfo,
     SealedResponse,
     SealedResponseError,
@@ -60,11 +61,16 @@ def completion(
     return (tenant, key, fence, None, None, None, response.body_size, sealed.sealed, sealed.key_id)
 
 
-def response_from_row(row: asyncpg.Record, tenant: str, key: str, cipher: ResponseCipher | None) -> StoredResponse:
+def response_from_row(
+    row: asyncpg.Record, tenant: str, key: str, cipher: ResponseCipher | None, *, resealing: bool = False
+) -> StoredResponse:
     """The stored response of a row that has one: as stored, or opened by ``cipher``. A sealed one without a cipher
-    that has its key raises :class:`UnknownKeyId`, naming the key."""
+    that has its key raises :class:`UnknownKeyId`, naming the key; a plain one under a cipher that does not allow
+    plain responses raises :class:`PlainResponseRefused` (unless ``resealing``: reencrypt reads it to seal it)."""
     sealed = row["sealed"]
     if sealed is None:
+        if cipher is not None and not cipher.allow_plain and not resealing:
+            raise PlainResponseRefused()
         return StoredResponse(row["status"], decode_headers(row["headers"]), row["body"], row["body_size"])
     stored = SealedResponse(row["sealed_with"], bytes(sealed), row["body_size"])
     if cipher is None:
@@ -102,7 +108,7 @@ def reseal_rows(
     for row in rows:
         tenant, key = row["tenant"], row["key"]
         try:
-            response = response_from_row(row, tenant, key, cipher)
+            response = response_from_row(row, tenant, key, cipher, resealing=True)
         except SealedResponseError as error:
             unreadable.append((tenant, key, str(error)))
             continue

@@ -147,6 +147,21 @@ class UnknownKeyId(SealedResponseError):
         self.key_id = key_id
 
 
+class PlainResponseRefused(SealedResponseError):
+    """A stored response is plain while the store seals every response it writes (it has a cipher): it was written
+    by someone who holds no key (a role that can write the table), or before encryption was turned on. Refused
+    unless the cipher allows plain responses (``ResponseCipher(..., allow_plain=True)``, until ``idempotency-mw
+    reencrypt --seal-plain`` has sealed them)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the stored response is plain, but this store seals every response it writes: a plain one was not "
+            "written by it, or was written before encryption was turned on. It is refused rather than replayed; if "
+            "responses were stored plain before encryption, give the cipher allow_plain=True until `idempotency-mw "
+            "reencrypt --seal-plain` has sealed them"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class ResealedBatch:
     """One batch of a re-encryption (``PostgresStore.reencrypt``): how many responses were re-sealed under the

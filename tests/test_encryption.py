@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, idempotency_context
 from idempotency_mw.cli import main
-from idempotency_mw.encryption import KEYS_VARIABLE, ResponseCipher
+from idempotency_mw.encryption import KEYS_VARIABLE, PlainResponseRefused, ResponseCipher
 from idempotency_mw.sqlalchemy import SQLAlchemyStore, idempotency_session
 from idempotency_mw.store import ClaimOutcome, SealedResponse, SealedResponseError, StoredResponse, UnknownKeyId
 from tests.conftest import PGBOUNCER_SCHEMAS, STORES, client_for, tenant_of, with_database
@@ -249,14 +249,42 @@ async def test_a_response_under_a_key_not_given_names_that_key(kind: Kind) -> No
         await no_cipher.claim(tenant, key, FINGERPRINT, lease=30, ttl=3600)
 
 
-async def test_responses_stored_plain_still_replay_once_a_cipher_is_given(kind: Kind) -> None:
+async def test_responses_stored_plain_replay_under_a_cipher_only_while_it_allows_them(kind: Kind) -> None:
     tenant, key = keys()
     await completed(await kind.store(None), tenant, key)
     store = await kind.store(cipher("2026-11"))
-    assert await replayed(store, tenant, key) == RESPONSE
-    record = await store.inspect(tenant, key)
+    with pytest.raises(PlainResponseRefused, match="allow_plain=True"):
+        await store.claim(tenant, key, FINGERPRINT, lease=30, ttl=3600)
+    with pytest.raises(PlainResponseRefused):
+        await store.inspect(tenant, key)
+    lenient = await kind.store(ResponseCipher({"2026-11": KEYS["2026-11"]}, allow_plain=True))
+    assert await replayed(lenient, tenant, key) == RESPONSE
+    record = await lenient.inspect(tenant, key)
     assert record is not None
     assert (record.response, record.sealed_with) == (RESPONSE, None)
+
+
+async def test_a_plain_response_put_in_place_of_a_sealed_one_is_refused(kind: Kind) -> None:
+    """A role that can write the table but holds no key replaces a sealed response with a plain one of its own (an
+    injected Set-Cookie, an HTML body): a store with a cipher never replays it."""
+    store = await kind.store(cipher("2026-11"))
+    tenant, key = keys()
+    await completed(store, tenant, key)
+    forged = StoredResponse(200, [(b"set-cookie", b"session=attacker"), (b"content-type", b"text/html")], b"<h1>", 4)
+    if kind.url is None:
+        store._records[(tenant, key)].response = forged  # type: ignore[attr-defined]
+    else:
+        await kind.execute(
+            "UPDATE {schema}.idempotency_responses SET sealed = NULL, sealed_with = NULL, status = 200, "
+            """headers = '[["set-cookie", "session=attacker"], ["content-type", "text/html"]]', body = '<h1>', """
+            "body_size = 4 WHERE tenant = $1 AND key = $2",
+            tenant,
+            key,
+        )
+    with pytest.raises(PlainResponseRefused):
+        await store.claim(tenant, key, FINGERPRINT, lease=30, ttl=3600)
+    with pytest.raises(PlainResponseRefused):
+        await store.inspect(tenant, key)
 
 
 async def test_reencrypt_reseals_under_the_current_key_in_batches(kind: Kind) -> None:
@@ -478,6 +506,37 @@ async def test_a_retry_of_a_response_under_a_missing_key_is_503_naming_the_key(
     assert retry.json()["code"] == "idempotency_store_unavailable"
     logged = "\n".join(record.getMessage() for record in caplog.records)
     assert "UnknownKeyId: the stored response is sealed under key id '2026-06'" in logged
+
+
+@pytest.mark.parametrize(("mode", "transactional"), MODES, ids=[f"{m}-{'tx' if t else 'plain'}" for m, t in MODES])
+async def test_a_sealed_response_downgraded_to_a_plain_one_is_never_replayed(
+    mode: str, transactional: bool, idempotency_database_url: str
+) -> None:
+    """A role that can write the responses table but holds no key swaps a sealed response for a plain one (an
+    injected Set-Cookie): the retry gets 503, never the forged answer, and nothing runs again."""
+    key = f"enc-{uuid.uuid4().hex}"
+    async with store_of(mode, idempotency_database_url, cipher("2026-11")) as store:
+        app, runs = charge_app(store, transactional=transactional)
+        async with client_for(app) as client:
+            assert (await client.post("/charges", json={}, headers={"Idempotency-Key": key})).status_code == 201
+            if mode == "memory":
+                forged = StoredResponse(200, [(b"set-cookie", b"session=attacker")], b"<h1>", 4)
+                store._records[(tenant_of(), key)].response = forged
+            else:
+                connection = await asyncpg.connect(idempotency_database_url)
+                try:
+                    await connection.execute(
+                        "UPDATE idempotency_responses SET sealed = NULL, sealed_with = NULL, status = 200, "
+                        """headers = '[["set-cookie", "session=attacker"]]', body = '<h1>', body_size = 4 """
+                        "WHERE tenant = $1 AND key = $2",
+                        tenant_of(),
+                        key,
+                    )
+                finally:
+                    await connection.close()
+            retry = await client.post("/charges", json={}, headers={"Idempotency-Key": key})
+    assert (retry.status_code, retry.json()["code"], runs) == (503, "idempotency_store_unavailable", [key])
+    assert "set-cookie" not in retry.headers
 
 
 async def test_a_response_that_does_not_open_never_fails_open() -> None:
