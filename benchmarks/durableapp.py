@@ -149,7 +149,7 @@ def two_commits(connections: Connections) -> Endpoint:
                 async with connection.transaction():
                     return await place_order(connection, order)
             tenant = request.headers.get("authorization", "")
-            args: tuple[Any, ...] = (tenant, key, hashlib.sha256(body).digest(), LEASE, TTL, new_fence())
+            args: tuple[Any, ...] = (tenant, key, [hashlib.sha256(body).digest()], LEASE, TTL, new_fence())
             args += (None,) * (entry.parameters - len(args))
             row = await entry.claim.fetchrow(*args)  # a fresh key, a replay, a 409 or a 422 (see sql/queries.sql)
             if row is None:  # a takeover, or a race

@@ -499,7 +499,8 @@ class Layout:
     completed_status: str  # what a completion that landed answers
 
     def claim_args(self, key: str) -> tuple[Any, ...]:
-        return (TENANT_ID, key, FINGERPRINT, LEASE, TTL, new_fence(), *self.extra[:1])
+        fingerprint = [FINGERPRINT] if self.extra else FINGERPRINT  # the shipped claim takes one per fingerprint key
+        return (TENANT_ID, key, fingerprint, LEASE, TTL, new_fence(), *self.extra[:1])
 
     def completion_args(self, key: str, fence: int) -> tuple[Any, ...]:
         headers = encode_headers(STORED.headers)
@@ -696,7 +697,7 @@ async def claim_split_cost(dsn: str, local: bool, rounds: int, n: int) -> dict[s
 
         def step(statement: Any, phase: str, keys: list[str], fences: dict[str, int]) -> Operation:
             async def run_one(i: int) -> object:
-                row = await statement.fetchrow(TENANT_ID, keys[i], FINGERPRINT, LEASE, TTL, new_fence(), None)
+                row = await statement.fetchrow(TENANT_ID, keys[i], [FINGERPRINT], LEASE, TTL, new_fence(), None)
                 assert row is not None, f"{keys[i]}: the claim returned no row"
                 if phase == FRESH_CLAIM:
                     assert row["owned"], f"{keys[i]}: a fresh claim was not owned"

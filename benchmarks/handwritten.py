@@ -84,7 +84,7 @@ def idempotent(
             return await handler(request)
         tenant = request.headers.get("authorization", "")
         fingerprint = hashlib.sha256(await request.body()).digest()
-        args = (tenant, key, fingerprint, LEASE, TTL, new_fence(), None)
+        args = (tenant, key, [fingerprint], LEASE, TTL, new_fence(), None)
         entry = await connections.take()
         try:
             row = await entry[1].fetchrow(*args)  # a fresh key, a replay, a 409 or a 422 (see sql/queries.sql)

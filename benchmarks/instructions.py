@@ -165,7 +165,7 @@ async def _pairs(dsn: str, variant: str, count: int) -> None:
 
         async def pair(worker: int, key: str) -> None:
             claim, complete = prepared[worker]
-            row = await claim.fetchrow(storepath.TENANT, key, storepath.FINGERPRINT, 30.0, 86400.0, new_fence(), None)
+            row = await claim.fetchrow(storepath.TENANT, key, [storepath.FINGERPRINT], 30.0, 86400.0, new_fence(), None)
             headers = encode_headers(storepath.RESPONSE.headers)
             body = storepath.BODY
             await complete.fetch(storepath.TENANT, key, row["fence"], 201, headers, body, len(body), None, None)

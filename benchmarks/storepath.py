@@ -68,7 +68,7 @@ async def run_raw(dsn: str, tasks: int, pairs: int, run: str, deadline: float | 
             claim, complete = prepared[n]
             for i in range(pairs // tasks):
                 key = f"{run}-{n}-{i}"
-                row = await claim.fetchrow(TENANT, key, FINGERPRINT, LEASE, TTL, new_fence(), None)
+                row = await claim.fetchrow(TENANT, key, [FINGERPRINT], LEASE, TTL, new_fence(), None)
                 headers = encode_headers(RESPONSE.headers)
                 await complete.fetch(TENANT, key, row["fence"], 201, headers, BODY, len(BODY), None, None)
 
@@ -164,7 +164,7 @@ async def replays(dsn: str, keys: int, rounds: int, run: str) -> dict[str, Any]:
                     replay = await store.claim(TENANT, name, FINGERPRINT, lease=LEASE, ttl=TTL)
                     assert replay.response is not None
                 else:
-                    row = await locked.fetchrow(TENANT, name, FINGERPRINT, LEASE, TTL, new_fence(), None)
+                    row = await locked.fetchrow(TENANT, name, [FINGERPRINT], LEASE, TTL, new_fence(), None)
                     assert row["completed"]
 
         for variant in names:  # the first read after a write tidies the page (hint bits, pruning): not a replay's

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
+from idempotency_mw.fingerprint import DIGEST_BYTES, fingerprint_key_id
 from idempotency_mw.postgres import PostgresStore
 from idempotency_mw.sql import check_schema
 from idempotency_mw.store import RecordInfo, SealedResponseError, StoreNotMigrated, StoreUnavailable
@@ -495,7 +496,8 @@ def record_to_dict(record: RecordInfo, *, now: float) -> dict[str, Any]:
         "created_at": _iso(record.created_at),
         "expires_at": _iso(record.expires_at),
         "lease_expires_at": None if record.lease_expires_at is None else _iso(record.lease_expires_at),
-        "fingerprint": record.fingerprint.hex(),
+        "fingerprint": record.fingerprint[-DIGEST_BYTES:].hex(),
+        "fingerprint_key": fingerprint_key_id(record.fingerprint),  # None: unkeyed, written before keys existed
         "response": response,
     }
 
@@ -511,7 +513,7 @@ def format_record(shown: dict[str, Any]) -> str:
         ("created", shown["created_at"]),
         ("expires", shown["expires_at"]),
         ("lease until", shown["lease_expires_at"] or "-"),
-        ("fingerprint", shown["fingerprint"]),
+        ("fingerprint", f"{shown['fingerprint']} ({_keyed(shown['fingerprint_key'])})"),
     ]
     response = shown["response"]
     if response is not None:
@@ -529,6 +531,10 @@ def format_record(shown: dict[str, Any]) -> str:
             rows.append((f"body ({response['body_preview_encoding']})", text + more))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _keyed(key_id: str | None) -> str:
+    return "unkeyed: written before fingerprints were keyed" if key_id is None else f"key {key_id!r}"
 
 
 def preview(body: bytes) -> tuple[str, str]:

@@ -169,14 +169,14 @@ class ResponseCipher:
         """``sealed`` opened and sealed again under the current key (a fresh nonce)."""
         return self.seal(tenant, key, self.open(tenant, key, sealed))
 
-    def derive(self, label: bytes) -> list[tuple[str, bytes]]:
-        """For each key, current first, its id and a 32-byte key derived from it for another use (HMAC-SHA256 of
-        ``label`` under the key): the fingerprint keys of a store that has no other secret (``fingerprint.py``)."""
+    def derive(self, label: bytes) -> list[bytes]:
+        """For each key, current first, 32 bytes derived from it for another use (HMAC-SHA256 of ``label`` under the
+        key): the fingerprint keys of a store that has no other secret (``fingerprint.FingerprintKeys.derived``)."""
         derived = []
-        for key_id, deriver in self._derivers.items():
+        for deriver in self._derivers.values():
             mac = deriver.copy()
             mac.update(label)
-            derived.append((key_id, mac.digest()))
+            derived.append(mac.digest())
         return derived
 
     def __repr__(self) -> str:  # never the keys

@@ -11,28 +11,129 @@ like JSON, which an app may well read as JSON; anything else is hashed as sent.
 The work is bounded. A body whose canonical form would cost much more per byte than ordinary JSON (a form with more
 fields than Starlette itself reads, a flood of ``%XX`` escapes, thousands of values around a long number) is
 hashed as sent instead: a retry sends the same bytes, so it still matches, and no two different bodies can merge.
-Only the digest is stored, never the body.
+What is stored is never that digest itself but an HMAC of it under a server secret (:class:`FingerprintKeys`): a
+plain SHA-256 of a request whose only unknown is a low-entropy field (an amount, a card's CVC) is inverted by a
+dictionary in a second, by anyone who can read the table. Only the keyed digest is stored, never the body.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import os
 import struct
+from collections.abc import Callable, Iterable, Mapping
 from typing import NoReturn
 from urllib.parse import parse_qsl
 
 import orjson
 from starlette.types import Scope
 
+from idempotency_mw.keyring import check_key_id, parse_keys
 from idempotency_mw.wire import header
+
+KEYS_VARIABLE = "IDEMPOTENCY_FINGERPRINT_KEYS"
+MIN_KEY_BYTES = 32
+DIGEST_BYTES = 32  # a SHA-256 digest: what a fingerprint written before fingerprints were keyed is, bare
+_DERIVED = b"idempotency_mw fingerprint key v1"  # what a key derived from another secret is an HMAC of
+_DERIVED_ID = b"idempotency_mw fingerprint key id v1"
+GENERATE_KEY = 'python -c "import secrets; print(secrets.token_hex(32))"'
+
+
+class FingerprintKeys:
+    """The server's keys for request fingerprints, the current one first: a stored fingerprint is
+    ``<key id>:`` and the HMAC-SHA256 of the request's digest under that key.
+
+    The current key writes; every key listed still matches, so that after a rotation a retry of a request
+    fingerprinted under the previous key is still the same request. Keep a previous key for one ``ttl`` after it
+    stopped being current, then drop it. A key is at least 32 bytes (or characters of text); a key id is 1 to 64
+    characters of ``A-Z a-z 0-9 . _ -``, stored in each fingerprint, so it must never name another key later.
+
+    Where the operator gives none (``IDEMPOTENCY_FINGERPRINT_KEYS``), the middleware derives them from a secret it
+    already has (:meth:`derived`): the default tenant resolver's, or the store's response keys.
+    """
+
+    def __init__(self, keys: Mapping[str, bytes | str] | Iterable[tuple[str, bytes | str]]) -> None:
+        pairs = list(keys.items()) if isinstance(keys, Mapping) else list(keys)
+        if not pairs:
+            raise ValueError("FingerprintKeys needs at least one key: the first given is the one that writes")
+        self._keys: dict[str, tuple[bytes, hmac.HMAC]] = {}
+        for key_id, key in pairs:
+            check_key_id("fingerprint key", key_id)
+            if key_id in self._keys:
+                raise ValueError(f"fingerprint key id {key_id!r} is given twice: each key needs an id of its own")
+            material = key.encode() if isinstance(key, str) else key
+            if not isinstance(material, bytes):
+                raise TypeError(f"fingerprint key {key_id!r} must be bytes or text, not {type(key).__name__}")
+            if len(material) < MIN_KEY_BYTES:
+                raise ValueError(
+                    f"fingerprint key {key_id!r} is {len(material)} bytes long; it must be at least {MIN_KEY_BYTES} "
+                    f"(generate one with: {GENERATE_KEY})"
+                )
+            self._keys[key_id] = (key_id.encode() + b":", hmac.new(material, digestmod=hashlib.sha256))
+        self.current = pairs[0][0]
+        self.key_ids = tuple(self._keys)
+        self._only = len(self._keys) == 1
+
+    @classmethod
+    def parse(cls, text: str) -> FingerprintKeys:
+        """Keys written ``id:key,id:key``, the current one first: the form of ``IDEMPOTENCY_FINGERPRINT_KEYS``."""
+        return cls(parse_keys("fingerprint key", text, "2026-11:<a random key of 32 characters or more>"))
+
+    @classmethod
+    def from_env(cls, variable: str = KEYS_VARIABLE) -> FingerprintKeys | None:
+        """The keys in ``variable``, or None when it is unset or empty."""
+        text = os.environ.get(variable, "")
+        if not text.strip():
+            return None
+        try:
+            return cls.parse(text)
+        except ValueError as error:
+            raise ValueError(f"{variable}: {error}") from None
+
+    @classmethod
+    def derived(cls, source: str, derive: Callable[[bytes], list[bytes]]) -> FingerprintKeys:
+        """Keys derived from other secrets: ``derive(label)`` gives the HMAC-SHA256 of ``label`` under each secret,
+        the current one first (``AuthorizationTenant.derive``, ``ResponseCipher.derive``), and ``source`` names them
+        in each key id (``tenant-secret``, ``response-key``). Every instance with the same secrets derives the same
+        keys and ids, and neither reveals the secret."""
+        keys, tags = derive(_DERIVED), derive(_DERIVED_ID)
+        return cls([(f"{source}.{tag.hex()[:12]}", key) for key, tag in zip(keys, tags, strict=True)])
+
+    def digests(self, digest: bytes) -> tuple[bytes, ...]:
+        """What a request with this :func:`fingerprint` is stored as under each key, the current one first: the first
+        is written, and a record holding any of them is the same request."""
+        if self._only:  # the common case: one key, one HMAC
+            prefix, keyed = next(iter(self._keys.values()))
+            mac = keyed.copy()
+            mac.update(digest)
+            return (prefix + mac.digest(),)
+        found = []
+        for prefix, keyed in self._keys.values():
+            mac = keyed.copy()
+            mac.update(digest)
+            found.append(prefix + mac.digest())
+        return tuple(found)
+
+    def __repr__(self) -> str:  # never the keys
+        return f"FingerprintKeys(current={self.current!r}, key_ids={self.key_ids!r})"
+
+
+def fingerprint_key_id(stored: bytes) -> str | None:
+    """The id of the key a stored fingerprint was written under; None for a bare SHA-256, written before fingerprints
+    were keyed."""
+    if len(stored) <= DIGEST_BYTES or stored[-DIGEST_BYTES - 1] != ord(":"):
+        return None
+    return stored[: -DIGEST_BYTES - 1].decode("ascii", "replace")
 
 
 def fingerprint(
     method: str, path: str, query_string: bytes, content_type: bytes, body: bytes, exclude: frozenset[str] = frozenset()
 ) -> bytes:
     """Return the 32-byte SHA-256 digest that identifies this request's payload; ``exclude`` names fields of a JSON or
-    form body to leave out (``"meta.attempt_id"`` reaches into objects)."""
+    form body to leave out (``"meta.attempt_id"`` reaches into objects). Never stored as it is: see
+    :class:`FingerprintKeys`."""
     kind, canonical = canonical_body(content_type, body, exclude)
     method_bytes, path_bytes, query = method.encode(), path.encode(), canonical_query(query_string)
     # All lengths first, then the parts: one way to read it back.

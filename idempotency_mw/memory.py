@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from idempotency_mw.fingerprint import DIGEST_BYTES
 from idempotency_mw.store import (
     Claim,
     ClaimOutcome,
@@ -60,7 +61,9 @@ class MemoryStore:
     def __len__(self) -> int:
         return len(self._records)
 
-    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
+    async def claim(
+        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+    ) -> Claim:
         now = self._clock()
         self._expire(now)
         record = self._records.get((tenant, key))
@@ -72,21 +75,23 @@ class MemoryStore:
             self._records[(tenant, key)] = _Record(fingerprint, fence, now, expires, now + lease, attempts=attempts)
             self._push(expires, (tenant, key))
             return Claim(ClaimOutcome.OWNED, fence=fence, attempts=attempts)
-        if record.fingerprint == fingerprint and record.response is not None:
+        same = record.fingerprint == fingerprint or record.fingerprint in matching
+        if same and record.response is not None:
             # A replay only reads the record (PostgreSQL: no write at all), so it is not counted.
             response = self._opened(tenant, key, record.response)
             return Claim(ClaimOutcome.COMPLETED, response=response, attempts=record.attempts)
         record.attempts += 1
         attempts = record.attempts
-        if record.fingerprint != fingerprint:
-            return Claim(ClaimOutcome.MISMATCH, attempts=attempts)
+        if not same:
+            unkeyed = record.fingerprint if len(record.fingerprint) == DIGEST_BYTES else None
+            return Claim(ClaimOutcome.MISMATCH, attempts=attempts, unkeyed=unkeyed)
         assert record.lease_expires_at is not None
         if record.lease_expires_at <= now:
             record.fence = next(self._fences)
             record.lease_expires_at = now + lease
             self._extend(tenant, key, record)
             return Claim(ClaimOutcome.OWNED, fence=record.fence, attempts=attempts)
-        return Claim(ClaimOutcome.IN_PROGRESS, attempts=attempts)
+        return Claim(ClaimOutcome.IN_PROGRESS, fence=record.fence, attempts=attempts)
 
     def _held(self, tenant: str, key: str, fence: int) -> _Record | None:
         record = self._records.get((tenant, key))

@@ -29,7 +29,8 @@ from idempotency_mw.context import (
 from idempotency_mw.eager import outlasting, start_eagerly
 from idempotency_mw.events import EventHook, Outcome, Report, log_event, logger
 from idempotency_mw.failures import FailureLog
-from idempotency_mw.fingerprint import request_fingerprint
+from idempotency_mw.fingerprint import KEYS_VARIABLE as FINGERPRINT_KEYS_VARIABLE
+from idempotency_mw.fingerprint import FingerprintKeys, request_fingerprint
 from idempotency_mw.keys import InvalidKey, MissingKey, outlived, request_key
 from idempotency_mw.leases import LeaseKeeper
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
@@ -44,6 +45,7 @@ from idempotency_mw.store import (
     TransactionalStore,
 )
 from idempotency_mw.tenants import (
+    SECRET_VARIABLE,
     AuthorizationTenant,
     TenantFromApp,
     TenantResolver,
@@ -82,6 +84,10 @@ class IdempotencyMiddleware:
       response to send in its place (an extra header), or None to send it as stored (to count replays, say).
     - ``enabled``: False (or ``IDEMPOTENCY_MW_DISABLED=1`` in the environment) lets every request through untouched,
       for tests or an emergency, and says so in a warning as the middleware is built.
+    - ``fingerprint_keys``: the keys a request's fingerprint is stored under (a
+      :class:`~idempotency_mw.fingerprint.FingerprintKeys`, or its text ``id:key,id:key``). By default those of
+      ``IDEMPOTENCY_FINGERPRINT_KEYS``, else derived from the default tenant resolver's secret, else from the
+      store's response keys; with none of those the middleware is not built (:func:`choose_fingerprint_keys`).
     """
 
     def __init__(
@@ -109,6 +115,7 @@ class IdempotencyMiddleware:
         wait: float = 5.0,
         on_replay: ReplayHook | None = None,
         enabled: bool = True,
+        fingerprint_keys: FingerprintKeys | str | None = None,
     ) -> None:
         if tenant is None:
             tenant = AuthorizationTenant()  # fails here, with what to set, when no secret is configured
@@ -135,6 +142,7 @@ class IdempotencyMiddleware:
         self.app = app
         self.store = store
         self.tenant = tenant
+        self.fingerprint_keys = choose_fingerprint_keys(fingerprint_keys, tenant, store)
         self.tenant_from_app = tenant if isinstance(tenant, TenantFromApp) else None
         self.tenant_unknown_logged = False  # the operator hears of unscoped keyed requests once, not per request
         self.policies = PolicyResolver.build(default, routes or {})
@@ -245,6 +253,38 @@ class IdempotencyMiddleware:
         await self.app(scope, receive_again, send)
 
 
+def choose_fingerprint_keys(given: FingerprintKeys | str | None, tenant: object, store: object) -> FingerprintKeys:
+    """The keys request fingerprints are stored under: ``given``; else ``IDEMPOTENCY_FINGERPRINT_KEYS``; else keys
+    derived from the default tenant resolver's secret (or ``IDEMPOTENCY_TENANT_SECRET``, where the app resolves its
+    tenants otherwise); else from the store's response keys. Never none: an unkeyed digest of a request is inverted
+    by a dictionary in seconds by anyone who can read the table, so without any secret the middleware is not built.
+    """
+    if isinstance(given, str):
+        return FingerprintKeys.parse(given)
+    if given is not None:
+        if not isinstance(given, FingerprintKeys):
+            raise TypeError(f"fingerprint_keys must be FingerprintKeys or its text, not {type(given).__name__}")
+        return given
+    found = FingerprintKeys.from_env()
+    if found is not None:
+        return found
+    if isinstance(tenant, AuthorizationTenant):
+        return FingerprintKeys.derived("tenant-secret", tenant.derive)
+    if os.environ.get(SECRET_VARIABLE):
+        return FingerprintKeys.derived("tenant-secret", AuthorizationTenant().derive)
+    cipher = getattr(store, "cipher", None)
+    if cipher is not None:
+        return FingerprintKeys.derived("response-key", cipher.derive)
+    raise ValueError(
+        "the idempotency middleware stores each request's fingerprint keyed under a server secret, so that nobody "
+        "who reads the table can tell what a request held by hashing guesses, and it has none: set "
+        f"{FINGERPRINT_KEYS_VARIABLE} to id:key (a random key of at least 32 characters, the same on every "
+        'instance: python -c "import secrets; print(secrets.token_hex(32))"), or pass '
+        f"fingerprint_keys=FingerprintKeys(...), or set {SECRET_VARIABLE}, or give the store a cipher "
+        "(PostgresStore(..., cipher=ResponseCipher.from_env()))"
+    )
+
+
 class Phase(enum.Enum):
     """Where a covered request is; it only moves forward. What it ends with is its :class:`Outcome`, decided once."""
 
@@ -273,7 +313,8 @@ class IdempotentRequest:
         self.key: str | None = None
         self.tenant = ""
         self.body = BufferedBody(receive, policy.max_request_bytes)
-        self.digest = b""
+        self.digest = b""  # the request's fingerprint, unkeyed: never stored, nor sent to the store
+        self.digests: tuple[bytes, ...] = ()  # as stored, under each fingerprint key, the current one first
         self.owned: OwnedClaim | None = None  # the claim, once it is this request's
         self.refusal: tuple[problems.Problem, Outcome] | None = None  # a bad key, answered once the tenant is known
         self.plain: PlainRun | None = None  # the handler's run in plain mode (recording.py)
@@ -371,16 +412,14 @@ class IdempotentRequest:
         if policy.transactional:
             self._start_run()  # the claim is taken on the connection its transaction then uses
         claimer: Store | TransactionalRun = self.transaction or self.store
-        key, tenant, digest = self.key, self.tenant, self.digest
         started = time.perf_counter()
         if policy.on_conflict == "wait":
+            key, tenant = self.key, self.tenant
             claiming = claim_or_wait(
-                lambda: claimer.claim(tenant, key, digest, lease=policy.lease, ttl=policy.ttl),
-                lambda within: self.store.wait(tenant, key, within),
-                policy.wait,
+                lambda: self._claim_from(claimer), lambda within: self.store.wait(tenant, key, within), policy.wait
             )
         else:
-            claiming = claimer.claim(tenant, key, digest, lease=policy.lease, ttl=policy.ttl)
+            claiming = self._claim_from(claimer)
         # A task of its own: a cancellation must not lose a claim that landed.
         task = start_eagerly(claiming, "idempotency claim")
         try:
@@ -408,7 +447,7 @@ class IdempotentRequest:
             await self._answer(claim)
             return False
         self.owned = self._own(claim)
-        if policy.check_uuid7_age and outlived(key, policy.ttl):
+        if policy.check_uuid7_age and outlived(self.key, policy.ttl):
             # No record is left to compare with: running now could repeat an operation whose record was purged.
             await self.owned.release()
             if self.transaction is not None:
@@ -423,6 +462,22 @@ class IdempotentRequest:
         self.plain.claimed()
         self._set_context(IdempotencyContext(self.tenant, self.key))
         return True
+
+    async def _claim_from(self, claimer: Store | TransactionalRun) -> Claim:
+        """The claim, by ``claimer``. A record of a different request whose fingerprint is a bare SHA-256 was
+        written before fingerprints were keyed: when it is this request's own digest, it is the same request after
+        all (a retry in flight across the upgrade), and the claim is taken again with it."""
+        assert self.key is not None
+        policy, current, *previous = self.policy, *self.digests
+        claim = await claimer.claim(
+            self.tenant, self.key, current, lease=policy.lease, ttl=policy.ttl, matching=tuple(previous)
+        )
+        if claim.outcome is ClaimOutcome.MISMATCH and claim.unkeyed is not None and claim.unkeyed == self.digest:
+            matching = (*previous, self.digest)
+            claim = await claimer.claim(
+                self.tenant, self.key, current, lease=policy.lease, ttl=policy.ttl, matching=matching
+            )
+        return claim
 
     async def _abandon(self, claiming: asyncio.Future[Claim]) -> Outcome:
         """The claim of a request that was cancelled: released once it is known to be ours."""
@@ -578,6 +633,7 @@ class IdempotentRequest:
         if read is not Read.WHOLE:
             return False
         self.digest = request_fingerprint(self.scope, self.body.body, self.policy.fingerprint_exclude)
+        self.digests = self.middleware.fingerprint_keys.digests(self.digest)
         return True
 
     def _downstream(self) -> Send:

@@ -216,11 +216,23 @@ class PostgresStore:
 
     # -- the Store protocol --------------------------------------------------------------------------------
 
-    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
-        return await self._claim(self._connector.run, tenant, key, fingerprint, lease=lease, ttl=ttl, flush=True)
+    async def claim(
+        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+    ) -> Claim:
+        return await self._claim(
+            self._connector.run, tenant, key, (fingerprint, *matching), lease=lease, ttl=ttl, flush=True
+        )
 
     async def claim_on(
-        self, connection: asyncpg.Connection, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float
+        self,
+        connection: asyncpg.Connection,
+        tenant: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        matching: tuple[bytes, ...] = (),
     ) -> Claim:
         """The claim of a transactional request, on a connection of the app's engine that a transaction of another
         kind (SQLAlchemy's) then begins on; under READ COMMITTED whatever the session's default, as every statement
@@ -238,10 +250,10 @@ class PostgresStore:
                 async with connection.transaction(isolation="read_committed"):
                     return await connection.fetchrow(self._sql[name], *args, timeout=self.timeout)
 
-        return await self._claim(run, tenant, key, fingerprint, lease=lease, ttl=ttl, flush=False)
+        return await self._claim(run, tenant, key, (fingerprint, *matching), lease=lease, ttl=ttl, flush=False)
 
     async def _claim(
-        self, run: Run, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, flush: bool
+        self, run: Run, tenant: str, key: str, fingerprints: tuple[bytes, ...], *, lease: float, ttl: float, flush: bool
     ) -> Claim:
         """The claim, by ``run``. Without ``flush`` (a transactional request's) it commits without waiting for its
         WAL flush, which the handler's COMMIT does for it (``sql/queries.sql``, claim): never for a claim whose
@@ -250,7 +262,7 @@ class PostgresStore:
             raise StoreUnavailable("the idempotency store is closing: it takes no new claims")
         # max: a record never expires under a live lease (sql/queries.sql, renew)
         unflushed = None if flush else "off"
-        args = (tenant, key, fingerprint, float(lease), float(max(ttl, lease)), new_fence(), unflushed)
+        args = (tenant, key, fingerprints, float(lease), float(max(ttl, lease)), new_fence(), unflushed)
         row = await run("claim", args)  # a fresh key, a replay, a 409 or a 422 (see sql/queries.sql)
         if row is None:  # an expired record or a lapsed lease to take over, or a race
             row = await run("claim_or_take_over", args)
@@ -371,9 +383,12 @@ class PostgresTransaction:
         self._isolation = isolation
         self._transaction: asyncpg.transaction.Transaction | None = None
 
-    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
+    async def claim(
+        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+    ) -> Claim:
         with self._reachable():
-            return await self._store._claim(self._run, tenant, key, fingerprint, lease=lease, ttl=ttl, flush=False)
+            fingerprints = (fingerprint, *matching)
+            return await self._store._claim(self._run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=False)
 
     async def begin(self) -> None:
         """BEGIN, at the database's default isolation level (the store's own session reads READ COMMITTED)."""

@@ -42,9 +42,10 @@ def claim_from_row(row: asyncpg.Record, tenant: str, key: str, cipher: ResponseC
     if row["owned"]:
         return Claim(ClaimOutcome.OWNED, fence=row["fence"], attempts=attempts)
     if not row["same_request"]:
-        return Claim(ClaimOutcome.MISMATCH, attempts=attempts)
+        unkeyed = row["unkeyed"]
+        return Claim(ClaimOutcome.MISMATCH, attempts=attempts, unkeyed=None if unkeyed is None else bytes(unkeyed))
     if not row["completed"]:
-        return Claim(ClaimOutcome.IN_PROGRESS, attempts=attempts)
+        return Claim(ClaimOutcome.IN_PROGRESS, fence=row["fence"], attempts=attempts)
     response = response_from_row(row, tenant, key, cipher)
     return Claim(ClaimOutcome.COMPLETED, response=response, attempts=attempts)
 

@@ -45,6 +45,9 @@ from idempotency_mw.store import (
 )
 from idempotency_mw.transaction import Settlement
 
+if TYPE_CHECKING:
+    from idempotency_mw.encryption import ResponseCipher
+
 
 class SQLAlchemyStore:
     """A :class:`~idempotency_mw.postgres.PostgresStore` whose transactions, lent to transactional handlers, run on
@@ -75,6 +78,11 @@ class SQLAlchemyStore:
         self.store = store
         self.engine = engine
         self.session_class = session_class
+
+    @property
+    def cipher(self) -> ResponseCipher | None:
+        """The PostgresStore's: the responses of the handlers' transactions are sealed like its own."""
+        return self.store.cipher
 
     async def open(self) -> None:
         """Open the store (:meth:`PostgresStore.open <idempotency_mw.postgres.PostgresStore.open>`), and check that
@@ -162,8 +170,10 @@ class SQLAlchemyStore:
 
     # -- the Store protocol, kept by the PostgresStore --------------------------------------------------------
 
-    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
-        return await self.store.claim(tenant, key, fingerprint, lease=lease, ttl=ttl)
+    async def claim(
+        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+    ) -> Claim:
+        return await self.store.claim(tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching)
 
     async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
         return await self.store.renew(tenant, key, fence, lease=lease)
@@ -240,13 +250,15 @@ class SQLAlchemyTransaction:
         self._schema = store.schema
         self.settlement = Settlement(store.settled)
 
-    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
+    async def claim(
+        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+    ) -> Claim:
         """The claim, on this connection's driver connection, before the transaction begins (SQLAlchemy's adapter
         has begun nothing yet: its BEGIN goes with the first statement)."""
         raw = await self.connection.get_raw_connection()
         driver: Any = raw.driver_connection  # asyncpg's Connection
         try:
-            return await self._store.claim_on(driver, tenant, key, fingerprint, lease=lease, ttl=ttl)
+            return await self._store.claim_on(driver, tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching)
         except StoreUnavailable as error:
             if not isinstance(error, StoreNotMigrated):
                 self.lost = True

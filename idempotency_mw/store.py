@@ -52,9 +52,12 @@ class ClaimOutcome(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class Claim:
     outcome: ClaimOutcome
-    fence: int = 0  # only meaningful when OWNED
+    fence: int = 0  # OWNED: ours; IN_PROGRESS: the running claim's, whose settlement a waiter waits for
     response: StoredResponse | None = None  # only when COMPLETED
     attempts: int = 0  # requests that came with this key after the first (retries, conflicts, mismatches)
+    # MISMATCH only: the record's fingerprint when it is a bare SHA-256, written before fingerprints were keyed; the
+    # caller compares it with the request's own digest, and claims again with it among ``matching`` if they agree.
+    unkeyed: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +178,12 @@ class ResealedBatch:
 
 @runtime_checkable
 class Store(Protocol):
-    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
-        """Insert an ``in_progress`` record or report the existing one, atomically, in one round trip."""
+    async def claim(
+        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+    ) -> Claim:
+        """Insert an ``in_progress`` record or report the existing one, atomically, in one round trip.
+        ``fingerprint`` is what a new record holds; a record holding it or any of ``matching`` (the request's
+        fingerprint under previous keys) is the same request."""
 
     async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
         """Extend the lease of a claim still held under ``fence``; False if it was taken over."""
@@ -210,7 +217,9 @@ class Transaction(Protocol):
     concurrent duplicate sees the claim), then a transaction begins on it, the handler writes in that transaction,
     and the record completes in it."""
 
-    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
+    async def claim(
+        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+    ) -> Claim:
         """:meth:`Store.claim`, on this connection, before the transaction begins."""
 
     async def begin(self) -> None:

@@ -71,6 +71,13 @@ class AuthorizationTenant:
         self._keyed = hmac.new(_secret_bytes(secret), digestmod=hashlib.sha256)  # copied for each request
         self.anonymous = _anonymous(anonymous)
 
+    def derive(self, label: bytes) -> list[bytes]:
+        """The HMAC-SHA256 of ``label`` under the secret, for a key derived from it (the fingerprint keys of
+        ``fingerprint.FingerprintKeys.derived``): a list, one per secret, the current one first."""
+        keyed = self._keyed.copy()
+        keyed.update(label)
+        return [keyed.digest()]
+
     def __call__(self, scope: Scope) -> str | None:
         values = _values(scope, b"authorization")
         if len(values) > 1:

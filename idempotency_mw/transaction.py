@@ -151,12 +151,14 @@ class TransactionalRun:
     def status(self) -> int | None:
         return self.recorder.status
 
-    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
+    async def claim(
+        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+    ) -> Claim:
         """Take this request's connection and claim the key on it. A claim that is not ours gives the connection
         back at once: the middleware answers without a transaction."""
-        transaction = await self._lend()
+        transaction = self._transaction or await self._lend()
         try:
-            claim = await transaction.claim(tenant, key, fingerprint, lease=lease, ttl=ttl)
+            claim = await transaction.claim(tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching)
         except BaseException:
             await self.close()
             raise

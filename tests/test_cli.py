@@ -182,7 +182,7 @@ def test_inspect_shows_a_completed_record(capsys: pytest.CaptureFixture[str], db
         f"created      {iso(info.created_at)}",
         f"expires      {iso(info.expires_at)}",
         "lease until  -",
-        f"fingerprint  {FINGERPRINT.hex()}",
+        f"fingerprint  {FINGERPRINT.hex()} (unkeyed: written before fingerprints were keyed)",
         "status       201",
         "headers      content-type: application/json",
         "             set-cookie: a=1",
@@ -207,7 +207,7 @@ def test_inspect_json(capsys: pytest.CaptureFixture[str], db: Database) -> None:
     expires = datetime.datetime.fromisoformat(shown["expires_at"])
     assert created.tzinfo is not None
     assert expires - created == datetime.timedelta(hours=1)
-    assert shown["fingerprint"] == FINGERPRINT.hex()
+    assert (shown["fingerprint"], shown["fingerprint_key"]) == (FINGERPRINT.hex(), None)
     response = shown["response"]
     assert response["status"] == 201
     assert response["headers"] == [["content-type", "application/json"], ["set-cookie", "a=1"], ["set-cookie", "b=2"]]

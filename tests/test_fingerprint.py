@@ -7,9 +7,10 @@ import json
 import uuid
 from collections.abc import AsyncGenerator
 from decimal import Context, Decimal
-from typing import NoReturn
+from typing import Any, NoReturn
 from urllib.parse import urlencode
 
+import asyncpg
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -20,10 +21,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from idempotency_mw import IdempotencyMiddleware, PostgresStore
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, StoredResponse, header_tenant
 from idempotency_mw import fingerprint as fingerprint_module
-from idempotency_mw.fingerprint import canonical_body, canonical_query, fingerprint
-from tests.conftest import client_for
+from idempotency_mw.fingerprint import (
+    FingerprintKeys,
+    canonical_body,
+    canonical_query,
+    fingerprint,
+    fingerprint_key_id,
+)
+from idempotency_mw.store import ClaimOutcome
+from tests.conftest import client_for, tenant_of
 
 JSON = b"application/json"
 FORM = b"application/x-www-form-urlencoded"
@@ -385,3 +393,150 @@ async def test_form_typed_bodies_the_app_reads_as_json_keep_different_fingerprin
     assert second.status_code == 422, (
         f"answered {second.json()} (replayed: {second.headers.get('idempotent-replayed')})"
     )
+
+
+# -- keyed fingerprints: what the table holds gives a dictionary nothing --------------------------------------------
+
+
+def charge_app(store: Store, **options: Any) -> Starlette:
+    async def charge(request: Request) -> Response:
+        return JSONResponse({"charged": (await request.json())["amount"]}, status_code=201)
+
+    app = Starlette(routes=[Route("/v1/charges", charge, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, **options)
+    return app
+
+
+def charge_digest(amount: int, cvc: str) -> bytes:
+    """What 0.2 stored for a charge: the bare SHA-256 fingerprint, which anyone can compute."""
+    return fp(json.dumps({"amount": amount, "card": {"cvc": cvc}}).encode(), path="/v1/charges")
+
+
+async def stored_fingerprints(url: str, keys: list[str]) -> list[bytes]:
+    connection = await asyncpg.connect(url)
+    try:
+        rows = await connection.fetch("SELECT fingerprint FROM idempotency_records WHERE key = ANY($1)", keys)
+    finally:
+        await connection.close()
+    return [bytes(row["fingerprint"]) for row in rows]
+
+
+@pytest.mark.parametrize("source", ["tenant secret", "fingerprint keys", "response keys"])
+async def test_a_dictionary_recovers_nothing_from_stored_fingerprints(
+    source: str, idempotency_database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attack of the review: amounts in 0..100000 and CVCs in 000..999 are recovered from unkeyed fingerprints in
+    about a second, by a process that holds none of the server's secrets. Keyed, every guess misses."""
+    cipher = None
+    options: dict[str, Any] = {}
+    if source == "fingerprint keys":
+        monkeypatch.setenv("IDEMPOTENCY_FINGERPRINT_KEYS", "2026-11:" + "k" * 40)
+    elif source == "response keys":
+        from idempotency_mw.encryption import ResponseCipher
+
+        monkeypatch.delenv("IDEMPOTENCY_TENANT_SECRET")
+        cipher = ResponseCipher({"2026-11": bytes(range(32))})
+        options["tenant"] = header_tenant("x-account")
+    charges = {f"dict-{uuid.uuid4().hex}": (amount, cvc) for amount, cvc in ((4_217, "073"), (99_999, "915"))}
+    async with PostgresStore(idempotency_database_url, cipher=cipher) as store:
+        app = charge_app(store, **options)
+        async with client_for(app) as client:
+            for key, (amount, cvc) in charges.items():
+                body = {"amount": amount, "card": {"cvc": cvc}}
+                response = await client.post(
+                    "/v1/charges", json=body, headers={"Idempotency-Key": key, "x-account": "acct_1"}
+                )
+                assert response.status_code == 201
+    stored = await stored_fingerprints(idempotency_database_url, list(charges))
+    assert len(stored) == 2
+    digests = {digest for fingerprint in stored for digest in (fingerprint, fingerprint[-32:])}
+    # The dictionary: every amount with the CVC known, every CVC with the amount known.
+    guesses = {charge_digest(amount, cvc): (amount, cvc) for amount, cvc in charges.values()}
+    for amount_, cvc_ in charges.values():
+        guesses.update({charge_digest(amount, cvc_): (amount, cvc_) for amount in range(100_001)})
+        guesses.update({charge_digest(amount_, f"{n:03}"): (amount_, f"{n:03}") for n in range(1000)})
+    assert len(guesses) > 100_000
+    assert [guesses[digest] for digest in digests if digest in guesses] == []
+    # Where the keys came from is named in each fingerprint, never the key itself.
+    expected = {"tenant secret": "tenant-secret.", "fingerprint keys": "2026-11", "response keys": "response-key."}
+    assert all(fingerprint_key_id(f).startswith(expected[source]) for f in stored)  # type: ignore[union-attr]
+
+
+def test_a_middleware_with_no_secret_to_key_fingerprints_is_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("IDEMPOTENCY_TENANT_SECRET")
+    monkeypatch.delenv("IDEMPOTENCY_FINGERPRINT_KEYS", raising=False)
+    app = Starlette()
+    with pytest.raises(ValueError, match=r"IDEMPOTENCY_FINGERPRINT_KEYS.*IDEMPOTENCY_TENANT_SECRET.*cipher"):
+        IdempotencyMiddleware(app, MemoryStore(), tenant=header_tenant("x-account"))
+    with pytest.raises(ValueError, match="at least 32"):
+        IdempotencyMiddleware(app, MemoryStore(), tenant=header_tenant("x-account"), fingerprint_keys="k1:short")
+    built = IdempotencyMiddleware(
+        app, MemoryStore(), tenant=header_tenant("x-account"), fingerprint_keys="k1:" + "x" * 32
+    )
+    assert built.fingerprint_keys.current == "k1"
+
+
+async def test_a_rotation_of_the_fingerprint_keys_turns_no_retry_into_a_422(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = f"rot-{uuid.uuid4().hex}"
+    old, new = "2026-06:" + "o" * 40, "2026-11:" + "n" * 40
+    body = {"amount": 5, "card": {"cvc": "123"}}
+    async with client_for(charge_app(store, fingerprint_keys=old)) as client:
+        first = await client.post("/v1/charges", json=body, headers={"Idempotency-Key": key})
+    async with client_for(charge_app(store, fingerprint_keys=f"{new},{old}")) as client:
+        replay = await client.post("/v1/charges", json=body, headers={"Idempotency-Key": key})
+        other = await client.post("/v1/charges", json={**body, "amount": 6}, headers={"Idempotency-Key": key})
+        fresh = await client.post("/v1/charges", json=body, headers={"Idempotency-Key": key + "-new"})
+    assert (first.status_code, replay.status_code, replay.headers.get("idempotent-replayed")) == (201, 201, "true")
+    assert other.status_code == 422
+    assert fresh.status_code == 201
+    async with client_for(charge_app(store, fingerprint_keys=new)) as client:  # the old key dropped too soon
+        assert (await client.post("/v1/charges", json=body, headers={"Idempotency-Key": key})).status_code == 422
+        again = await client.post("/v1/charges", json=body, headers={"Idempotency-Key": key + "-new"})
+        assert again.headers.get("idempotent-replayed") == "true"  # written under the new key
+
+
+async def test_a_retry_in_flight_across_the_upgrade_still_matches_its_unkeyed_record(store: Store) -> None:
+    """A record written before fingerprints were keyed holds the bare SHA-256: a retry after the upgrade is still
+    the same request (a replay, or 409 while it runs), and a different request is still 422."""
+    body = {"amount": 5, "card": {"cvc": "123"}}
+    digest = charge_digest(5, "123")
+    done, running = f"up-{uuid.uuid4().hex}", f"up-{uuid.uuid4().hex}"
+    claim = await store.claim(tenant_of(), done, digest, lease=30, ttl=3600)
+    assert await store.complete(tenant_of(), done, claim.fence, StoredResponse(201, [], b'{"charged":5}', 13))
+    assert (await store.claim(tenant_of(), running, digest, lease=30, ttl=3600)).outcome is ClaimOutcome.OWNED
+    async with client_for(charge_app(store)) as client:
+        replay = await client.post("/v1/charges", json=body, headers={"Idempotency-Key": done})
+        conflict = await client.post("/v1/charges", json=body, headers={"Idempotency-Key": running})
+        other = await client.post("/v1/charges", json={**body, "amount": 6}, headers={"Idempotency-Key": done})
+    assert (replay.status_code, replay.headers.get("idempotent-replayed"), replay.content) == (
+        201,
+        "true",
+        b'{"charged":5}',
+    )
+    assert conflict.status_code == 409
+    assert other.status_code == 422
+
+
+def test_fingerprint_keys_are_checked_and_never_shown() -> None:
+    keys = FingerprintKeys.parse("2026-11:" + "a" * 32 + ", 2026-06:" + "b" * 32)
+    assert (keys.current, keys.key_ids) == ("2026-11", ("2026-11", "2026-06"))
+    digest = fp(b"{}")
+    current, previous = keys.digests(digest)
+    assert current.startswith(b"2026-11:")
+    assert previous.startswith(b"2026-06:")
+    assert (fingerprint_key_id(current), fingerprint_key_id(previous), fingerprint_key_id(digest)) == (
+        "2026-11",
+        "2026-06",
+        None,
+    )
+    assert "a" * 32 not in repr(keys)
+    for text, message in (
+        ("", "at least one key"),
+        ("k:" + "x" * 31, "at least 32"),
+        ("bad id:" + "x" * 32, "id:key"),
+        ("k:" + "x" * 32 + ",k:" + "y" * 32, "given twice"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            FingerprintKeys.parse(text)

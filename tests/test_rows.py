@@ -39,12 +39,13 @@ async def answer_row(db: asyncpg.Connection, **columns: Any) -> asyncpg.Record:
         "body_size": None,
         "sealed": None,
         "sealed_with": None,
+        "unkeyed": None,
         **columns,
     }
     row = await db.fetchrow(
         "SELECT $1::boolean AS owned, $2::boolean AS same_request, $3::boolean AS completed, $4::bigint AS fence, "
         "$5::int AS attempts, $6::int AS status, $7::text AS headers, $8::bytea AS body, $9::int AS body_size, "
-        "$10::bytea AS sealed, $11::text AS sealed_with",
+        "$10::bytea AS sealed, $11::text AS sealed_with, $12::bytea AS unkeyed",
         *values.values(),
     )
     assert row is not None
@@ -83,10 +84,13 @@ async def test_an_owned_claim_carries_its_fence(db: asyncpg.Connection) -> None:
 async def test_another_request_under_the_key_is_a_mismatch(db: asyncpg.Connection) -> None:
     row = await answer_row(db, same_request=False, completed=True, status=201)  # whatever its state
     assert claim_from_row(row, "t", "k") == Claim(ClaimOutcome.MISMATCH, attempts=2)
+    unkeyed = await answer_row(db, same_request=False, unkeyed=bytes(32))  # a fingerprint written before keying
+    assert claim_from_row(unkeyed, "t", "k") == Claim(ClaimOutcome.MISMATCH, attempts=2, unkeyed=bytes(32))
 
 
 async def test_the_same_request_still_running_is_in_progress(db: asyncpg.Connection) -> None:
-    assert claim_from_row(await answer_row(db), "t", "k") == Claim(ClaimOutcome.IN_PROGRESS, attempts=2)
+    row = await answer_row(db, fence=9)  # the running claim's fence: what its settlement is announced by
+    assert claim_from_row(row, "t", "k") == Claim(ClaimOutcome.IN_PROGRESS, fence=9, attempts=2)
 
 
 async def test_the_same_request_completed_carries_its_response(db: asyncpg.Connection) -> None:

@@ -142,8 +142,12 @@ def test_a_missing_secret_stops_the_default_middleware_at_construction(monkeypat
     assert "IDEMPOTENCY_TENANT_SECRET" in message
     assert 'python -c "import secrets; print(secrets.token_hex(32))"' in message
     assert "tenant=" in message
-    # An app with a resolver of its own needs no secret.
-    IdempotencyMiddleware(Starlette(), MemoryStore(), tenant=header_tenant("x-account-id"))
+    # An app with a resolver of its own needs no tenant secret, but a key for its request fingerprints all the same.
+    with pytest.raises(ValueError, match="IDEMPOTENCY_FINGERPRINT_KEYS"):
+        IdempotencyMiddleware(Starlette(), MemoryStore(), tenant=header_tenant("x-account-id"))
+    IdempotencyMiddleware(
+        Starlette(), MemoryStore(), tenant=header_tenant("x-account-id"), fingerprint_keys="k:" + "x" * 32
+    )
 
 
 @pytest.mark.parametrize("secret", ["", "short", "x" * 31, b"x" * 31])

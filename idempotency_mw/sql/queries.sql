@@ -23,14 +23,19 @@
 -- passes 'off': its claim is visible at once, and the handler's COMMIT, which waits for its flush, flushes the claim
 -- before it (WAL is flushed in order), so the claim is durable whenever the effect is, for one flush instead of two.
 -- A crash can only lose a claim whose effect never committed; the retry then runs afresh.
--- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds (at least $4, see renew), $6 fence,
+-- $3 is the request's fingerprint under each fingerprint key, the current one first (fingerprint.py,
+-- FingerprintKeys): the first is written, and a record holding any of them is the same request, so a rotation of
+-- the keys turns no retry into a 422. A different request's answer carries the record's fingerprint when it is a
+-- bare SHA-256 (unkeyed, written before fingerprints were keyed), which the store compares with the request's own:
+-- only a digest already stored in the table is ever sent back to it.
+-- $1 tenant, $2 key, $3 fingerprints, $4 lease seconds, $5 ttl seconds (at least $4, see renew), $6 fence,
 -- $7 synchronous_commit
 WITH commit_setting AS MATERIALIZED (
     SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
 ), inserted AS (
     INSERT INTO {schema}.idempotency_records AS r
         (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at)
-    SELECT $1, $2, $3, $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
+    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
     FROM commit_setting
     ON CONFLICT (tenant, key) DO NOTHING
     RETURNING r.fence, r.attempts
@@ -44,20 +49,22 @@ WITH commit_setting AS MATERIALIZED (
     UPDATE {schema}.idempotency_records AS r SET attempts = r.attempts + 1
     FROM existing AS e
     WHERE r.tenant = $1 AND r.key = $2 AND r.expires_at > now()
-      AND (r.fingerprint <> $3 OR (NOT e.completed AND r.lease_expires_at > now()))
+      AND (r.fingerprint <> ALL ($3) OR (NOT e.completed AND r.lease_expires_at > now()))
     RETURNING r.fence, r.fingerprint, r.attempts, e.completed
 )
 SELECT true AS owned, false AS completed, true AS same_request, i.attempts,
        NULL::smallint AS status, NULL::jsonb AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
-       NULL::bytea AS sealed, NULL::text AS sealed_with, i.fence
+       NULL::bytea AS sealed, NULL::text AS sealed_with, i.fence, NULL::bytea AS unkeyed
 FROM inserted AS i
 UNION ALL
-SELECT false, c.completed, c.fingerprint = $3, c.attempts, NULL, NULL, NULL, NULL, NULL, NULL, c.fence
+SELECT false, c.completed, c.fingerprint = ANY ($3), c.attempts, NULL, NULL, NULL, NULL, NULL, NULL, c.fence,
+       CASE WHEN length(c.fingerprint) = 32 AND c.fingerprint <> ALL ($3) THEN c.fingerprint END
 FROM counted AS c
 UNION ALL
-SELECT false, true, true, e.attempts, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with, e.fence
+SELECT false, true, true, e.attempts, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with, e.fence,
+       NULL
 FROM existing AS e
-WHERE e.completed AND e.fingerprint = $3 AND NOT e.expired;
+WHERE e.completed AND e.fingerprint = ANY ($3) AND NOT e.expired;
 
 -- name: claim_or_take_over
 -- The claim in every case, for when ``claim`` returned no row: insert a fresh record; or take over an expired
@@ -78,7 +85,7 @@ WITH commit_setting AS MATERIALIZED (
 ), inserted AS (
     INSERT INTO {schema}.idempotency_records AS r
         (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at)
-    SELECT $1, $2, $3, $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
+    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
     FROM commit_setting
     ON CONFLICT (tenant, key) DO NOTHING
     RETURNING r.fence, r.fingerprint, r.attempts
@@ -94,17 +101,17 @@ WITH commit_setting AS MATERIALIZED (
     WHERE s.tenant = $1 AND s.key = $2 AND EXISTS (SELECT FROM existing AS e WHERE e.expired)
 ), updated AS (
     UPDATE {schema}.idempotency_records AS r SET
-        fingerprint      = CASE WHEN r.expires_at <= now() THEN $3 ELSE r.fingerprint END,
-        fence            = CASE WHEN r.expires_at <= now() OR (NOT e.completed AND r.lease_expires_at <= now() AND r.fingerprint = $3) THEN $6 ELSE r.fence END,
-        lease_expires_at = CASE WHEN r.expires_at <= now() OR (NOT e.completed AND r.lease_expires_at <= now() AND r.fingerprint = $3) THEN now() + make_interval(secs => $4) ELSE r.lease_expires_at END,
+        fingerprint      = CASE WHEN r.expires_at <= now() THEN ($3::bytea[])[1] ELSE r.fingerprint END,
+        fence            = CASE WHEN r.expires_at <= now() OR (NOT e.completed AND r.lease_expires_at <= now() AND r.fingerprint = ANY ($3)) THEN $6 ELSE r.fence END,
+        lease_expires_at = CASE WHEN r.expires_at <= now() OR (NOT e.completed AND r.lease_expires_at <= now() AND r.fingerprint = ANY ($3)) THEN now() + make_interval(secs => $4) ELSE r.lease_expires_at END,
         created_at       = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
         expires_at       = CASE WHEN r.expires_at <= now() THEN now() + make_interval(secs => $5)
-                                WHEN NOT e.completed AND r.lease_expires_at <= now() AND r.fingerprint = $3 THEN GREATEST(r.expires_at, now() + make_interval(secs => $4))
+                                WHEN NOT e.completed AND r.lease_expires_at <= now() AND r.fingerprint = ANY ($3) THEN GREATEST(r.expires_at, now() + make_interval(secs => $4))
                                 ELSE r.expires_at END,
         attempts         = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.attempts + 1 END
     FROM existing AS e
     WHERE r.tenant = $1 AND r.key = $2
-      AND NOT (e.completed AND r.fingerprint = $3 AND r.expires_at > now())
+      AND NOT (e.completed AND r.fingerprint = ANY ($3) AND r.expires_at > now())
     RETURNING r.fence, r.fingerprint, r.attempts, r.lease_expires_at IS NULL AS ended,
               e.completed, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with
 ), found AS (
@@ -120,22 +127,23 @@ WITH commit_setting AS MATERIALIZED (
     UNION ALL
     SELECT e.fence, e.fingerprint, e.attempts, true, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with
     FROM existing AS e
-    WHERE NOT EXISTS (SELECT FROM updated) AND e.completed AND NOT e.expired AND e.fingerprint = $3
+    WHERE NOT EXISTS (SELECT FROM updated) AND e.completed AND NOT e.expired AND e.fingerprint = ANY ($3)
 )
 SELECT
     -- Ours if it carries the fence just drawn and has no response: a completed record whose fence equals the one
     -- drawn (one chance in 2^63) must replay, never run again.
     f.fence = $6 AND NOT f.completed AS owned,
     f.completed,
-    f.fingerprint = $3 AS same_request,
+    f.fingerprint = ANY ($3) AS same_request,
     f.attempts,
-    CASE WHEN f.completed AND f.fingerprint = $3 THEN f.status END AS status,
-    CASE WHEN f.completed AND f.fingerprint = $3 THEN f.headers END AS headers,
-    CASE WHEN f.completed AND f.fingerprint = $3 THEN f.body END AS body,
-    CASE WHEN f.completed AND f.fingerprint = $3 THEN f.body_size END AS body_size,
-    CASE WHEN f.completed AND f.fingerprint = $3 THEN f.sealed END AS sealed,
-    CASE WHEN f.completed AND f.fingerprint = $3 THEN f.sealed_with END AS sealed_with,
-    f.fence
+    CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.status END AS status,
+    CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.headers END AS headers,
+    CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.body END AS body,
+    CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.body_size END AS body_size,
+    CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.sealed END AS sealed,
+    CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.sealed_with END AS sealed_with,
+    f.fence,
+    CASE WHEN length(f.fingerprint) = 32 AND f.fingerprint <> ALL ($3) THEN f.fingerprint END AS unkeyed
 FROM found AS f;
 
 -- name: claim_locked
@@ -143,7 +151,7 @@ FROM found AS f;
 -- with a concurrent claim or completion, see above): DO UPDATE locks and returns the current row even when it was
 -- committed after this statement's snapshot, so it always answers. It writes the record row in every case, a
 -- replay too (without counting it). A response is read from this statement's snapshot, taken after the others'.
--- $1 tenant, $2 key, $3 fingerprint, $4 lease seconds, $5 ttl seconds, $6 fence, $7 synchronous_commit (see claim)
+-- $1 tenant, $2 key, $3 fingerprints, $4 lease seconds, $5 ttl seconds, $6 fence, $7 synchronous_commit (see claim)
 WITH commit_setting AS MATERIALIZED (
     SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
 ), cleared AS (
@@ -157,33 +165,34 @@ WITH commit_setting AS MATERIALIZED (
 ), claimed AS (
     INSERT INTO {schema}.idempotency_records AS r
         (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at)
-    SELECT $1, $2, $3, $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
+    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
     FROM commit_setting
     ON CONFLICT (tenant, key) DO UPDATE SET
         fingerprint      = CASE WHEN r.expires_at <= now() THEN excluded.fingerprint ELSE r.fingerprint END,
-        fence            = CASE WHEN r.expires_at <= now() OR (NOT EXISTS (SELECT FROM response) AND r.lease_expires_at <= now() AND r.fingerprint = excluded.fingerprint) THEN excluded.fence ELSE r.fence END,
-        lease_expires_at = CASE WHEN r.expires_at <= now() OR (NOT EXISTS (SELECT FROM response) AND r.lease_expires_at <= now() AND r.fingerprint = excluded.fingerprint) THEN excluded.lease_expires_at ELSE r.lease_expires_at END,
+        fence            = CASE WHEN r.expires_at <= now() OR (NOT EXISTS (SELECT FROM response) AND r.lease_expires_at <= now() AND r.fingerprint = ANY ($3)) THEN excluded.fence ELSE r.fence END,
+        lease_expires_at = CASE WHEN r.expires_at <= now() OR (NOT EXISTS (SELECT FROM response) AND r.lease_expires_at <= now() AND r.fingerprint = ANY ($3)) THEN excluded.lease_expires_at ELSE r.lease_expires_at END,
         created_at       = CASE WHEN r.expires_at <= now() THEN excluded.created_at ELSE r.created_at END,
         expires_at       = CASE WHEN r.expires_at <= now() THEN excluded.expires_at
-                                WHEN NOT EXISTS (SELECT FROM response) AND r.lease_expires_at <= now() AND r.fingerprint = excluded.fingerprint THEN GREATEST(r.expires_at, excluded.lease_expires_at)
+                                WHEN NOT EXISTS (SELECT FROM response) AND r.lease_expires_at <= now() AND r.fingerprint = ANY ($3) THEN GREATEST(r.expires_at, excluded.lease_expires_at)
                                 ELSE r.expires_at END,
         attempts         = CASE WHEN r.expires_at <= now() THEN 0
-                                WHEN EXISTS (SELECT FROM response) AND r.fingerprint = excluded.fingerprint THEN r.attempts
+                                WHEN EXISTS (SELECT FROM response) AND r.fingerprint = ANY ($3) THEN r.attempts
                                 ELSE r.attempts + 1 END
     RETURNING r.fence, r.fingerprint, r.attempts
 )
 SELECT
     c.fence = $6 AS owned,
     c.fence <> $6 AND s.body_size IS NOT NULL AS completed,  -- body_size: the column every stored response has
-    c.fingerprint = $3 AS same_request,
+    c.fingerprint = ANY ($3) AS same_request,
     c.attempts,
-    CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.status END AS status,
-    CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.headers END AS headers,
-    CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.body END AS body,
-    CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.body_size END AS body_size,
-    CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.sealed END AS sealed,
-    CASE WHEN c.fence <> $6 AND c.fingerprint = $3 THEN s.sealed_with END AS sealed_with,
-    c.fence
+    CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN s.status END AS status,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN s.headers END AS headers,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN s.body END AS body,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN s.body_size END AS body_size,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN s.sealed END AS sealed,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN s.sealed_with END AS sealed_with,
+    c.fence,
+    CASE WHEN length(c.fingerprint) = 32 AND c.fingerprint <> ALL ($3) THEN c.fingerprint END AS unkeyed
 FROM claimed AS c LEFT JOIN response AS s ON true;
 
 -- name: renew
