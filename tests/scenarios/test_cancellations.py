@@ -154,8 +154,10 @@ class ClaimLandsThenStallsStore(PostgresStore):
         self.landed = asyncio.Event()
         self.reply = asyncio.Event()
 
-    async def claim(self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float) -> Claim:
-        claim = await super().claim(tenant, key, fingerprint, lease=lease, ttl=ttl)
+    async def claim(
+        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+    ) -> Claim:
+        claim = await super().claim(tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching)
         self.landed.set()
         await self.reply.wait()  # the reply is still on its way when the request is cancelled
         return claim
