@@ -26,6 +26,11 @@ class MissingKey(LookupError):
     """The request carries no ``Idempotency-Key`` header."""
 
 
+class KeyFunctionFailed(InvalidKey):
+    """A route's ``key_from`` function raised on this request's body (a JSON array where it expects an object): the
+    request has no valid key, and its caller, who may be anyone, gets 400. The function's error is the cause."""
+
+
 def key_from_headers(headers: list[tuple[bytes, bytes]], header: bytes = HEADER) -> str:
     """Return the key carried by raw ASGI ``headers`` (in ``Idempotency-Key``, or another lower-cased ``header``).
 
@@ -51,7 +56,14 @@ def request_key(
         return key_from_headers(headers)
     if isinstance(key_from, str):
         return key_from_headers(headers, key_from.lower().encode("latin-1"))
-    key = key_from(payload())
+    body = payload()
+    try:
+        key = key_from(body)
+    except Exception as error:
+        raise KeyFunctionFailed(
+            f"this route takes its idempotency key from the request body, and none could be read from this one "
+            f"(a JSON {type(body).__name__})"
+        ) from error
     if key is None:
         raise MissingKey()
     return key_from_payload(key)

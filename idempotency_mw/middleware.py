@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import inspect
 import os
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -31,7 +32,7 @@ from idempotency_mw.events import EventHook, Outcome, Report, log_event, logger
 from idempotency_mw.failures import FailureLog
 from idempotency_mw.fingerprint import KEYS_VARIABLE as FINGERPRINT_KEYS_VARIABLE
 from idempotency_mw.fingerprint import FingerprintKeys, request_fingerprint
-from idempotency_mw.keys import InvalidKey, MissingKey, outlived, request_key
+from idempotency_mw.keys import InvalidKey, KeyFunctionFailed, MissingKey, outlived, request_key
 from idempotency_mw.leases import LeaseKeeper
 from idempotency_mw.policy import DAY, RELEASED_STATUSES, MiB, Policy, PolicyResolver
 from idempotency_mw.recording import PlainRun, run_unprotected
@@ -61,7 +62,8 @@ T = TypeVar("T")
 
 DISABLED_VARIABLE = "IDEMPOTENCY_MW_DISABLED"
 OUTAGES = (StoreUnavailable, OSError)  # what fail_open fails open on: the store cannot be reached
-ReplayHook = Callable[[Scope, "StoredResponse"], "StoredResponse | None"]
+# Sync or async: what it returns (or its coroutine returns) goes out in place of the stored response; None keeps it.
+ReplayHook = Callable[[Scope, "StoredResponse"], "StoredResponse | None | Awaitable[StoredResponse | None]"]
 
 
 class IdempotencyMiddleware:
@@ -145,6 +147,7 @@ class IdempotencyMiddleware:
         self.fingerprint_keys = choose_fingerprint_keys(fingerprint_keys, tenant, store)
         self.tenant_from_app = tenant if isinstance(tenant, TenantFromApp) else None
         self.tenant_unknown_logged = False  # the operator hears of unscoped keyed requests once, not per request
+        self.key_function_logged = False  # and of a key_from function that raises, once
         self.policies = PolicyResolver.build(default, routes or {})
         self.failures = FailureLog(logger)  # store failures: the first in full, then a summary now and then
         self.leases = LeaseKeeper(store, self.failures)  # renews the lease of every handler still running
@@ -222,15 +225,40 @@ class IdempotencyMiddleware:
             logger.warning(unknown_tenant_advice(resolver))
         return problems.tenant_unknown(requirement(resolver)), Outcome.TENANT_UNKNOWN
 
-    def replayed(self, scope: Scope, response: StoredResponse) -> StoredResponse:
-        """The response a replay sends: as stored, or as the ``on_replay`` hook would have it."""
+    def key_function_failed(self, error: KeyFunctionFailed) -> None:
+        """A route's ``key_from`` raised: its caller gets 400; the operator hears of it once, with the traceback."""
+        if not self.key_function_logged:
+            self.key_function_logged = True
+            logger.warning(
+                "idempotency: a route's key_from function raised on a request body, which was answered 400 "
+                "idempotency_key_invalid (make the function return None for bodies without a key). Logged once "
+                "per middleware.",
+                exc_info=error.__cause__,
+            )
+
+    async def replayed(self, scope: Scope, response: StoredResponse) -> StoredResponse:
+        """The response a replay sends: as stored, or as the ``on_replay`` hook (sync or async) would have it. A hook
+        that fails, or returns anything but a replayable :class:`StoredResponse` or None, is logged, and the response
+        goes out as stored."""
         if self.on_replay is None:
             return response
         try:
-            return self.on_replay(scope, response) or response
+            changed = self.on_replay(scope, response)
+            if inspect.isawaitable(changed):
+                changed = await changed
         except Exception:
             logger.exception("idempotency on_replay hook failed (the response is replayed as stored)")
             return response
+        if changed is None:
+            return response
+        if not isinstance(changed, StoredResponse) or changed.body is None:
+            logger.error(
+                "idempotency on_replay hook returned %r, not a StoredResponse with a body, or None: the response is "
+                "replayed as stored",
+                type(changed).__name__ if not isinstance(changed, StoredResponse) else "a StoredResponse without body",
+            )
+            return response
+        return changed
 
     async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Check the per-route policies at startup, so a bad one stops the server instead of the first payment."""
@@ -340,6 +368,8 @@ class IdempotentRequest:
                     receive = self.body.receive if self.body.read else self.receive
                     return await self.middleware.app(self.scope, receive, self.send)
             except InvalidKey as error:
+                if isinstance(error, KeyFunctionFailed):
+                    self.middleware.key_function_failed(error)
                 self.refusal = (problems.key_invalid(str(error)), Outcome.KEY_INVALID)
 
             if self._tenant_from_app():
@@ -519,7 +549,7 @@ class IdempotentRequest:
             )
             return await self._refuse(problem, Outcome.NOT_REPLAYABLE)
         # 7. Replay.
-        response = self.middleware.replayed(self.scope, response)
+        response = await self.middleware.replayed(self.scope, response)
         self._decide(Outcome.REPLAYED, response.status)
         await replay(response, self.send)
 

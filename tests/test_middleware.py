@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -682,6 +683,35 @@ async def test_the_replay_hook_sees_and_may_change_each_replay(store: Store, key
     assert probe.calls["charge"] == 1
 
 
+async def test_an_async_replay_hook_is_awaited(store: Store, key: str) -> None:
+    async def on_replay(scope: Scope, response: StoredResponse) -> StoredResponse:
+        await asyncio.sleep(0)
+        return dataclasses.replace(response, headers=[*response.headers, (b"x-replays-seen", b"1")])
+
+    probe, client = setup(store, on_replay=on_replay)
+    live = await client.post("/charge", content=b"{}", headers={"Idempotency-Key": key})
+    for _ in range(2):
+        replay = await client.post("/charge", content=b"{}", headers={"Idempotency-Key": key})
+        assert (replay.status_code, replay.headers["x-replays-seen"], replay.content) == (201, "1", live.content)
+    assert probe.calls["charge"] == 1
+
+
+@pytest.mark.parametrize("returned", ["a string", 201, {"status": 200}])
+async def test_a_replay_hook_that_returns_something_else_replays_as_stored(
+    store: Store, key: str, returned: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def on_replay(scope: Scope, response: StoredResponse) -> object:
+        return returned
+
+    probe, client = setup(store, on_replay=on_replay)
+    live = await client.post("/charge", content=b"{}", headers={"Idempotency-Key": key})
+    with caplog.at_level("ERROR", logger="idempotency_mw"):
+        replay = await client.post("/charge", content=b"{}", headers={"Idempotency-Key": key})
+    assert (replay.status_code, replay.headers["idempotent-replayed"], replay.content) == (201, "true", live.content)
+    assert "on_replay hook returned" in caplog.text
+    assert probe.calls["charge"] == 1
+
+
 @pytest.mark.parametrize("how", ["argument", "environment"])
 async def test_a_disabled_middleware_lets_everything_through_and_says_so(
     store: Store, key: str, how: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -741,6 +771,25 @@ async def test_an_event_without_a_key_runs_unless_the_route_requires_one(store: 
     bad = await client.post("/charge", json={"id": "evt 1"})
     assert problem(bad)["code"] == "idempotency_key_invalid"
     assert probe.calls["charge"] == 0
+
+
+@pytest.mark.parametrize("body", [[{"id": "evt_1"}], "evt_1", 7, None], ids=["array", "string", "number", "null"])
+async def test_a_key_function_that_raises_is_a_bad_key_not_a_500(
+    store: Store, body: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The guide's own webhook recipe, ``event.get("id")``, raises for a body that is valid JSON but no object:
+    an unauthenticated caller gets 400 idempotency_key_invalid, never a 500 with a traceback; logged once."""
+    probe, client = setup(store, routes=webhook_routes(required=True))
+    with caplog.at_level("WARNING", logger="idempotency_mw"):
+        for _ in range(2):
+            answer = await client.post(
+                "/charge", content=orjson.dumps(body), headers={"content-type": "application/json"}
+            )
+            assert (answer.status_code, problem(answer)["code"]) == (400, "idempotency_key_invalid")
+            assert "Traceback" not in answer.text
+    assert probe.calls["charge"] == 0
+    assert [r.getMessage() for r in caplog.records if "key_from" in r.getMessage()] != []
+    assert len([r for r in caplog.records if "key_from" in r.getMessage()]) == 1
 
 
 async def test_a_route_may_take_its_key_from_another_header(store: Store) -> None:
