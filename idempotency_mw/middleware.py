@@ -63,7 +63,7 @@ T = TypeVar("T")
 DISABLED_VARIABLE = "IDEMPOTENCY_MW_DISABLED"
 OUTAGES = (StoreUnavailable, OSError)  # what fail_open fails open on: the store cannot be reached
 # Sync or async: what it returns (or its coroutine returns) goes out in place of the stored response; None keeps it.
-ReplayHook = Callable[[Scope, "StoredResponse"], "StoredResponse | None | Awaitable[StoredResponse | None]"]
+ReplayHook = Callable[[Scope, "StoredResponse"], "StoredResponse | Awaitable[StoredResponse | None] | None"]
 
 
 class IdempotencyMiddleware:
