@@ -108,8 +108,9 @@ class Connector(Protocol):
         """The isolation level (asyncpg's spelling) to begin a lent connection's transaction with, when its session
         default is not the database's; None to begin with the session's default."""
 
-    async def give_back(self, connection: asyncpg.Connection, *, lost: bool) -> None:
-        """Take a lent connection back as its pool gave it; closed if ``lost`` or if its reset fails."""
+    async def give_back(self, connection: asyncpg.Connection, *, lost: bool, then: str = "") -> None:
+        """Take a lent connection back as its pool gave it; closed if ``lost`` or if its reset fails. ``then`` is SQL
+        to run after the reset, in its round trip (``notify_waiters``, after a transactional request's COMMIT)."""
 
     def session(self) -> contextlib.AbstractAsyncContextManager[asyncpg.Connection]:
         """A connection for the store's own multi-statement work (migrations); closed after an error."""
@@ -261,11 +262,12 @@ class OwnPool:
             return None  # the session's default is the database's
         return ASYNCPG_ISOLATION[level]
 
-    async def give_back(self, connection: asyncpg.Connection, *, lost: bool) -> None:
+    async def give_back(self, connection: asyncpg.Connection, *, lost: bool, then: str = "") -> None:
         healthy = False
         try:
             if not lost and not connection.is_closed():
-                # StoreConnection.get_reset_query: the full reset, then the pin again; one round trip.
+                # StoreConnection.get_reset_query: the full reset, then the pin again, then ``then``; one round trip.
+                connection.then = then  # type: ignore[attr-defined]  # a StoreConnection
                 await connection.reset(timeout=self.timeout)
                 healthy = True
         except Exception:  # lost, broken or busy: a fresh connection is cheaper than a doubtful one
@@ -352,12 +354,12 @@ class AppPool:
     def begin_isolation(self) -> str | None:
         return None  # the app's sessions keep their own default
 
-    async def give_back(self, connection: asyncpg.Connection, *, lost: bool) -> None:
+    async def give_back(self, connection: asyncpg.Connection, *, lost: bool, then: str = "") -> None:
         healthy = False
         try:
             if not lost and not connection.is_closed():
                 # Ours first (the full reset, then the pool's init state); asyncpg's own follows on release.
-                await connection.execute(reset_sql(connection), timeout=self.timeout)
+                await connection.execute(reset_sql(connection) + "\n" + then, timeout=self.timeout)
                 healthy = True
         except Exception:  # lost, broken or busy: the pool must not hand this connection out again
             pass
@@ -379,16 +381,19 @@ class AppPool:
 
     @contextlib.asynccontextmanager
     async def listening(self, channel: str, notified: Listener) -> AsyncIterator[asyncpg.Connection | None]:
+        """A connection of the store's own, made as the pool makes its own (its connect arguments, its ``init``),
+        but not one of the pool's: held while requests wait, one of those would take a place of the work that
+        finishes requests, and a lease could lapse behind it."""
         with reachable():
-            proxy = await self._pool.acquire(timeout=self.timeout)  # held for as long as requests wait
-        connection = cast(asyncpg.Connection, proxy)
+            async with asyncio.timeout(self.timeout):
+                # asyncpg's own way of making a connection as the pool makes its own (private, and the same since
+                # asyncpg 0.18; the suite runs it on the oldest asyncpg the package accepts).
+                connection: asyncpg.Connection = await self._pool._get_new_connection()  # type: ignore[attr-defined]
         try:
             await connection.add_listener(channel, notified)
             yield connection
         finally:
-            with contextlib.suppress(Exception):
-                await connection.remove_listener(channel, notified)
-            await self._release(connection)
+            connection.terminate()
 
     async def _acquire(self, urgent: bool) -> asyncpg.Connection:
         """A connection within ``timeout``; ordinary work waits for its share first."""
@@ -442,8 +447,11 @@ class StoreConnection(asyncpg.Connection):
         # statements (a transaction-pooling proxy).
         self.statements: dict[str, asyncpg.prepared_stmt.PreparedStatement] = {}
 
+    then = ""  # SQL to run after the next reset, in its round trip (see Connector.give_back), once
+
     def get_reset_query(self) -> str:
-        return reset_sql(self)
+        then, self.then = self.then, ""
+        return reset_sql(self) + "\n" + then
 
 
 async def _not_read_committed(connector: OwnPool | AppPool, connection: asyncpg.Connection) -> bool:

@@ -11,6 +11,7 @@ may be dumped.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import time
@@ -26,6 +27,7 @@ from idempotency_mw.store import (
     RecordInfo,
     SealedResponse,
     StoredResponse,
+    Subscription,
     UnknownKeyId,
 )
 from idempotency_mw.waiting import Waiters
@@ -87,6 +89,7 @@ class MemoryStore:
             return Claim(ClaimOutcome.MISMATCH, attempts=attempts, unkeyed=unkeyed)
         assert record.lease_expires_at is not None
         if record.lease_expires_at <= now:
+            self._waiters.wake(record.fence)  # those who waited for the claim that lapsed wait for this one now
             record.fence = next(self._fences)
             record.lease_expires_at = now + lease
             self._extend(tenant, key, record)
@@ -116,18 +119,18 @@ class MemoryStore:
         else:
             record.response = self.cipher.seal(tenant, key, response)
         record.lease_expires_at = None
-        self._waiters.wake(tenant, key)
+        self._waiters.wake(fence)
         return True
 
     async def release(self, tenant: str, key: str, fence: int) -> bool:
         if self._held(tenant, key, fence) is None:
             return False
         del self._records[(tenant, key)]
-        self._waiters.wake(tenant, key)
+        self._waiters.wake(fence)
         return True
 
-    async def wait(self, tenant: str, key: str, within: float) -> None:
-        await self._waiters.wait(tenant, key, within)
+    def watch(self, fence: int) -> contextlib.AbstractAsyncContextManager[Subscription]:
+        return self._waiters.watch(fence)
 
     async def forget(self, tenant: str, key: str) -> bool:
         return self._records.pop((tenant, key), None) is not None

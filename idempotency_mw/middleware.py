@@ -444,10 +444,7 @@ class IdempotentRequest:
         claimer: Store | TransactionalRun = self.transaction or self.store
         started = time.perf_counter()
         if policy.on_conflict == "wait":
-            key, tenant = self.key, self.tenant
-            claiming = claim_or_wait(
-                lambda: self._claim_from(claimer), lambda within: self.store.wait(tenant, key, within), policy.wait
-            )
+            claiming = claim_or_wait(lambda: self._claim_from(claimer), self.store.watch, policy.wait)
         else:
             claiming = self._claim_from(claimer)
         # A task of its own: a cancellation must not lose a claim that landed.

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import asyncpg
 
@@ -27,6 +27,7 @@ from idempotency_mw.store import (
     StoredResponse,
     StoreNotMigrated,
     StoreUnavailable,
+    Subscription,
     TransactionEnded,
 )
 from idempotency_mw.transaction import Settlement
@@ -166,17 +167,19 @@ class PostgresStore:
         self._unsettled.discard((tenant, key, fence))
         if not self._unsettled and self._all_settled is not None:
             self._all_settled.set()
-        self._waiters.wake(tenant, key)
+        self._waiters.wake(fence)
 
-    async def wait(self, tenant: str, key: str, within: float) -> None:
-        """See :meth:`Store.wait`: woken by this store's settlements, and by other processes' through LISTEN on one
-        connection of its own (opened on the first wait; none behind a transaction-pooling proxy, where waiters wake
-        at their deadline)."""
-        if not self._closing:
-            self._listener.start()
-        await self._waiters.wait(tenant, key, within)
+    @contextlib.asynccontextmanager
+    async def watch(self, fence: int) -> AsyncIterator[Subscription]:
+        """See :meth:`Store.watch`: woken by this store's settlements, and by other processes' through LISTEN on one
+        connection of its own beside the pool (opened for the first waiter, which waits until it listens; none
+        behind a transaction-pooling proxy, where waiters in other processes wake at their deadline)."""
+        async with self._waiters.watch(fence) as settled:
+            if not self._closing:
+                await self._listener.listen(self.timeout)
+            yield settled
 
-    async def __aenter__(self) -> PostgresStore:
+    async def __aenter__(self) -> Self:
         await self.open()
         return self
 
@@ -203,7 +206,18 @@ class PostgresStore:
             yield transaction
         finally:
             transaction.lent.end()
-            await connector.give_back(connection, lost=transaction.lost)
+            await connector.give_back(connection, lost=transaction.lost, then=transaction.settlement.notice)
+
+    def notice(self, tenant: str, key: str, fence: int) -> str:
+        """The SQL that tells the waiters of a record in other processes that its claim under ``fence`` settled, if
+        it had duplicates, with its values written in (``notify_waiters``): for after a COMMIT, in the round trip of
+        the reset of the connection that committed."""
+        sql = self._sql["notify_waiters"]
+        return (
+            sql.replace("{tenant_hex}", tenant.encode().hex())
+            .replace("{key_hex}", key.encode().hex())
+            .replace("{fence}", str(int(fence)))
+        )
 
     def statement(self, name: str) -> str:
         """The SQL of one of the store's statements (``sql/queries.sql``: ``complete``, ``forget``, …), in its schema,
@@ -377,7 +391,7 @@ class PostgresTransaction:
         self.connection = connection
         self.lent = LentConnection(connection)
         self.lost = False
-        self.settlement = Settlement(store.settled)
+        self.settlement = Settlement(store.settled, store.notice)
         self._store = store
         self._run = run  # the store's statements on this connection
         self._isolation = isolation

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Self
 
 try:
     from sqlalchemy import exc as sa_exc
@@ -41,6 +41,7 @@ from idempotency_mw.store import (
     StoredResponse,
     StoreNotMigrated,
     StoreUnavailable,
+    Subscription,
     TransactionEnded,
 )
 from idempotency_mw.transaction import Settlement
@@ -109,7 +110,7 @@ class SQLAlchemyStore:
         when it is done with it."""
         await self.store.close(grace=grace)
 
-    async def __aenter__(self) -> SQLAlchemyStore:
+    async def __aenter__(self) -> Self:
         await self.open()
         return self
 
@@ -199,8 +200,8 @@ class SQLAlchemyStore:
     async def purge_expired(self, *, batch_size: int = 1000) -> int:
         return await self.store.purge_expired(batch_size=batch_size)
 
-    async def wait(self, tenant: str, key: str, within: float) -> None:
-        await self.store.wait(tenant, key, within)
+    def watch(self, fence: int) -> contextlib.AbstractAsyncContextManager[Subscription]:
+        return self.store.watch(fence)
 
     # -- what the docs call on a store, kept by the PostgresStore too ------------------------------------------
 
@@ -248,7 +249,7 @@ class SQLAlchemyTransaction:
         self._complete_sql = store.statement("complete_in_transaction")
         self._timeout = store.timeout
         self._schema = store.schema
-        self.settlement = Settlement(store.settled)
+        self.settlement = Settlement(store.settled, store.notice)
 
     async def claim(
         self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
@@ -378,7 +379,8 @@ class SQLAlchemyTransaction:
             if usable:
                 raw = await self.connection.get_raw_connection()
                 driver: Any = raw.driver_connection  # asyncpg's Connection
-                await driver.execute(reset_sql(driver), timeout=self._timeout)
+                # The reset, then the waiters of a committed completion told (``notify_waiters``): one round trip.
+                await driver.execute(reset_sql(driver) + "\n" + self.settlement.notice, timeout=self._timeout)
         except Exception:  # lost, broken or busy: a fresh connection is cheaper than a doubtful one
             return False
         return usable

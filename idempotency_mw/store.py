@@ -176,6 +176,13 @@ class ResealedBatch:
     after: tuple[str, str] | None
 
 
+class Subscription(Protocol):
+    """A subscription to the settlement of one claim (:meth:`Store.watch`)."""
+
+    async def wait(self, within: float) -> None:
+        """Return once the claim has settled, or after ``within`` seconds."""
+
+
 @runtime_checkable
 class Store(Protocol):
     async def claim(
@@ -203,10 +210,11 @@ class Store(Protocol):
     async def purge_expired(self, *, batch_size: int = 1000) -> int:
         """Delete up to ``batch_size`` expired records; return how many went."""
 
-    async def wait(self, tenant: str, key: str, within: float) -> None:
-        """Return once the claim of ``(tenant, key)`` that another request holds may have settled (completed or
-        released, here or in another process), or after ``within`` seconds; without polling, and without holding a
-        connection meanwhile (``waiting.py``)."""
+    def watch(self, fence: int) -> AbstractAsyncContextManager[Subscription]:
+        """Subscribe to the settlement of the claim under ``fence`` (the one a claim answered ``IN_PROGRESS`` with):
+        completed, released or taken over, here or in another process. Subscribed once the block is entered, so a
+        caller checks the claim again inside it, then waits; without polling, and without holding a connection
+        meanwhile (``waiting.py``)."""
 
     async def close(self) -> None:
         """Release resources the store opened itself."""

@@ -73,12 +73,18 @@ class Claimed:
 
 class Settlement:
     """What a transaction that completes a claim tells ``on_settled`` (``PostgresStore.settled``, which ``close()``
-    waits on): the claim is settled once its completion is committed, or at once if it was fenced out (the key is
-    another claim's now). A completion rolled back is not settled here: the middleware releases the key."""
+    waits on, and which wakes this process's waiters): the claim is settled once its completion is committed, or at
+    once if it was fenced out (the key is another claim's now). A completion rolled back is not settled here: the
+    middleware releases the key. Once committed, ``notice`` is the SQL that tells the waiters of other processes
+    (``notify(tenant, key, fence)``, run after the COMMIT with the connection's reset)."""
 
-    def __init__(self, on_settled: Callable[[str, str, int], None] | None) -> None:
+    def __init__(
+        self, on_settled: Callable[[str, str, int], None] | None, notify: Callable[[str, str, int], str]
+    ) -> None:
         self._on_settled = on_settled
+        self._notify = notify
         self._completed: tuple[str, str, int] | None = None
+        self.notice = ""
 
     def completed(self, tenant: str, key: str, fence: int, done: bool) -> bool:
         """Note the outcome of the completion statement; returns ``done``."""
@@ -89,8 +95,10 @@ class Settlement:
         return done
 
     def committed(self) -> None:
-        if self._completed is not None and self._on_settled is not None:
-            self._on_settled(*self._completed)
+        if self._completed is not None:
+            self.notice = self._notify(*self._completed)
+            if self._on_settled is not None:
+                self._on_settled(*self._completed)
 
 
 class TransactionalRun:

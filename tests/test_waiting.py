@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import asyncpg
 import httpx
+import pytest
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import create_async_engine
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from idempotency_mw import IdempotencyMiddleware, PostgresStore, Store
-from idempotency_mw.waiting import Waiters, settlement_tag
+from idempotency_mw import IdempotencyMiddleware, PostgresStore, Store, StoredResponse, idempotency_context
+from idempotency_mw.postgres import PostgresTransaction
+from idempotency_mw.sqlalchemy import SQLAlchemyStore, SQLAlchemyTransaction
+from idempotency_mw.store import Claim, ClaimOutcome
+from idempotency_mw.waiting import Waiters
 from tests.conftest import client_for
+
+FINGERPRINT = b"f" * 40
+RESPONSE = StoredResponse(201, [], b"{}", 2)
 
 
 class Original:
@@ -31,6 +43,14 @@ class Original:
     async def handle(self, request: Request) -> Response:
         self.runs += 1
         run = self.runs
+        context = idempotency_context(request)
+        if context is not None and context.transaction is not None:
+            # A handler reads or writes before it answers: its transaction's snapshot is taken here.
+            if isinstance(context.transaction, SQLAlchemyTransaction):
+                await context.transaction.session.execute(text("SELECT 1"))
+            else:
+                assert context.connection is not None
+                await context.connection.execute("SELECT 1")
         self.entered.set()
         await self.go.wait()
         return JSONResponse({"run": run}, status_code=self.statuses.pop(0) if self.statuses else 201)
@@ -150,33 +170,156 @@ async def test_five_hundred_waiting_duplicates_hold_no_connection(idempotency_da
     assert connections <= 6 + 1  # the store's pool, and its listener
 
 
-async def test_waiters_of_one_key_share_one_event() -> None:
+async def test_waiters_of_one_claim_share_one_event() -> None:
     waiters = Waiters()
-    woken = asyncio.gather(*(waiters.wait("t", "k", 5) for _ in range(3)))
+
+    async def wait() -> None:
+        async with waiters.watch(42) as settled:
+            await settled.wait(5)
+
+    woken = asyncio.gather(*(wait() for _ in range(3)))
     await asyncio.sleep(0)
     assert waiters.waiting
-    waiters.wake("t", "k")
+    waiters.wake(7)  # another claim's settlement wakes nobody here
+    await asyncio.sleep(0.05)
+    assert not woken.done()
+    waiters.wake(42)
     await asyncio.wait_for(woken, 1)
     assert not waiters.waiting
 
 
-def test_the_settlement_tag_tells_tenants_and_keys_apart() -> None:
-    assert settlement_tag("ab", "c") != settlement_tag("a", "bc")
-    assert len(settlement_tag("t", "k")) == 32
-
-
-async def test_the_database_computes_the_same_settlement_tag(idempotency_database_url: str) -> None:
-    connection = await asyncpg.connect(idempotency_database_url)
+async def test_a_notification_names_the_claim_by_its_fence_alone(idempotency_database_url: str, key: str) -> None:
+    """PostgreSQL checks no privilege for LISTEN: a role with no rights on the tables hears every notification. It
+    hears a random number that names nothing outside the store, never a hash of the tenant and key (with a constant
+    webhook tenant and guessable event ids, that told which event had settled)."""
+    heard: list[str] = []
+    listener = await asyncpg.connect(idempotency_database_url)
+    await listener.add_listener("idempotency_mw_settled", lambda *args: heard.append(args[3]))
     try:
-        for tenant, key in (("t", "k"), ("tenant-é", "evt_1"), ("", "x")):
-            tag = await connection.fetchval(
-                "SELECT left(encode(sha256(convert_to(length($1::text)::text || ':' || $1 || $2, 'UTF8')), 'hex'), 32)",
-                tenant,
-                key,
-            )
-            assert tag == settlement_tag(tenant, key)
+        async with PostgresStore(idempotency_database_url) as store:
+            for settle in ("complete", "release"):
+                owned = await store.claim("provider", f"{key}-{settle}", FINGERPRINT, lease=30, ttl=60)
+                waiting = await store.claim("provider", f"{key}-{settle}", FINGERPRINT, lease=30, ttl=60)
+                assert waiting.outcome is ClaimOutcome.IN_PROGRESS
+                assert waiting.fence == owned.fence  # what the waiter waits for
+                if settle == "complete":
+                    assert await store.complete("provider", f"{key}-{settle}", owned.fence, RESPONSE)
+                else:
+                    assert await store.release("provider", f"{key}-{settle}", owned.fence)
+                for _ in range(50):
+                    if len(heard) == (1 if settle == "complete" else 2):
+                        break
+                    await asyncio.sleep(0.02)
+                assert heard[-1] == f"public:{owned.fence}"
     finally:
-        await connection.close()
+        await listener.close()
+    for payload in heard:
+        assert "provider" not in payload
+        assert key not in payload
+
+
+class SettlesAfterTheFirstClaim(PostgresStore):
+    """A store whose first claim answers IN_PROGRESS and then, before the answer is read, the original settles
+    elsewhere: the window between a waiter's claim and its listening, where a notification used to be missed."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(dsn)
+        self.before_answer: Callable[[], Awaitable[None]] | None = None
+
+    async def claim(
+        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+    ) -> Claim:
+        claim = await super().claim(tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching)
+        hook, self.before_answer = self.before_answer, None
+        if hook is not None and claim.outcome is ClaimOutcome.IN_PROGRESS:
+            await hook()
+        return claim
+
+
+async def test_the_first_waiter_of_a_worker_misses_no_settlement(idempotency_database_url: str, key: str) -> None:
+    """The original settles after the waiter's claim found it running and before the waiter's worker listens (its
+    first waiter starts the listener): the waiter subscribes, then checks, so it gets the replay at once instead of
+    sleeping its whole wait."""
+    original = Original()
+    async with (
+        PostgresStore(idempotency_database_url) as here,
+        SettlesAfterTheFirstClaim(idempotency_database_url) as there,
+    ):
+        first = await started(client_for(waiting_app(here, original, wait=8)), original, key)
+
+        async def settle() -> None:
+            original.go.set()
+            await first
+
+        there.before_answer = settle
+        began = time.monotonic()
+        elsewhere = client_for(waiting_app(there, Original(), wait=8))
+        replay = await elsewhere.post("/pay", json={"amount": 5}, headers={"Idempotency-Key": key})
+        assert (replay.status_code, replay.headers.get("idempotent-replayed")) == (201, "true")
+        assert time.monotonic() - began < 3, "the waiter slept through a settlement it missed"
+    assert original.runs == 1
+
+
+@pytest.mark.parametrize("pool", ["own", "app"])
+async def test_waiting_never_takes_the_connection_kept_for_renewals(
+    pool: str, idempotency_database_url: str, key: str
+) -> None:
+    """At the smallest pool the docs allow (two connections: one for claims and lent transactions, one kept for the
+    work that finishes requests), a duplicate that has waited leaves the store listening, on a connection of its own
+    beside the pool. A transactional handler that then holds its connection past several lease renewals still
+    renews: its lease never lapses, and a retry in another worker gets 409, never a second run."""
+    app_pool = None
+    if pool == "app":
+        app_pool = await asyncpg.create_pool(idempotency_database_url, min_size=0, max_size=2)
+        store = PostgresStore(app_pool)
+    else:
+        store = PostgresStore(idempotency_database_url, min_size=0, max_size=2)
+    runs: list[str] = []
+
+    async def pay(request: Request) -> Response:
+        body = await request.json()
+        runs.append(body["step"])
+        context = idempotency_context(request)
+        if context is not None and context.connection is not None:
+            await context.connection.execute("SELECT 1")
+            await asyncio.sleep(body.get("hold", 0))
+        return JSONResponse({"step": body["step"]}, status_code=201)
+
+    def worker(on: PostgresStore) -> httpx.AsyncClient:
+        app = Starlette(routes=[Route("/pay", pay, methods=["POST"]), Route("/tx", pay, methods=["POST"])])
+        options: dict[str, Any] = {"on_conflict": "wait", "wait": 10, "lease": 0.9}
+        options["routes"] = {"/tx": {"transactional": True}}
+        app.add_middleware(IdempotencyMiddleware, store=on, **options)
+        return client_for(app)
+
+    try:
+        async with store, PostgresStore(idempotency_database_url) as other_worker:
+            client = worker(store)
+            # A duplicate waits (plain mode): the store listens from now on.
+            original = Original()
+            holding = client_for(waiting_app(store, original, wait=10))
+            first = await started(holding, original, key)
+            duplicate = asyncio.create_task(holding.post("/pay", json={"amount": 5}, headers={"Idempotency-Key": key}))
+            await asyncio.sleep(0.3)
+            original.go.set()
+            assert (await first).status_code == 201
+            assert (await duplicate).headers.get("idempotent-replayed") == "true"
+            # A transactional handler holds its connection for three leases.
+            long_key = f"{key}-long"
+            running = asyncio.create_task(
+                client.post("/tx", json={"step": "long", "hold": 2.7}, headers={"Idempotency-Key": long_key})
+            )
+            await asyncio.sleep(2.0)  # two leases later: renewed, or lapsed and taken over
+            retry = await worker(other_worker).post(
+                "/tx", json={"step": "long", "hold": 2.7}, headers={"Idempotency-Key": long_key}
+            )
+            answer = await running
+    finally:
+        if app_pool is not None:
+            await app_pool.close()
+    assert (retry.status_code, runs) == (201, ["long"]), "the lease lapsed while its handler ran, and it ran again"
+    assert answer.status_code == 201
+    assert retry.headers.get("idempotent-replayed") == "true"  # it waited for the original, and got its answer
 
 
 async def test_a_store_closed_as_its_listener_starts_keeps_no_connection(
@@ -188,8 +331,13 @@ async def test_a_store_closed_as_its_listener_starts_keeps_no_connection(
     separator = "&" if "?" in idempotency_database_url else "?"
     store = PostgresStore(f"{idempotency_database_url}{separator}application_name={name}", min_size=1, max_size=2)
     await store.open()
-    waiting = asyncio.create_task(store.wait("t", key, 30))
-    await asyncio.sleep(0)  # the wait starts the listener
+
+    async def wait() -> None:
+        async with store.watch(7):  # the first waiter starts the listener
+            await asyncio.sleep(30)
+
+    waiting = asyncio.create_task(wait())
+    await asyncio.sleep(0)
     await store.close()
     waiting.cancel()
     admin = await asyncpg.connect(idempotency_database_url)
@@ -202,3 +350,83 @@ async def test_a_store_closed_as_its_listener_starts_keeps_no_connection(
     finally:
         await admin.close()
     assert left == 0
+
+
+@contextlib.asynccontextmanager
+async def transactional_store(kind: str, url: str) -> AsyncIterator[Store]:
+    store = PostgresStore(url)
+    if kind == "postgres":
+        async with store:
+            yield store
+        return
+    engine = create_async_engine(make_url(url).set(drivername="postgresql+asyncpg"))
+    try:
+        async with SQLAlchemyStore(store, engine) as sqlalchemy_store:
+            yield sqlalchemy_store
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.parametrize("kind", ["postgres", "sqlalchemy"])
+async def test_a_waiter_in_another_worker_is_woken_under_every_isolation_level(
+    kind: str, isolated_url: str, key: str
+) -> None:
+    """A transactional original completes its record in its handler's transaction, whose snapshot under REPEATABLE
+    READ or SERIALIZABLE predates the duplicate that came meanwhile: the waiters are told after the COMMIT, so the
+    duplicate waiting in another worker gets its replay at once, not when its wait runs out."""
+    original = Original()
+    async with transactional_store(kind, isolated_url) as here, transactional_store(kind, isolated_url) as there:
+        first = await started(client_for(waiting_app(here, original, wait=8, transactional=True)), original, key)
+        elsewhere = client_for(waiting_app(there, Original(), wait=8, transactional=True))
+        duplicate = asyncio.create_task(elsewhere.post("/pay", json={"amount": 5}, headers={"Idempotency-Key": key}))
+        await asyncio.sleep(0.5)
+        assert not duplicate.done()
+        settled = time.monotonic()
+        original.go.set()
+        live = await first
+        replay = await asyncio.wait_for(duplicate, 15)
+        assert time.monotonic() - settled < 3, "the waiter slept out its wait after the original committed"
+    assert (live.status_code, replay.headers.get("idempotent-replayed"), replay.content) == (201, "true", live.content)
+    assert original.runs == 1
+
+
+class CommitsWhenTold(PostgresStore):
+    """A store whose transactions hold their COMMIT until told: the window between the completion statement and the
+    COMMIT, in which a duplicate counted under READ COMMITTED used to be missed."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(dsn)
+        self.completed = asyncio.Event()
+        self.commit = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[PostgresTransaction]:
+        async with super().transaction() as transaction:
+            commit = transaction.commit
+
+            async def held() -> None:
+                self.completed.set()
+                await self.commit.wait()
+                await commit()
+
+            transaction.commit = held  # type: ignore[method-assign]
+            yield transaction
+
+
+async def test_a_duplicate_counted_between_the_completion_and_the_commit_is_woken(
+    idempotency_database_url: str, key: str
+) -> None:
+    original = Original()
+    async with CommitsWhenTold(idempotency_database_url) as here, PostgresStore(idempotency_database_url) as there:
+        first = await started(client_for(waiting_app(here, original, wait=8, transactional=True)), original, key)
+        original.go.set()
+        await asyncio.wait_for(here.completed.wait(), 5)  # completed in its transaction, not committed yet
+        elsewhere = client_for(waiting_app(there, Original(), wait=8))
+        duplicate = asyncio.create_task(elsewhere.post("/pay", json={"amount": 5}, headers={"Idempotency-Key": key}))
+        await asyncio.sleep(0.5)  # counted, and waiting
+        settled = time.monotonic()
+        here.commit.set()
+        live = await first
+        replay = await asyncio.wait_for(duplicate, 15)
+        assert time.monotonic() - settled < 3, "the waiter slept out its wait after the original committed"
+    assert (replay.headers.get("idempotent-replayed"), replay.content) == ("true", live.content)

@@ -113,7 +113,14 @@ WITH commit_setting AS MATERIALIZED (
     WHERE r.tenant = $1 AND r.key = $2
       AND NOT (e.completed AND r.fingerprint = ANY ($3) AND r.expires_at > now())
     RETURNING r.fence, r.fingerprint, r.attempts, r.lease_expires_at IS NULL AS ended,
-              e.completed, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with
+              e.completed, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with,
+              e.fence AS previous_fence
+), woken AS (
+    -- A lapsed lease taken over: requests that wait for the claim that lapsed (on_conflict="wait", waiting.py) are
+    -- told, and wait for this one instead. The attempts count this request: above 1, another one came.
+    SELECT pg_notify('idempotency_mw_settled', '{schema_name}:' || u.previous_fence)
+    FROM updated AS u
+    WHERE u.fence = $6 AND u.previous_fence <> $6 AND u.attempts > 1
 ), found AS (
     SELECT i.fence, i.fingerprint, i.attempts, false AS completed,
            NULL::smallint AS status, NULL::jsonb AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
@@ -144,7 +151,7 @@ SELECT
     CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.sealed_with END AS sealed_with,
     f.fence,
     CASE WHEN length(f.fingerprint) = 32 AND f.fingerprint <> ALL ($3) THEN f.fingerprint END AS unkeyed
-FROM found AS f;
+FROM found AS f, (SELECT count(*) FROM woken) AS notified;  -- a SELECT in WITH runs only where it is read
 
 -- name: claim_locked
 -- The claim in one INSERT … ON CONFLICT DO UPDATE, for when ``claim_or_take_over`` returned nothing usable (a race
@@ -213,7 +220,8 @@ WHERE tenant = $1 AND key = $2 AND fence = $3 AND lease_expires_at IS NOT NULL;
 -- same statement, so a concurrent claim that would take a lapsed lease over waits for it and then finds the lease
 -- ended; a response that exists already (a handler's transaction that completed the record first) is kept.
 -- A record that had duplicates (attempts) may have waiters in other processes (waiting.py): it notifies them, as it
--- commits. One without costs nothing (a notification takes a lock as it commits).
+-- commits, naming the claim by its fence, a random number that means nothing outside the store (LISTEN needs no
+-- privilege). One without costs nothing (a notification takes a lock as it commits).
 -- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size,
 -- $8 the sealed response and $9 the id of its key (a store with a cipher: then $4, $5 and $6 are NULL)
 WITH owned AS (
@@ -226,7 +234,7 @@ INSERT INTO {schema}.idempotency_responses
     (tenant, key, fence, status, headers, body, body_size, sealed, sealed_with, completed_at)
 SELECT r.tenant, r.key, $3, $4, $5, $6, $7, $8, $9, now()
 FROM owned AS r, LATERAL (
-    SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || left(encode(sha256(convert_to(length(r.tenant)::text || ':' || r.tenant || r.key, 'UTF8')), 'hex'), 32)) END
+    SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || $3) END
 ) AS notified
 ON CONFLICT (tenant, key) DO NOTHING;
 
@@ -237,14 +245,14 @@ ON CONFLICT (tenant, key) DO NOTHING;
 -- out); under REPEATABLE READ and SERIALIZABLE the snapshot may predate the takeover, and then of the two claims
 -- the first to commit its response wins: the other's insert meets the primary key, or its foreign key check meets
 -- a record deleted meanwhile, and its whole transaction rolls back.
+-- It notifies no waiter: the attempts it could read are those of its snapshot, which under REPEATABLE READ predates
+-- every duplicate. The waiters hear of it after the COMMIT (notify_waiters).
 -- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size,
 -- $8 the sealed response and $9 the id of its key (see complete)
 INSERT INTO {schema}.idempotency_responses
     (tenant, key, fence, status, headers, body, body_size, sealed, sealed_with, completed_at)
 SELECT r.tenant, r.key, $3, $4, $5, $6, $7, $8, $9, now()
-FROM {schema}.idempotency_records AS r, LATERAL (
-    SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || left(encode(sha256(convert_to(length(r.tenant)::text || ':' || r.tenant || r.key, 'UTF8')), 'hex'), 32)) END
-) AS notified
+FROM {schema}.idempotency_records AS r
 WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
 ON CONFLICT (tenant, key) DO NOTHING;
 
@@ -261,8 +269,21 @@ WITH released AS (
 )
 SELECT count(*) AS released
 FROM released AS r, LATERAL (
-    SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || left(encode(sha256(convert_to(length(r.tenant)::text || ':' || r.tenant || r.key, 'UTF8')), 'hex'), 32)) END
+    SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || $3) END
 ) AS notified;
+
+-- name: notify_waiters
+-- After a transactional request's COMMIT, the waiters of its record in other processes are told (waiting.py), if
+-- it had duplicates by then: read after the commit, whatever the isolation level, so that no duplicate counted
+-- before it is missed; one counted after it claims again after it and finds the completion. It runs with the
+-- reset of the connection the handler was lent, in one simple query, so its values are written in: {tenant_hex}
+-- and {key_hex} are the record's tenant and key as hex-encoded UTF-8, {fence} its fence, a number; none is text
+-- from a client.
+SELECT pg_notify('idempotency_mw_settled', '{schema_name}:{fence}')
+FROM {schema}.idempotency_records
+WHERE tenant = convert_from(decode('{tenant_hex}', 'hex'), 'UTF8')
+  AND key = convert_from(decode('{key_hex}', 'hex'), 'UTF8')
+  AND fence = {fence} AND attempts > 0;
 
 -- name: forget
 -- $1 tenant, $2 key
