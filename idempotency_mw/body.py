@@ -25,6 +25,7 @@ class BufferedBody:
         self._limit = limit
         self.body = b""
         self.read = False  # the whole body is in ``body``
+        self.buffered = False  # some of it was read here (all of it, if ``read``): the handler gets it first
         self.delivered = False  # handed to the handler (or never buffered: it reads the real channel)
 
     async def read_all(self, declared_length: bytes) -> Read:
@@ -33,20 +34,24 @@ class BufferedBody:
             return Read.TOO_LARGE
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await self._receive()
-            if message["type"] == "http.disconnect":
-                return Read.GONE
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self._limit:
-                return Read.TOO_LARGE
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        self.body = b"".join(chunks)
-        self.read = True
-        return Read.WHOLE
+        try:
+            while True:
+                message = await self._receive()
+                if message["type"] == "http.disconnect":
+                    return Read.GONE
+                chunk = message.get("body", b"")
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > self._limit:
+                    return Read.TOO_LARGE
+                if not message.get("more_body", False):
+                    break
+            self.read = True
+            return Read.WHOLE
+        finally:
+            # What was read, whole or not: a handler that runs all the same (the middleware switched off) gets it.
+            self.body = b"".join(chunks)
+            self.buffered = True
 
     def payload(self, content_type: bytes) -> Any:
         """The body as an app reads it, for a route that takes its key from it: the parsed JSON (any content type,
@@ -60,8 +65,9 @@ class BufferedBody:
         raise InvalidKey("this route takes its idempotency key from the body, which must be JSON or a form")
 
     async def receive(self) -> Message:
-        """The handler's ``receive``: the buffered body once, then the real channel."""
+        """The handler's ``receive``: the buffered body once (with more to come when it was read only in part), then
+        the real channel."""
         if not self.delivered:
             self.delivered = True
-            return {"type": "http.request", "body": self.body, "more_body": False}
+            return {"type": "http.request", "body": self.body, "more_body": not self.read}
         return await self._receive()

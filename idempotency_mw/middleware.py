@@ -7,6 +7,7 @@ covered request, from its key to its recorded (or released) response, and reads 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import inspect
 import os
@@ -84,8 +85,10 @@ class IdempotencyMiddleware:
     - ``retry_after``: the ``Retry-After`` seconds sent with 409 and 503.
     - ``on_replay``: called with the scope and the stored response before a replay goes out; it may return another
       response to send in its place (an extra header), or None to send it as stored (to count replays, say).
-    - ``enabled``: False (or ``IDEMPOTENCY_MW_DISABLED=1`` in the environment) lets every request through untouched,
-      for tests or an emergency, and says so in a warning as the middleware is built.
+    - ``enabled``: False (or ``IDEMPOTENCY_MW_DISABLED=1`` in the environment), for tests or an emergency, says so in
+      a warning as the middleware is built, and from then on answers nothing itself and claims and records nothing:
+      every request runs as its handler would without the middleware, except that a transactional route still gets
+      its transaction, and a handler's context (its tenant, key and ``downstream_key``) is still there.
     - ``fingerprint_keys``: the keys a request's fingerprint is stored under (a
       :class:`~idempotency_mw.fingerprint.FingerprintKeys`, or its text ``id:key,id:key``). By default those of
       ``IDEMPOTENCY_FINGERPRINT_KEYS``, else derived from the default tenant resolver's secret, else from the
@@ -160,8 +163,8 @@ class IdempotencyMiddleware:
         if not self.enabled:
             why = f"{DISABLED_VARIABLE} is set" if enabled else "enabled=False"
             logger.warning(
-                "idempotency: the Idempotency-Key middleware is DISABLED (%s): every request goes through untouched, "
-                "and a retried request will run again. Never leave it so in production.",
+                "idempotency: the Idempotency-Key middleware is DISABLED (%s): it answers and records nothing, every "
+                "request runs as without it, and a retried request will run again. Never leave it so in production.",
                 why,
             )
 
@@ -174,7 +177,7 @@ class IdempotencyMiddleware:
             )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.enabled:
+        if scope["type"] != "http":
             if scope["type"] == "lifespan":
                 return await self._lifespan(scope, receive, send)
             return await self.app(scope, receive, send)
@@ -348,9 +351,12 @@ class IdempotentRequest:
         self.plain: PlainRun | None = None  # the handler's run in plain mode (recording.py)
         self.transaction: TransactionalRun | None = None  # or its connection and transaction (transaction.py)
         self.abandoning: asyncio.Future[Outcome] | None = None  # the claim of a request cancelled as it claimed
+        self.disabled = False  # the middleware is switched off: nothing is claimed, the handler runs as without it
 
     async def run(self) -> None:
         """Steps 1 to 7 of docs/design.md §2, in the order they happen."""
+        if not self.middleware.enabled:
+            return await self._run_disabled()
         try:
             # 1. The key, validated before anything touches the store (unless it is in the body: a webhook's).
             if callable(self.policy.key_from) and not await self._read_body():
@@ -400,6 +406,42 @@ class IdempotentRequest:
             self.transaction = self.plain = None
             self.scope.get("state", {}).pop(PENDING_KEY, None)
 
+    async def _run_disabled(self) -> None:
+        """The off switch: nothing is claimed, recorded or answered here. The handler runs as it would without the
+        middleware, with its context (the key and tenant read leniently: ``downstream_key`` gives what it gives when
+        enabled), and a transactional route still gets its transaction, committed when its answer is final."""
+        self.disabled = True
+        try:
+            if callable(self.policy.key_from):  # over the cap, or cut short: no key; the handler gets it as sent
+                await self.body.read_all(header(self.scope, b"content-length"))
+            payload = lambda: self.body.payload(header(self.scope, b"content-type"))  # noqa: E731
+            with contextlib.suppress(MissingKey, InvalidKey):
+                if self.body.read or not callable(self.policy.key_from):
+                    self.key = request_key(self.scope["headers"], self.policy.key_from, payload)
+            self.body.delivered = not self.body.buffered
+            if self._tenant_from_app():  # the app tells the tenant (claim_for), then the handler runs
+                self._wait_for_the_app()
+                return await self._execute()
+            resolver = self.policy.tenant or self.middleware.tenant
+            tenant = await resolve_tenant(resolver, self.scope)  # type: ignore[arg-type]  # not a TenantFromApp
+            self._scope_to(tenant)
+            if self.policy.transactional:
+                self._start_run()
+                if await self._begin():
+                    await self._execute()
+                return
+            self._set_context(IdempotencyContext(self.tenant, self.key))
+            await self.middleware.app(self.scope, self.body.receive, self.send)
+        finally:
+            self.transaction = self.plain = None
+            self.scope.get("state", {}).pop(PENDING_KEY, None)
+
+    def _scope_to(self, tenant: str | None) -> None:
+        """Disabled: the tenant the context carries; without one the key scopes nothing, and the context has none."""
+        self.tenant = tenant or ""
+        if tenant is None:
+            self.key = None
+
     async def claim_for(self, tenant: str | None) -> IdempotencyContext:
         """Steps 2 and 4 for a tenant the app tells from inside the request (``context.claim``): the refusals of
         step 1 wait for it, so that the app's own authentication answers first. Raises :class:`ClaimAnswered` when
@@ -409,6 +451,16 @@ class IdempotentRequest:
             raise RuntimeError("the claim of this request was taken already")
         if tenant is not None and not isinstance(tenant, str):
             raise TypeError(f"the tenant of a request must be a str or None, not {type(tenant).__name__}")
+        if self.disabled:  # nothing to claim: the context, and a transactional route's transaction
+            self._scope_to(tenant)
+            if self.policy.transactional:
+                if not await self._begin():
+                    raise ClaimAnswered
+            else:
+                self._set_context(IdempotencyContext(self.tenant, self.key))
+            context = state.get(STATE_KEY)
+            assert isinstance(context, IdempotencyContext)
+            return context
         if self.refusal is None and tenant is None and self.key is not None:
             self.refusal = self.middleware.tenant_unknown(self.middleware.tenant)
         if self.refusal is not None:

@@ -394,6 +394,28 @@ async def test_a_transactional_route_claims_after_authentication(pg_store: Postg
     assert info.state == "completed"
 
 
+async def test_switched_off_the_tenant_dependency_and_the_transaction_still_work(store: Any) -> None:
+    """``enabled=False``: the app's authentication still answers first (401), and after it every route runs as
+    without the middleware: a keyed order runs each time it is sent, a route that requires a key runs without one,
+    a transactional route gets its connection, and the handler's context has the tenant the app told."""
+    calls: list[str] = []
+    app = build_with_auth(store, calls, enabled=False)
+    assert (await as_account(app, "key_mallory").post("/orders", json={"amount": 1})).status_code == 401
+    client = as_account(app, "key_alice")
+    key = str(uuid.uuid4())
+    for _ in range(2):
+        order = await client.post("/orders", json={"amount": 5}, headers={"Idempotency-Key": key})
+        assert (order.status_code, order.json()["tenant"], "idempotent-replayed" in order.headers) == (
+            201,
+            "acct_alice",
+            False,
+        )
+    refund = await client.post("/refunds", json={"amount": 7})
+    assert (refund.status_code, refund.json()) == (201, {"refunded": 7})
+    assert calls == ["acct_alice", "acct_alice", "refund"]
+    assert await store.inspect("acct_alice", key) is None
+
+
 async def test_a_covered_route_without_the_tenant_dependency_stops_the_startup(store: Any) -> None:
     tenant = TenantDependency(current_account)
     app = FastAPI()

@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import asyncpg
 import httpx
 import orjson
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 from starlette.types import Message, Scope
 
-from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, StoredResponse
+from idempotency_mw import (
+    IdempotencyMiddleware,
+    MemoryStore,
+    PostgresStore,
+    Store,
+    StoredResponse,
+    idempotency_context,
+)
 from tests.apps import Probe, build_app
 from tests.calls import keyed_scope, raw_call
 from tests.conftest import client_for, tenant_of
@@ -731,6 +744,96 @@ async def test_a_disabled_middleware_lets_everything_through_and_says_so(
     (warning,) = [r for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
     assert "DISABLED" in warning.getMessage()
     assert "run again" in warning.getMessage()
+
+
+def switch_app(store: Store, *, enabled: bool, runs: list[str]) -> Starlette:
+    """Every kind of route a covered app has: plain, key required, transactional (when the store can), a webhook
+    that takes its key from the body with a tenant of its own, and one that waits for a running original."""
+
+    async def handle(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None, "a covered handler always has its context"
+        body = await request.body()
+        runs.append(request.url.path)
+        if context.transaction is not None:
+            assert context.connection is not None
+            await context.connection.execute("INSERT INTO switch_effects (note) VALUES ($1)", body.decode())
+        downstream = context.downstream_key("provider") if context.key is not None else None
+        return JSONResponse({"key": context.key, "downstream": downstream, "size": len(body)}, status_code=201)
+
+    paths = ["/plain", "/required", "/webhook", "/wait"]
+    if isinstance(store, PostgresStore):
+        paths.append("/tx")
+    app = Starlette(routes=[Route(path, handle, methods=["POST"]) for path in paths])
+    routes: dict[str, Any] = {
+        "/required": {"required": True},
+        "/webhook": {"key_from": lambda event: event["id"], "tenant": lambda scope: "provider"},
+        "/wait": {"on_conflict": "wait"},
+    }
+    if "/tx" in paths:
+        routes["/tx"] = {"transactional": True, "required": True}
+    app.add_middleware(IdempotencyMiddleware, store=store, enabled=enabled, routes=routes)
+    return app
+
+
+@pytest.mark.parametrize("kind", ["memory", "postgres"])
+async def test_the_off_switch_answers_nothing_and_breaks_no_route(
+    kind: str, idempotency_database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``enabled=False`` (an emergency): the middleware answers nothing itself, not even on a route that requires a
+    key, and claims and records nothing; every route runs as its handler would without it, a transactional route
+    still gets its transaction, and a handler's context still gives the downstream key it gives when enabled."""
+    connection = await asyncpg.connect(idempotency_database_url)
+    await connection.execute("CREATE TABLE IF NOT EXISTS switch_effects (id bigserial PRIMARY KEY, note text)")
+    store: Store = MemoryStore() if kind == "memory" else PostgresStore(idempotency_database_url)
+    key = f"off-{uuid.uuid4().hex}"
+    event = {"id": f"evt_{uuid.uuid4().hex}"}
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            if isinstance(store, PostgresStore):
+                await stack.enter_async_context(store)
+            on_runs: list[str] = []
+            async with client_for(switch_app(store, enabled=True, runs=on_runs)) as client:
+                enabled = (await client.post("/plain", json={}, headers={"Idempotency-Key": key + "-on"})).json()
+            runs: list[str] = []
+            app = switch_app(store, enabled=False, runs=runs)
+            paths = ["/plain", "/required", "/webhook", "/wait"] + (["/tx"] if kind == "postgres" else [])
+            async with client_for(app) as client:
+                with caplog.at_level("WARNING", logger="idempotency_mw"):
+                    await client.post("/plain", json={})  # the app builds its middleware at its first request
+                assert "DISABLED" in caplog.text
+                runs.clear()
+                answers = []
+                for path in paths:
+                    for _ in range(2):  # a retry runs again: nothing is recorded
+                        body = event if path == "/webhook" else {"note": path}
+                        answers.append(await client.post(path, json=body, headers={"Idempotency-Key": key}))
+                keyless = [await client.post(path, json={"note": "keyless"}) for path in ("/required", "/tx")]
+                bad_key = await client.post("/plain", json={}, headers={"Idempotency-Key": "bad key"})
+                not_json = await client.post("/webhook", content=b"not json", headers={"content-type": "text/plain"})
+                anonymous = await client.post("/plain", json={}, headers={"Idempotency-Key": key, "Authorization": ""})
+                off = (await client.post("/plain", json={}, headers={"Idempotency-Key": key + "-on"})).json()
+            assert all(answer.status_code == 201 for answer in [*answers, bad_key, not_json, anonymous])
+            assert all("idempotent-replayed" not in answer.headers for answer in answers)
+            assert sorted(runs) == sorted(
+                [p for p in paths for _ in range(2)]
+                + ["/required", "/plain", "/webhook", "/plain", "/plain"]
+                + (["/tx"] if kind == "postgres" else [])
+            )
+            assert [answer.status_code for answer in keyless] == [201, 201 if kind == "postgres" else 404]
+            assert off["downstream"] == enabled["downstream"]  # the provider still deduplicates its half
+            assert anonymous.json()["key"] is None  # no tenant: the key scopes nothing
+            assert bad_key.json()["key"] is None
+            for tenant, record_key in ((tenant_of(), key), ("provider", event["id"])):
+                assert await store.inspect(tenant, record_key) is None
+    finally:
+        notes = await connection.fetch(
+            "SELECT note FROM switch_effects WHERE note LIKE '%/tx%' OR note LIKE '%keyless%'"
+        )
+        await connection.execute("DROP TABLE IF EXISTS switch_effects")
+        await connection.close()
+    if kind == "postgres":
+        assert len(notes) >= 3  # each transactional run committed its write: twice keyed, once keyless
 
 
 # -- keys from the payload (webhooks) -----------------------------------------------------------------------------

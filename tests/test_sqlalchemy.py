@@ -340,9 +340,9 @@ async def test_the_connection_goes_back_to_the_pool_with_a_clean_session(
 # -- FastAPI ------------------------------------------------------------------------------------------------
 
 
-def build_fastapi(store: SQLAlchemyStore | PostgresStore) -> FastAPI:
+def build_fastapi(store: SQLAlchemyStore | PostgresStore, *, enabled: bool = True) -> FastAPI:
     app = FastAPI()
-    app.add_middleware(IdempotencyMiddleware, store=store)
+    app.add_middleware(IdempotencyMiddleware, store=store, enabled=enabled)
     setup(app)
 
     @app.post("/v1/effects", status_code=201)
@@ -372,6 +372,19 @@ async def test_fastapi_handlers_get_the_session_as_a_dependency(store: SQLAlchem
     assert again.headers["idempotent-replayed"] == "true"
     assert again.json() == first.json()
     assert await effects(db, key) == 1
+
+
+async def test_switched_off_a_handler_still_gets_its_session(store: SQLAlchemyStore, db: asyncpg.Connection) -> None:
+    """``enabled=False``: nothing is claimed or replayed, and the route that requires a key runs without one, with
+    its session, whose writes commit with the final answer."""
+    key = str(uuid.uuid4())
+    client = client_for(build_fastapi(store, enabled=False))
+    body = {"key": key, "note": "switched off"}
+    answers = [await client.post("/v1/effects", json=body, headers={"Idempotency-Key": key}) for _ in range(2)]
+    answers.append(await client.post("/v1/effects", json=body))
+    assert [(answer.status_code, answer.json()["seen"]) for answer in answers] == [(201, 1), (201, 2), (201, 3)]
+    assert await effects(db, key) == 3
+    assert await store.inspect(tenant_of(), key) is None
 
 
 async def test_the_session_dependency_says_why_there_is_none(store: SQLAlchemyStore, pg_store: PostgresStore) -> None:
@@ -509,6 +522,7 @@ async def test_what_the_docs_call_on_a_store_works_on_a_sqlalchemy_store(
 NOT_ON_A_SQLALCHEMY_STORE = {
     "claim_on": "how a transaction of another kind claims on a connection of its own, through the PostgresStore",
     "connection": "an asyncpg connection: a SQLAlchemy app deletes through its session (the guide says how)",
+    "notice": "the SQL that tells other processes' waiters of a commit, for a transaction of another kind",
     "settled": "how a transaction of another kind tells the PostgresStore a claim settled",
     "statement": "the store's SQL, for a transaction the store does not own",
 }
