@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import getpass
 import json
 import os
 import sys
@@ -126,21 +127,24 @@ def build_parser() -> argparse.ArgumentParser:
             name,
             parents=after,
             help=summary,
-            usage=f"{PROG} {name} [-h] [--authorization VALUE] [TENANT] KEY"
+            usage=f"{PROG} {name} [-h] [--authorization-from VARIABLE|-] [TENANT] KEY"
             + (" [--json] [--keys-from VARIABLE]" if name == "inspect" else "")
             + " [--database-url URL] [--timeout SECONDS] [--schema NAME]",
             description=f"{summary.capitalize()}. TENANT is the tenant string exactly as the app's tenant resolver "
-            f"returned it. With the default resolver (AuthorizationTenant) --authorization may name it instead: "
-            f"it computes the tenant from the client's Authorization header and {SECRET_VARIABLE}.",
+            f"returned it. With the default resolver (AuthorizationTenant) --authorization-from may name it "
+            f"instead: it computes the tenant from the client's Authorization header and {SECRET_VARIABLE}.",
         )
         sub.add_argument("tenant", nargs="?", metavar="TENANT", help="the tenant as stored")
         sub.add_argument("key", nargs="?", metavar="KEY", help="the Idempotency-Key as the client sent it")
         sub.add_argument(
-            "--authorization",
-            metavar="VALUE",
-            help=f'the client\'s Authorization header value ("Bearer sk_..."): the tenant the default resolver '
-            f"derives from it with ${SECRET_VARIABLE}",
+            "--authorization-from",
+            metavar="VARIABLE|-",
+            help=f'where the client\'s Authorization header value ("Bearer sk_...") is: an environment variable, or '
+            f"- for standard input (typed without echo at a terminal); the tenant is what the default resolver "
+            f"derives from it with ${SECRET_VARIABLE}. Never on the command line, where ps and the shell's history "
+            "would show it",
         )
+        sub.add_argument("--authorization", metavar="VALUE", help=argparse.SUPPRESS)  # refused: see _authorization
         if name == "inspect":
             sub.add_argument("--json", action="store_true", help="machine-readable output")
             _keys_option(sub, f"the response keys, to show a sealed response (when set; default: ${KEYS_VARIABLE})")
@@ -213,23 +217,45 @@ def _schema_name(text: str) -> str:
 
 
 def _record_id(args: argparse.Namespace) -> tuple[str, str]:
-    """``(tenant, key)`` from ``TENANT KEY`` or ``--authorization VALUE KEY``."""
+    """``(tenant, key)`` from ``TENANT KEY`` or ``--authorization-from SOURCE KEY``."""
     if args.authorization is not None:
+        raise CommandError(
+            "a client's credential is not taken on the command line, where ps and the shell's history would show "
+            "it: put it in an environment variable and give --authorization-from VARIABLE, or give "
+            "--authorization-from - and type or pipe it on standard input",
+            EXIT_USAGE,
+        )
+    if args.authorization_from is not None:
         if args.key is not None:
-            raise CommandError("give either TENANT or --authorization, not both", EXIT_USAGE)
+            raise CommandError("give either TENANT or --authorization-from, not both", EXIT_USAGE)
         if args.tenant is None:
             raise CommandError("KEY is required", EXIT_USAGE)
+        if not hasattr(args, "authorization_value"):  # read once: stdin cannot be read twice
+            args.authorization_value = _authorization(args.authorization_from)
         try:
-            value = args.authorization.encode("latin-1")
+            value = args.authorization_value.encode("latin-1")
         except UnicodeEncodeError:
-            raise CommandError("--authorization must be a latin-1 header value", EXIT_USAGE) from None
+            raise CommandError("the Authorization value must be a latin-1 header value", EXIT_USAGE) from None
         tenant = _default_resolver()({"headers": [(b"authorization", value)]})
         if tenant is None:
-            raise CommandError("--authorization is empty: give the client's Authorization header value", EXIT_USAGE)
+            raise CommandError("the Authorization value is empty: give the client's header value", EXIT_USAGE)
         return tenant, args.tenant
     if args.tenant is None or args.key is None:
-        raise CommandError("TENANT and KEY are required (or --authorization VALUE and KEY)", EXIT_USAGE)
+        raise CommandError("TENANT and KEY are required (or --authorization-from SOURCE and KEY)", EXIT_USAGE)
     return args.tenant, args.key
+
+
+def _authorization(source: str) -> str:
+    """The client's Authorization header value: from standard input (``-``: typed without echo at a terminal, or
+    the first line of what is piped) or from the environment variable ``source``."""
+    if source == "-":
+        if sys.stdin.isatty():
+            return getpass.getpass("the client's Authorization header value: ")
+        return sys.stdin.readline().rstrip("\r\n")
+    value = os.environ.get(source)
+    if value is None:
+        raise CommandError(f"--authorization-from {source}: that environment variable is not set", EXIT_USAGE)
+    return value
 
 
 # -- the database ---------------------------------------------------------------------------------------------
@@ -415,7 +441,18 @@ async def cmd_reencrypt(store: PostgresStore, args: argparse.Namespace) -> int:
         if args.pause:
             await asyncio.sleep(args.pause)
     print(f"re-sealed {total} response{_s(total)} under key {cipher.current!r}")
-    print(_by_key(await store.responses_by_key(), cipher, args.seal_plain, dry_run=False))
+    counts = await store.responses_by_key()
+    print(_by_key(counts, cipher, args.seal_plain, dry_run=False))
+    for key_id, count in counts.items():  # passed over: what they are sealed under was not given
+        if key_id is not None and key_id not in cipher.key_ids:
+            unreadable += count
+            they, are = ("it", "is") if count == 1 else ("they", "are")
+            print(
+                f"{PROG}: left {count} response{_s(count)} sealed under key {key_id!r} as {they} {are}: that key was "
+                f"not given, so {they} cannot be opened here (give it after the current key)",
+                file=sys.stderr,
+                flush=True,
+            )
     if unreadable:
         raise CommandError(f"{unreadable} response{_s(unreadable)} could not be opened and were left as they are")
     return EXIT_OK
@@ -445,7 +482,7 @@ def _default_resolver() -> AuthorizationTenant:
     """The default resolver with the servers' secret, which must be in this environment too."""
     if not os.environ.get(SECRET_VARIABLE):
         raise CommandError(
-            f"--authorization needs the secret the servers' default tenant resolver uses: set {SECRET_VARIABLE} "
+            f"--authorization-from needs the secret the servers' default tenant resolver uses: set {SECRET_VARIABLE} "
             "to the same value (or give TENANT as stored)",
             EXIT_USAGE,
         )
@@ -457,12 +494,12 @@ def _default_resolver() -> AuthorizationTenant:
 
 def _not_found(args: argparse.Namespace, tenant: str, key: str) -> CommandError:
     message = f"no record for key {key!r} of tenant {tenant!r}"
-    if args.authorization is not None:
+    if args.authorization_from is not None:
         message += f" (if it should exist, check that {SECRET_VARIABLE} is the servers' secret)"
     elif not tenant.startswith(PREFIX):
         message += (
             " (TENANT must be exactly what the app's tenant resolver returned; with the default resolver, "
-            "give the client's header as --authorization instead)"
+            "give the client's header with --authorization-from instead)"
         )
     return CommandError(message, EXIT_NOT_FOUND)
 

@@ -506,7 +506,7 @@ class IdempotentRequest:
         except asyncio.CancelledError:
             # Cancelled (a server shutting down, an outer timeout) while the claim was on its way: it may have
             # landed. A claim that turns out to be ours is released, so the key is not left to its lease.
-            self.abandoning = asyncio.ensure_future(self._abandon(task))
+            self.abandoning = asyncio.ensure_future(self._abandon(task, self.transaction))
             raise
         except (TypeError, ValueError):
             raise  # a store set up wrong (an engine in AUTOCOMMIT, say) says so, rather than as an outage
@@ -558,15 +558,20 @@ class IdempotentRequest:
             )
         return claim
 
-    async def _abandon(self, claiming: asyncio.Future[Claim]) -> Outcome:
-        """The claim of a request that was cancelled: released once it is known to be ours."""
+    async def _abandon(self, claiming: asyncio.Future[Claim], transaction: TransactionalRun | None) -> Outcome:
+        """The claim of a request that was cancelled: released once it is known to be ours, and the connection a
+        transactional claim ran on given back then (not whenever the run is garbage-collected)."""
         try:
-            claim = await claiming
-        except Exception:
-            return Outcome.STORE_ERROR  # the claim failed: nothing of it is left
-        if claim.outcome is not ClaimOutcome.OWNED:
-            return Outcome.CANCELLED
-        return await self._own(claim).release()
+            try:
+                claim = await claiming
+            except Exception:
+                return Outcome.STORE_ERROR  # the claim failed: nothing of it is left
+            if claim.outcome is not ClaimOutcome.OWNED:
+                return Outcome.CANCELLED
+            return await self._own(claim).release()
+        finally:
+            if transaction is not None:
+                await transaction.close()
 
     def _own(self, claim: Claim) -> OwnedClaim:
         """The claim is ours: renew its lease (``leases.py``) until it settles."""

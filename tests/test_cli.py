@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import io
 import json
 import re
 import socket
@@ -227,7 +228,7 @@ def test_inspect_in_progress_record_shows_its_lease(capsys: pytest.CaptureFixtur
 
 
 def test_inspect_by_authorization_finds_what_the_middleware_stored(
-    capsys: pytest.CaptureFixture[str], db: Database
+    capsys: pytest.CaptureFixture[str], db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The tenant the default resolver stored is found from the Authorization header the client sent."""
 
@@ -238,34 +239,51 @@ def test_inspect_by_authorization_finds_what_the_middleware_stored(
                 await client.post("/charge", content=b'{"amount": 10}', headers={"Idempotency-Key": "pay-1"})
 
     asyncio.run(post_twice())
-    code, out, _ = cli(capsys, *db.options, "inspect", "--authorization", "Bearer sk_test_alice", "pay-1", "--json")
+    monkeypatch.setenv("CLIENT_AUTHORIZATION", "Bearer sk_test_alice")
+    code, out, _ = cli(
+        capsys, *db.options, "inspect", "--authorization-from", "CLIENT_AUTHORIZATION", "pay-1", "--json"
+    )
     shown = json.loads(out)
     assert code == 0
     assert shown["tenant"] == tenant_of("sk_test_alice")
     assert (shown["attempts"], shown["response"]["status"]) == (0, 201)  # the second request was a replay
     assert shown["response"]["body_preview"] == '{"charge":1,"echo":"{\\"amount\\": 10}"}'
-    # The header as another client library spells it names the same tenant.
-    code, out, _ = cli(capsys, *db.options, "inspect", "--authorization", " bearer  sk_test_alice", "pay-1", "--json")
+    # On standard input, as another client library spells it: the same tenant.
+    monkeypatch.setattr("sys.stdin", io.StringIO(" bearer  sk_test_alice\n"))
+    code, out, _ = cli(capsys, *db.options, "inspect", "--authorization-from", "-", "pay-1", "--json")
     assert (code, json.loads(out or "{}").get("tenant")) == (0, tenant_of("sk_test_alice"))
     # The wrong credential is another tenant: no record.
-    code, out, err = cli(capsys, *db.options, "inspect", "--authorization", "Bearer sk_test_bob", "pay-1")
+    monkeypatch.setenv("CLIENT_AUTHORIZATION", "Bearer sk_test_bob")
+    code, out, err = cli(capsys, *db.options, "inspect", "--authorization-from", "CLIENT_AUTHORIZATION", "pay-1")
     assert (code, out) == (1, "")
     assert "no record for key 'pay-1'" in err
     assert "IDEMPOTENCY_TENANT_SECRET" in err  # the one thing that can differ from the servers'
+
+
+@pytest.mark.parametrize("command", ["inspect", "forget"])
+def test_a_clients_credential_on_the_command_line_is_refused(
+    capsys: pytest.CaptureFixture[str], db: Database, command: str
+) -> None:
+    """ps and the shell's history would show it, as they would response keys, which are refused there too."""
+    code, out, err = cli(capsys, *db.options, command, "--authorization", "Bearer sk_live_AbC", "pay-1")
+    assert (code, out) == (2, "")
+    assert "--authorization-from" in err
+    assert "sk_live_AbC" not in err
 
 
 def test_authorization_without_the_tenant_secret_is_a_usage_error(
     capsys: pytest.CaptureFixture[str], db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("IDEMPOTENCY_TENANT_SECRET")
-    code, out, err = cli(capsys, *db.options, "forget", "--authorization", "Bearer sk_test_alice", "k")
+    monkeypatch.setenv("CLIENT_AUTHORIZATION", "Bearer sk_test_alice")
+    code, out, err = cli(capsys, *db.options, "forget", "--authorization-from", "CLIENT_AUTHORIZATION", "k")
     assert (code, out) == (2, "")
     assert err == (
-        "idempotency-mw: --authorization needs the secret the servers' default tenant resolver uses: "
+        "idempotency-mw: --authorization-from needs the secret the servers' default tenant resolver uses: "
         "set IDEMPOTENCY_TENANT_SECRET to the same value (or give TENANT as stored)\n"
     )
     monkeypatch.setenv("IDEMPOTENCY_TENANT_SECRET", "too-short")
-    code, _, err = cli(capsys, *db.options, "inspect", "--authorization", "Bearer sk_test_alice", "k")
+    code, _, err = cli(capsys, *db.options, "inspect", "--authorization-from", "CLIENT_AUTHORIZATION", "k")
     assert code == 2
     assert "IDEMPOTENCY_TENANT_SECRET is 9 characters long; it must be at least 32" in err
 
@@ -275,8 +293,8 @@ def test_unknown_key_is_exit_1_with_a_hint(capsys: pytest.CaptureFixture[str], d
     assert (code, out) == (1, "")
     assert err == (
         "idempotency-mw: no record for key 'nope' of tenant 'Bearer sk_live_x' (TENANT must be exactly what the "
-        "app's tenant resolver returned; with the default resolver, give the client's header as --authorization "
-        "instead)\n"
+        "app's tenant resolver returned; with the default resolver, give the client's header with "
+        "--authorization-from instead)\n"
     )
     code, out, err = cli(capsys, *db.options, "inspect", tenant_of(), "nope", "--json")
     assert (code, out) == (1, "")
@@ -298,7 +316,7 @@ def test_forget_deletes_then_reports_absence(capsys: pytest.CaptureFixture[str],
 
 @pytest.mark.parametrize(
     "argv",
-    [["inspect", TENANT], ["forget"], ["inspect", "--authorization", "Bearer x", TENANT, "k"]],
+    [["inspect", TENANT], ["forget"], ["inspect", "--authorization-from", "HOME", TENANT, "k"]],
     ids=["no-key", "nothing", "both-tenant-and-authorization"],
 )
 def test_record_arguments_are_checked(capsys: pytest.CaptureFixture[str], db: Database, argv: list[str]) -> None:

@@ -638,6 +638,13 @@ def test_the_command_line_reencrypts_and_inspects(
     ]
     assert main([*database, "reencrypt", "--keys-from", "MY_KEYS", "--seal-plain"]) == 0
     assert "re-sealed 1 response under key '2026-11'" in capsys.readouterr().out
+    # Given only a newer key, with responses sealed under one it was not given: they are reported, exit 3.
+    monkeypatch.setenv("NEWER_KEYS", f"2027-05:{(bytes([9]) * 32).hex()}")
+    assert main([*database, "reencrypt", "--keys-from", "NEWER_KEYS"]) == 3
+    out, err = capsys.readouterr()
+    assert "under '2026-11': 4 responses, a key not given: they cannot be opened here" in out
+    assert "left 4 responses sealed under key '2026-11' as they are: that key was not given" in err
+    assert "4 responses could not be opened and were left as they are" in err
     monkeypatch.setenv(KEYS_VARIABLE, keys_text)
     assert main([*database, "inspect", "t", "k0"]) == 0
     shown = capsys.readouterr().out

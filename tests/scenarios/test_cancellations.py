@@ -18,6 +18,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Message
 
 from idempotency_mw import (
     IdempotencyMiddleware,
@@ -197,3 +198,69 @@ async def test_request_cancelled_during_its_claim_releases_the_key(idempotency_d
         assert handler_runs == []
         assert record is None, f"the key was left {record.state} under a fence nobody holds"
         assert Outcome.STORE_ERROR not in [event.outcome for event in events]
+
+
+class TransactionalClaimLandsThenStalls(PostgresStore):
+    """The same window for a transactional request, whose claim runs on the connection its transaction then uses."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(dsn, min_size=0, max_size=2, timeout=1.0)
+        self.landed = asyncio.Event()
+        self.reply = asyncio.Event()
+
+    async def _claim(self, *args: Any, **kwargs: Any) -> Claim:
+        claim = await super()._claim(*args, **kwargs)
+        if not self.landed.is_set():
+            self.landed.set()
+            await self.reply.wait()
+        return claim
+
+
+async def test_a_transactional_request_cancelled_during_its_claim_gives_its_connection_back(
+    idempotency_database_url: str,
+) -> None:
+    """Cancelled while its claim is on the wire, a transactional request whose claim then lands releases the key and
+    gives back the connection the claim ran on, before its outcome is reported: not whenever the garbage collector
+    gets to the run. The next request, on a pool with one connection for claims and lent transactions, gets it."""
+    key = str(uuid.uuid4())
+    runs: list[str] = []
+    idle_when_reported: list[int] = []
+
+    async def charge(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await context.connection.execute("SELECT 1")
+        runs.append(context.key or "")
+        return JSONResponse({"charged": True}, status_code=201)
+
+    async with opened(TransactionalClaimLandsThenStalls(idempotency_database_url)) as store:
+        assert isinstance(store, TransactionalClaimLandsThenStalls)
+
+        def reported(event: Event) -> None:
+            idle_when_reported.append(store._connector.pool.idle)  # type: ignore[attr-defined]
+
+        app = Starlette(routes=[Route("/charges", charge, methods=["POST"])])
+        app.add_middleware(
+            IdempotencyMiddleware, store=store, tenant=fixed_tenant, transactional=True, on_event=reported
+        )
+        request = asyncio.create_task(app(http_scope("/charges", key), hanging_up_client(asyncio.Event()), ignore))
+        await asyncio.wait_for(store.landed.wait(), 10)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        store.reply.set()
+        for _ in range(50):
+            if idle_when_reported:
+                break
+            await asyncio.sleep(0.02)
+        assert await store.inspect(TENANT, key) is None
+        assert idle_when_reported == [2], "the outcome was reported with the claim's connection still out"
+        sent: list[Message] = []
+
+        async def collect(message: Message) -> None:
+            sent.append(message)
+
+        await app(http_scope("/charges", key + "-next"), hanging_up_client(asyncio.Event()), collect)
+        assert sent[0]["status"] == 201, f"no connection for the next request: {sent}"
+        assert runs == [key + "-next"]
