@@ -47,6 +47,7 @@ from idempotency_mw.store import (
     TransactionalStore,
 )
 from idempotency_mw.tenants import (
+    ROUTE_TENANTS,
     SECRET_VARIABLE,
     AuthorizationTenant,
     TenantFromApp,
@@ -151,6 +152,7 @@ class IdempotencyMiddleware:
         self.tenant_from_app = tenant if isinstance(tenant, TenantFromApp) else None
         self.tenant_unknown_logged = False  # the operator hears of unscoped keyed requests once, not per request
         self.key_function_logged = False  # and of a key_from function that raises, once
+        self.tenant_reserved_logged = False  # and of a resolver that returns a tenant of routes' namespace, once
         self.policies = PolicyResolver.build(default, routes or {})
         self.failures = FailureLog(logger)  # store failures: the first in full, then a summary now and then
         self.leases = LeaseKeeper(store, self.failures)  # renews the lease of every handler still running
@@ -226,6 +228,20 @@ class IdempotencyMiddleware:
         if not self.tenant_unknown_logged:
             self.tenant_unknown_logged = True
             logger.warning(unknown_tenant_advice(resolver))
+        return problems.tenant_unknown(requirement(resolver)), Outcome.TENANT_UNKNOWN
+
+    def tenant_reserved(self, resolver: object, tenant: str) -> tuple[problems.Problem, Outcome]:
+        """The refusal of a tenant the resolver returned in the namespace kept for routes' own tenants: it could meet
+        a route's records (a webhook's). Logged once."""
+        if not self.tenant_reserved_logged:
+            self.tenant_reserved_logged = True
+            logger.error(
+                "idempotency: the tenant resolver %r returned a tenant starting with %r, the namespace of the tenants "
+                "routes name themselves (tenant= on a route): such a request is refused with 400 "
+                "idempotency_tenant_unknown. Logged once per middleware.",
+                resolver,
+                ROUTE_TENANTS,
+            )
         return problems.tenant_unknown(requirement(resolver)), Outcome.TENANT_UNKNOWN
 
     def key_function_failed(self, error: KeyFunctionFailed) -> None:
@@ -342,7 +358,9 @@ class IdempotentRequest:
         self.phase = Phase.STARTED
         self.report = Report(middleware.on_event, scope["method"], scope["path"], route)
         self.key: str | None = None
-        self.tenant = ""
+        self.tenant = ""  # whose record: the tenant, or the route's own tenant in a namespace of its own
+        self.owner = ""  # the tenant as resolved: what the handler's context and the events carry
+        self.legacy_tenant: str | None = None  # a route's tenant as stored before routes had a namespace
         self.body = BufferedBody(receive, policy.max_request_bytes)
         self.digest = b""  # the request's fingerprint, unkeyed: never stored, nor sent to the store
         self.digests: tuple[bytes, ...] = ()  # as stored, under each fingerprint key, the current one first
@@ -386,13 +404,19 @@ class IdempotentRequest:
                 return
 
             # 2. The tenant: none means the key cannot be scoped, and an unscoped key must never meet another's.
+            # A route's own tenant (a provider's webhooks) keeps its records apart from every tenant of the resolver.
             if self.refusal is None:
                 resolver = self.policy.tenant or self.middleware.tenant
                 tenant = await resolve_tenant(resolver, self.scope)  # type: ignore[arg-type]  # not a TenantFromApp
                 if tenant is None:
                     self.refusal = self.middleware.tenant_unknown(resolver)
+                elif self.policy.tenant is not None:
+                    self.owner = self.report.tenant = tenant
+                    self.tenant, self.legacy_tenant = ROUTE_TENANTS + tenant, tenant
+                elif tenant.startswith(ROUTE_TENANTS):
+                    self.refusal = self.middleware.tenant_reserved(resolver, tenant)
                 else:
-                    self.tenant = self.report.tenant = tenant
+                    self.tenant = self.owner = self.report.tenant = tenant
             if self.refusal is not None:
                 return await self._refuse(*self.refusal)
 
@@ -425,12 +449,13 @@ class IdempotentRequest:
             resolver = self.policy.tenant or self.middleware.tenant
             tenant = await resolve_tenant(resolver, self.scope)  # type: ignore[arg-type]  # not a TenantFromApp
             self._scope_to(tenant)
+            self.owner = self.tenant
             if self.policy.transactional:
                 self._start_run()
                 if await self._begin():
                     await self._execute()
                 return
-            self._set_context(IdempotencyContext(self.tenant, self.key))
+            self._set_context(IdempotencyContext(self.owner, self.key))
             await self.middleware.app(self.scope, self.body.receive, self.send)
         finally:
             self.transaction = self.plain = None
@@ -453,11 +478,12 @@ class IdempotentRequest:
             raise TypeError(f"the tenant of a request must be a str or None, not {type(tenant).__name__}")
         if self.disabled:  # nothing to claim: the context, and a transactional route's transaction
             self._scope_to(tenant)
+            self.owner = self.tenant
             if self.policy.transactional:
                 if not await self._begin():
                     raise ClaimAnswered
             else:
-                self._set_context(IdempotencyContext(self.tenant, self.key))
+                self._set_context(IdempotencyContext(self.owner, self.key))
             context = state.get(STATE_KEY)
             assert isinstance(context, IdempotencyContext)
             return context
@@ -466,7 +492,7 @@ class IdempotentRequest:
         if self.refusal is not None:
             await self._refuse(*self.refusal)
             raise ClaimAnswered
-        self.tenant = self.report.tenant = tenant or ""
+        self.tenant = self.owner = self.report.tenant = tenant or ""
         claimed = await self._begin() if self.key is None else await self._claim()  # keyless: no record
         if not claimed:
             raise ClaimAnswered
@@ -539,7 +565,7 @@ class IdempotentRequest:
         self._start_run()
         assert self.plain is not None
         self.plain.claimed()
-        self._set_context(IdempotencyContext(self.tenant, self.key))
+        self._set_context(IdempotencyContext(self.owner, self.key))
         return True
 
     async def _claim_from(self, claimer: Store | TransactionalRun) -> Claim:
@@ -556,7 +582,27 @@ class IdempotentRequest:
             claim = await claimer.claim(
                 self.tenant, self.key, current, lease=policy.lease, ttl=policy.ttl, matching=matching
             )
+        if claim.outcome is ClaimOutcome.OWNED and claim.attempts == 0 and self.legacy_tenant is not None:
+            claim = await self._claim_legacy(claimer, claim)
         return claim
+
+    async def _claim_legacy(self, claimer: Store | TransactionalRun, fresh: Claim) -> Claim:
+        """A fresh claim of a route's own tenant: a record written before routes' tenants had a namespace of their
+        own is under the bare tenant. If one is live (an event delivered before the upgrade, redelivered after), the
+        fresh claim is released, and the request is claimed there instead, so it is still the same request."""
+        assert self.key is not None
+        assert self.legacy_tenant is not None
+        found = await self.store.inspect(self.legacy_tenant, self.key)
+        if found is None or found.expires_at <= time.time():
+            return fresh
+        await self.store.release(self.tenant, self.key, fresh.fence)
+        if self.transaction is not None:
+            await self.transaction.close()  # the fresh claim's connection: the legacy claim takes another
+        self.tenant, self.legacy_tenant = self.legacy_tenant, None
+        policy, current, *previous = self.policy, *self.digests
+        return await claimer.claim(
+            self.tenant, self.key, current, lease=policy.lease, ttl=policy.ttl, matching=tuple(previous)
+        )
 
     async def _abandon(self, claiming: asyncio.Future[Claim], transaction: TransactionalRun | None) -> Outcome:
         """The claim of a request that was cancelled: released once it is known to be ours, and the connection a
@@ -672,7 +718,7 @@ class IdempotentRequest:
         run = self.transaction
         assert run is not None
         run.owned = self.owned
-        return await run.begin(lambda lent: self._set_context(IdempotencyContext(self.tenant, self.key, lent)))
+        return await run.begin(lambda lent: self._set_context(IdempotencyContext(self.owner, self.key, lent)))
 
     # -- the answer, decided once -----------------------------------------------------------------------------
 

@@ -44,6 +44,10 @@ class TenantFromApp:
 
 
 SECRET_VARIABLE = "IDEMPOTENCY_TENANT_SECRET"
+# The records of a route that names its own tenant (``tenant=`` on a route: a provider's webhooks) are stored under
+# this prefix and that tenant, so that no tenant of the middleware's resolver meets them; a resolver that returns a
+# tenant with this prefix is refused.
+ROUTE_TENANTS = "route:"
 MIN_SECRET_LENGTH = 32
 GENERATE_SECRET = 'python -c "import secrets; print(secrets.token_hex(32))"'
 PREFIX = "hmac-sha256:"

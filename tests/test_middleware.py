@@ -25,6 +25,7 @@ from idempotency_mw import (
     PostgresStore,
     Store,
     StoredResponse,
+    header_tenant,
     idempotency_context,
 )
 from tests.apps import Probe, build_app
@@ -857,9 +858,57 @@ async def test_a_webhook_route_takes_its_key_from_the_body(store: Store) -> None
     assert probe.calls["charge"] == 2
     reused = await client.post("/charge", json={**event, "type": "charge.refunded"})
     assert problem(reused)["code"] == "idempotency_key_reused"
-    info = await store.inspect("provider", event["id"])
+    info = await store.inspect("route:provider", event["id"])  # a route's own tenant has a namespace of its own
     assert info is not None
     assert info.state == "completed"
+
+
+async def test_a_routes_own_tenant_never_meets_a_tenant_of_the_resolver(store: Store) -> None:
+    """A resolver that can return the string a route names as its tenant (an account id "provider", read from a
+    header a proxy sets) must not meet that route's records: its request with the event's id as key, on another
+    route, runs on its own instead of being told the key was used (422), or blocked while the event runs (409)."""
+    probe = Probe()
+    app = build_app(store, probe, tenant=header_tenant("x-account"), routes=webhook_routes())
+    client = client_for(app)
+    event = {"id": f"evt_{uuid.uuid4().hex}", "type": "charge.succeeded"}
+    webhook = await client.post("/charge", json=event)
+    customer = await client.post("/status/201", headers={"x-account": "provider", "Idempotency-Key": event["id"]})
+    assert (webhook.status_code, customer.status_code) == (201, 201)
+    assert (probe.calls["charge"], probe.calls["status"]) == (1, 1)
+
+
+async def test_a_resolver_tenant_in_the_routes_namespace_is_refused(
+    store: Store, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    probe = Probe()
+    client = client_for(build_app(store, probe, tenant=header_tenant("x-account")))
+    with caplog.at_level("ERROR", logger="idempotency_mw"):
+        for _ in range(2):
+            answer = await client.post(
+                "/charge", json={}, headers={"x-account": "route:provider", "Idempotency-Key": key}
+            )
+            assert problem(answer)["code"] == "idempotency_tenant_unknown"
+    assert probe.calls["charge"] == 0
+    assert len([r for r in caplog.records if "namespace" in r.getMessage()]) == 1
+
+
+async def test_a_webhook_delivered_before_the_upgrade_still_replays(store: Store) -> None:
+    """Records of a route's own tenant written before routes had a namespace are under the bare tenant: an event
+    redelivered after the upgrade finds its record there, and is not handled twice."""
+    event = {"id": f"evt_{uuid.uuid4().hex}", "type": "charge.succeeded"}
+    probe, client = setup(store, routes=webhook_routes())
+    first = await client.post("/charge", json=event)
+    record = await store.inspect("route:provider", event["id"])
+    assert record is not None
+    # As 0.2 stored it: under the bare tenant.
+    claim = await store.claim("provider", event["id"], record.fingerprint, lease=30, ttl=3600)
+    assert await store.complete("provider", event["id"], claim.fence, StoredResponse(201, [], b'{"run":"before"}', 16))
+    assert await store.forget("route:provider", event["id"])
+    again = await client.post("/charge", json=event)
+    assert (again.headers.get("idempotent-replayed"), again.content) == ("true", b'{"run":"before"}')
+    assert await store.inspect("route:provider", event["id"]) is None  # the fresh claim was given back
+    assert probe.calls["charge"] == 1
+    assert first.status_code == 201
 
 
 async def test_an_event_without_a_key_runs_unless_the_route_requires_one(store: Store) -> None:
