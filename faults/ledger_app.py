@@ -15,7 +15,9 @@ key is committed; a handler that finds none writes ``faults_violations``. ``POST
 
 Served in a child process with ``ServerProcess("faults.ledger_app:create_app", factory=True, env=...)``; the
 settings come from the environment: ``FAULTS_DSN``, ``FAULTS_TRANSACTIONAL``, ``FAULTS_LEASE`` (seconds),
-``FAULTS_STORE_TIMEOUT`` (seconds), ``FAULTS_MAX_RESPONSE_BYTES`` and ``FAULTS_MAX_REQUEST_BYTES``.
+``FAULTS_STORE_TIMEOUT`` (seconds), ``FAULTS_MAX_RESPONSE_BYTES``, ``FAULTS_MAX_REQUEST_BYTES``, ``FAULTS_ON_CONFLICT``
+and ``FAULTS_WAIT`` (seconds); ``FAULTS_APP_POOL=N`` puts the store on an asyncpg pool of the app's, of N connections,
+made in the lifespan (``PostgresStore().bind(pool)``).
 """
 
 from __future__ import annotations
@@ -89,12 +91,16 @@ def create_app(
         max_response_bytes = int(os.environ.get("FAULTS_MAX_RESPONSE_BYTES", str(8 * 1024 * 1024)))
     if max_request_bytes is None:
         max_request_bytes = int(os.environ.get("FAULTS_MAX_REQUEST_BYTES", str(1024 * 1024)))
-    store = store or PostgresStore(dsn, timeout=store_timeout, max_size=20)
+    app_pool = int(os.environ.get("FAULTS_APP_POOL", "0"))  # the store on a pool of the app's, of this size
+    store = store or (PostgresStore(timeout=store_timeout) if app_pool else PostgresStore(dsn, timeout=store_timeout))
     pid = os.getpid()
     pools: dict[str, asyncpg.Pool] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if app_pool:
+            pools["store"] = await asyncpg.create_pool(dsn, min_size=1, max_size=app_pool)
+            store.bind(pools["store"])
         await store.migrate()
         # The app's own pool (entries, plain-mode effects): never the store's, so a handler holding a transaction
         # can always get a second connection.
@@ -108,6 +114,8 @@ def create_app(
         finally:
             await pools["app"].close()
             await store.close()
+            if app_pool:
+                await pools["store"].close()
 
     async def enter(request: Request) -> tuple[str, str | None]:
         context = idempotency_context(request)
@@ -185,6 +193,7 @@ def create_app(
         max_response_bytes=max_response_bytes,
         max_request_bytes=max_request_bytes,
         on_conflict=os.environ.get("FAULTS_ON_CONFLICT", "").strip() or "reject",
+        wait=float(os.environ.get("FAULTS_WAIT", "5")),
         on_event=None,
     )
     return app

@@ -41,6 +41,7 @@ from faults.pg import DisposablePostgres
 from faults.pgbouncer import PgBouncer, install_pgbouncer
 from faults.report import Result, markdown_table
 from faults.storm import run_storm
+from faults.waiting import run_waiting
 from faults.zombie import run_zombie
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "faults-results.md"
@@ -68,6 +69,11 @@ def scenarios(
         "storm-wait": [(lambda: first(run_storm(dsn, payments=500, copies=5, in_flight=25, on_conflict="wait")), True)],
         "crash-wait": [
             (lambda: first(run_crash(dsn, transactional=True, operations=60, lease=2.0, on_conflict="wait")), True),
+        ],
+        "wait": [
+            (lambda: first(run_waiting(dsn, operations=200, app_pool=8)), True),
+            (lambda: first(run_waiting(repeatable, operations=200)), True),
+            (lambda: first(run_waiting(repeatable, operations=200, app_pool=8)), True),
         ],
         "storm-rr": [(lambda: first(run_storm(repeatable, payments=500, copies=5, in_flight=25)), True)],
         "crash-rr": [
@@ -136,9 +142,15 @@ async def soak(minutes: float, only: set[str] | None) -> tuple[dict[str, Result]
                         problems.append(f"round {rounds}, {name}: {traceback.format_exc()}")
                         print(problems[-1], file=sys.stderr, flush=True)
                         continue
-                    if (result.lost and result.scenario not in MAY_LOSE) or (exactly_once and result.duplicates):
+                    slept = result.measures.get("slept out their wait", 0)
+                    if (
+                        (result.lost and result.scenario not in MAY_LOSE)
+                        or (exactly_once and result.duplicates)
+                        or slept
+                    ):
                         problems.append(
-                            f"round {rounds}, {result.scenario}: {result.duplicates} duplicates, {result.lost} lost"
+                            f"round {rounds}, {result.scenario}: {result.duplicates} duplicates, {result.lost} lost, "
+                            f"{slept:g} waiters slept out their wait"
                         )
                     if result.scenario in results:
                         results[result.scenario].merge(result)
@@ -203,6 +215,13 @@ def _finish_notes(result: Result) -> None:
             f"{int(m.get('in flight 503', 0))} of {int(m.get('in flight at kill', 0))} requests in flight at the "
             f"kills answered 503, the rest 201"
         ]
+    elif result.scenario.startswith("waiting"):
+        result.notes = [
+            f"copies that slept out their wait after their original settled: {int(m.get('slept out their wait', 0))} "
+            f"of {int(m.get('replays', 0)) + int(m.get('slept out their wait', 0))}; slowest replay "
+            f"{m.get('worst replay lag, s', 0):.2f} s after its original's answer; {int(m.get('other answers', 0))} "
+            "other answers"
+        ]
     elif result.scenario.startswith("storm"):
         result.notes = [
             f"duplicate copies answered: {int(m.get('conflicts', 0))} x 409, {int(m.get('replays', 0))} replays, "
@@ -232,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=5.0, help="how long to keep starting rounds (default 5)")
     parser.add_argument(
         "--only",
-        help="comma-separated groups: storm, storm-wait, storm-rr, crash, crash-wait, crash-rr, outage, lossy, zombie, "
-        "failover, pgbouncer, big",
+        help="comma-separated groups: storm, storm-wait, wait, storm-rr, crash, crash-wait, crash-rr, outage, lossy, "
+        "zombie, failover, pgbouncer, big",
     )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"Markdown file (default {DEFAULT_OUTPUT})")
     args = parser.parse_args(argv)

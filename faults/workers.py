@@ -41,9 +41,12 @@ def ledger_worker(
     port: int = 0,
     sqlalchemy: bool = False,
     on_conflict: str = "reject",
+    wait: float = 5.0,
+    app_pool: int = 0,
 ) -> ServerProcess:
     """The ledger app (:mod:`faults.ledger_app`) on ``dsn``; with ``sqlalchemy``, its SQLAlchemy variant
-    (:mod:`faults.ledger_sqlalchemy`, transactional only)."""
+    (:mod:`faults.ledger_sqlalchemy`, transactional only); ``app_pool``: the store on an asyncpg pool of the app's,
+    of that size, made in its lifespan."""
     if sqlalchemy and not transactional:
         raise ValueError("the SQLAlchemy ledger is transactional only")
     return ServerProcess(
@@ -57,6 +60,8 @@ def ledger_worker(
             "FAULTS_STORE_TIMEOUT": str(store_timeout),
             "FAULTS_MAX_RESPONSE_BYTES": str(max_response_bytes),
             "FAULTS_ON_CONFLICT": on_conflict,
+            "FAULTS_WAIT": str(wait),
+            "FAULTS_APP_POOL": str(app_pool),
         },
     )
 

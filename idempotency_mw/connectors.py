@@ -437,6 +437,51 @@ class AppPool:
         )
 
 
+class Unbound:
+    """The connections of a store built without any (``PostgresStore()``), until it is given the app's pool at
+    startup (``PostgresStore.bind``): every use of them before that says so."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.database_isolation: str | None = None
+
+    @staticmethod
+    def _unbound() -> StoreUnavailable:
+        return StoreUnavailable(
+            "this PostgresStore was built without a database URL or pool, and was not given the app's pool yet: "
+            "call store.bind(pool) in the app's lifespan, before the store opens"
+        )
+
+    async def open(self) -> None:
+        raise self._unbound()
+
+    async def close(self) -> None:
+        pass  # nothing was opened
+
+    async def run(self, name: str, args: tuple[Any, ...], *, urgent: bool = False, status: bool = False) -> Any:
+        raise self._unbound()
+
+    async def run_on(self, connection: asyncpg.Connection, name: str, args: tuple[Any, ...]) -> Any:
+        raise self._unbound()
+
+    async def lend(self) -> asyncpg.Connection:
+        raise self._unbound()
+
+    def begin_isolation(self) -> str | None:
+        return None
+
+    async def give_back(self, connection: asyncpg.Connection, *, lost: bool, then: str = "") -> None:
+        raise self._unbound()
+
+    def session(self) -> contextlib.AbstractAsyncContextManager[asyncpg.Connection]:
+        raise self._unbound()
+
+    def listening(
+        self, channel: str, notified: Listener
+    ) -> contextlib.AbstractAsyncContextManager[asyncpg.Connection | None]:
+        raise self._unbound()
+
+
 class StoreConnection(asyncpg.Connection):
     """The connections an :class:`OwnPool` opens: the statements prepared on them, and their reset (when a lent one
     comes back): the full one of ``lending.py``, in one round trip, instead of asyncpg's partial one."""

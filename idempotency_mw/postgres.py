@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import asyncpg
 
-from idempotency_mw.connectors import AppPool, Connector, OwnPool, lent_connection, reachable
+from idempotency_mw.connectors import AppPool, Connector, OwnPool, Unbound, lent_connection, reachable
 from idempotency_mw.lending import LentConnection
 from idempotency_mw.rows import claim_from_row, completion, new_fence, record_from_row, reseal_rows
 from idempotency_mw.sql import check_schema, migrate, queries
@@ -76,7 +76,7 @@ class PostgresStore:
 
     def __init__(
         self,
-        dsn_or_pool: str | asyncpg.Pool,
+        dsn_or_pool: str | asyncpg.Pool | None = None,
         *,
         timeout: float = 5.0,
         min_size: int = 2,
@@ -107,8 +107,11 @@ class PostgresStore:
                 "prepared_statements=False applies to the connections a DSN-built PostgresStore opens; an asyncpg "
                 "pool passed in keeps its own setting: create it with asyncpg.create_pool(..., statement_cache_size=0)"
             )
+        elif dsn_or_pool is None:
+            self._connector = Unbound(timeout)  # until bind(): the app's pool, made in its lifespan
         else:
             self._connector = AppPool(dsn_or_pool, self._sql, self.schema, timeout=timeout)
+        self._bindable = dsn_or_pool is None
         # Claims handed out and not yet completed or released: close() gives them time to settle.
         self._unsettled: set[tuple[str, str, int]] = set()
         self._all_settled: asyncio.Event | None = None  # set when the last one settles while close() waits
@@ -117,6 +120,25 @@ class PostgresStore:
         self._waiters = Waiters()  # requests waiting for a claim of another's to settle (waiting.py)
         self._listener = SettlementListener(self._connector, self.schema, self._waiters)
         self._explicit_elsewhere: bool | None = None  # claims on connections of no connector's (SQLAlchemy's)
+
+    def bind(self, pool: asyncpg.Pool) -> Self:
+        """Use the app's asyncpg ``pool``, made in its lifespan (a pool is bound to the event loop it was made on,
+        which at import is not the server's): for a store built as ``PostgresStore()``, before it opens::
+
+            async with asyncpg.create_pool(dsn) as pool, store.bind(pool):
+                yield
+
+        Each lifespan binds its own pool; the pool stays the app's to close. Returns the store, to open."""
+        if not self._bindable:
+            raise ValueError(
+                "bind() is for a PostgresStore built without a database URL or pool (PostgresStore()); this one has "
+                "its connections"
+            )
+        if not isinstance(pool, asyncpg.Pool):
+            raise TypeError(f"bind() takes an asyncpg pool (asyncpg.create_pool), not {type(pool).__name__}")
+        self._connector = AppPool(pool, self._sql, self.schema, timeout=self.timeout)
+        self._listener = SettlementListener(self._connector, self.schema, self._waiters)
+        return self
 
     @property
     def database_isolation(self) -> str | None:

@@ -268,26 +268,39 @@ def test_the_testing_guides_examples_run(tmp_path: Path, idempotency_database_ur
 # -- the guide's recipes, run as the apps they are -------------------------------------------------------------
 
 
-def guide_recipes() -> dict[str, str]:
-    """The python blocks of the guide's recipes (each opens with ``# <name>.py``), by module name."""
-    text = GUIDE.read_text()
-    section = text[text.index("## 7. Recipes") :]
-    recipes = {}
-    for match in FENCE.finditer(section):
+def named_snippets(text: str) -> dict[str, str]:
+    """The python blocks of ``text`` that open with ``# <name>.py``, by module name: the ones a test runs."""
+    snippets = {}
+    for match in FENCE.finditer(text):
         code = textwrap.dedent(match.group(3))
         first = code.splitlines()[0] if code else ""
         if match.group(2) == "python" and re.fullmatch(r"# \w+\.py", first):
-            recipes[first[2:-3]] = code
-    return recipes
+            snippets[first[2:-3]] = code
+    return snippets
+
+
+def guide_recipes() -> dict[str, str]:
+    """The python blocks of the guide's recipes (each opens with ``# <name>.py``), by module name."""
+    text = GUIDE.read_text()
+    return named_snippets(text[text.index("## 7. Recipes") :])
+
+
+def page_snippets() -> dict[str, str]:
+    """The named python blocks of every page but the guide's recipes (operations, configuration, ...)."""
+    found: dict[str, str] = {}
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        if page != GUIDE:
+            found.update(named_snippets(page.read_text()))
+    return found
 
 
 @contextlib.contextmanager
 def recipe(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **env: str) -> Iterator[Any]:
-    """The recipe ``name`` imported as a module, with ``env`` in its environment."""
+    """The recipe (or named snippet) ``name`` imported as a module, with ``env`` in its environment."""
     for variable, value in env.items():
         monkeypatch.setenv(variable, value)
     path = tmp_path / f"{name}.py"
-    path.write_text(guide_recipes()[name])
+    path.write_text(guide_recipes().get(name) or page_snippets()[name])
     spec = importlib.util.spec_from_file_location(f"guide_recipe_{name}", path)
     assert spec is not None
     assert spec.loader is not None
@@ -405,3 +418,32 @@ async def test_recipe_wait_for_the_original(
             assert retry.headers["idempotent-replayed"] == "true"
             assert retry.content == (await original).content
             assert impatient.replays["/v1/charges"] == 1
+
+
+async def test_operations_a_pool_made_in_the_lifespan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idempotency_database_url: str
+) -> None:
+    """operations.md: a store built without a pool is bound to the one the app makes in its lifespan; each
+    lifespan binds its own (a test runs two), and a request before any is answered 503, never run."""
+    with recipe("lifespan_pool", tmp_path, monkeypatch, DATABASE_URL=idempotency_database_url) as module:
+
+        async def charge(request: Any) -> Any:
+            from starlette.responses import JSONResponse
+
+            count = await request.app.state.pool.fetchval("SELECT 1")
+            return JSONResponse({"charged": count}, status_code=201)
+
+        module.app.add_route("/charges", charge, methods=["POST"])
+        headers = {"Idempotency-Key": str(uuid.uuid4())}
+        transport = httpx.ASGITransport(app=module.app)
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://test", headers={"Authorization": "Bearer sk_test_pool"}
+        ) as unbound:
+            early = await unbound.post("/charges", json={}, headers=headers)
+            assert (early.status_code, early.json()["code"]) == (503, "idempotency_store_unavailable")
+        for _ in range(2):
+            async with serving(module.app, authorization="Bearer sk_test_pool") as client:
+                first = await client.post("/charges", json={}, headers=headers)
+                again = await client.post("/charges", json={}, headers=headers)
+                assert first.status_code == 201  # run in the first lifespan, replayed in the second
+                assert again.headers.get("idempotent-replayed") == "true"
