@@ -26,6 +26,10 @@ from peers import EagerVenv
 from pgserver import Database
 from servers import HERE, REPO, WORK, bench_env
 
+# The apps under test key their request fingerprints under the tenant secret (some resolve tenants their own way);
+# the servers the harness starts inherit it.
+os.environ.setdefault("IDEMPOTENCY_TENANT_SECRET", "benchmark-tenant-secret-0123456789abcdef")
+
 LIBRARIES = WORK / "library"  # copies of the library at git revisions, one directory per commit
 TABLES = ("idempotency_records", "idempotency_responses", "idempotency_keys", "fastapi_idempotency_requests")
 

@@ -55,8 +55,11 @@ async def run_demo(mix: Mix, network: Network, dsn: str, *, stream: TextIO = sys
     """Serve, drive, audit; stop everything started here, whatever happens."""
     run = secrets.token_hex(4)  # fresh accounts per run, so balances start at zero even on a reused database
     api_keys = [f"sk_test_demo_{run}_{n}" for n in range(max(1, mix.accounts))]
-    # The demo's server creates its own tables, whatever PAYMENTS_MIGRATE says in the caller's environment.
+    # The demo's server creates its own tables, whatever PAYMENTS_MIGRATE says in the caller's environment. Its
+    # request fingerprints are keyed under a key of this run's, unless the caller's environment gives one.
     env = {"DATABASE_URL": dsn, "PAYMENTS_POOL_SIZE": str(mix.concurrency + 4), "PAYMENTS_MIGRATE": "1"}
+    if not os.environ.get("IDEMPOTENCY_FINGERPRINT_KEYS"):
+        env["IDEMPOTENCY_FINGERPRINT_KEYS"] = f"demo-{run}:{secrets.token_hex(32)}"
     started = time.monotonic()
     async with ServerProcess(APP, env=env) as server:
         async with LossyProxy(
