@@ -454,6 +454,11 @@ class PostgresTransaction:
 
     async def rollback(self) -> None:
         assert self._transaction is not None
+        if self.lost:
+            # A statement of ours found the connection dead or silent (a hung server). A ROLLBACK would wait out
+            # another timeout behind asyncpg's unfinished cancellation; closing the connection, which the store
+            # does as it takes it back, rolls the transaction back on the server.
+            raise StoreUnavailable("the connection of the handler's transaction was lost")
         with self._reachable():
             await self._transaction.rollback()
 

@@ -275,7 +275,7 @@ class SQLAlchemyTransaction:
         await self._refuse_if_ended()
         try:
             with self._reachable(self._schema):
-                async with asyncio.timeout(self._timeout):
+                async with self._deadline():
                     result = await self.connection.exec_driver_sql(
                         self._complete_sql, completion(tenant, key, fence, response, self._store.cipher)
                     )
@@ -290,7 +290,7 @@ class SQLAlchemyTransaction:
         assert self._transaction is not None
         await self._end_session()  # a request without a key completes no record: the flush is here
         with self._reachable():
-            async with asyncio.timeout(self._timeout):
+            async with self._deadline():
                 await self._transaction.commit()
         self.settlement.committed()
 
@@ -301,7 +301,7 @@ class SQLAlchemyTransaction:
                 # Gone with its connection. SQLAlchemy's own rollback of an invalidated connection says nothing,
                 # but the database could not be reached: the caller must hear it (503), as with asyncpg.
                 raise StoreUnavailable("the connection of the handler's transaction was lost")
-            async with asyncio.timeout(self._timeout):
+            async with self._deadline():
                 await self._transaction.rollback()
 
     async def _refuse_if_ended(self) -> None:
@@ -354,7 +354,7 @@ class SQLAlchemyTransaction:
         finally:
             try:
                 if not healthy:
-                    await self.connection.invalidate()
+                    await self._drop()
             finally:
                 await self.connection.close()
         if late and not app_failed:
@@ -364,6 +364,16 @@ class SQLAlchemyTransaction:
                 "session of their own"
             )
 
+    async def _drop(self) -> None:
+        """Close the connection at once and have the pool forget it. SQLAlchemy's asyncpg adapter says goodbye to
+        the server as it invalidates a connection, and waits up to 2 seconds for a server that may have stopped
+        answering (a hung host): closing the socket first leaves it nothing to wait for."""
+        if not self.connection.invalidated:
+            raw = await self.connection.get_raw_connection()
+            driver: Any = raw.driver_connection  # asyncpg's Connection
+            driver.terminate()
+        await self.connection.invalidate()
+
     async def _clean(self) -> bool:
         """Give the connection the session of a fresh one: no transaction, then ``sql/reset_session.sql`` on the
         driver's connection. SQLAlchemy's pool only rolls back, which would leave a role, settings, temp tables,
@@ -372,7 +382,7 @@ class SQLAlchemyTransaction:
         usable = not (self.lost or self.connection.invalidated)
         try:
             if usable and self.connection.in_transaction():
-                async with asyncio.timeout(self._timeout):
+                async with self._deadline():
                     await self.connection.rollback()
             self.session.info[LENT] = False  # a plain close from here on
             await self.session.close()  # its savepoint ended with the transaction: no statement
@@ -384,6 +394,31 @@ class SQLAlchemyTransaction:
         except Exception:  # lost, broken or busy: a fresh connection is cheaper than a doubtful one
             return False
         return usable
+
+    @contextlib.asynccontextmanager
+    async def _deadline(self) -> AsyncIterator[None]:
+        """The store's timeout on one of our statements, kept by closing the connection when it runs out (as the
+        PostgresStore's pool does) rather than by cancelling the statement: SQLAlchemy answers a cancelled statement
+        by saying goodbye to the server, and waits up to 2 seconds more for one that has stopped answering."""
+        raw = await self.connection.get_raw_connection()
+        driver: Any = raw.driver_connection  # asyncpg's Connection
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            driver.terminate()
+
+        timer = asyncio.get_running_loop().call_later(self._timeout, expire)
+        try:
+            yield
+        except Exception as error:
+            if expired:
+                self.lost = True
+                raise StoreUnavailable(f"the database did not answer within {self._timeout:g}s") from error
+            raise
+        finally:
+            timer.cancel()
 
     @contextlib.contextmanager
     def _reachable(self, schema: str | None = None) -> Iterator[None]:

@@ -520,6 +520,7 @@ async def test_what_the_docs_call_on_a_store_works_on_a_sqlalchemy_store(
 
 # What a PostgresStore has that a SQLAlchemyStore leaves out, and why. Anything else the docs may call on a store.
 NOT_ON_A_SQLALCHEMY_STORE = {
+    "bind": "puts a store made without a pool on an asyncpg pool of the app's: a SQLAlchemyStore has its engine",
     "claim_on": "how a transaction of another kind claims on a connection of its own, through the PostgresStore",
     "connection": "an asyncpg connection: a SQLAlchemy app deletes through its session (the guide says how)",
     "notice": "the SQL that tells other processes' waiters of a commit, for a transaction of another kind",

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -170,9 +173,9 @@ FLAVOURS = {"asyncpg": Asyncpg, "sqlalchemy": SQLAlchemy}
 
 
 @contextlib.asynccontextmanager
-async def flavour_on(name: str, url: str) -> AsyncIterator[Flavour]:
+async def flavour_on(name: str, url: str, *, store_timeout: float = 5.0) -> AsyncIterator[Flavour]:
     """The flavour ``name`` on the database at ``url``, its effect tables made, its store opened (and closed without
-    the shutdown grace: tests leave claims in progress on purpose)."""
+    the shutdown grace: tests leave claims in progress on purpose), with the store timeout ``store_timeout``."""
     db = await asyncpg.connect(url)
     try:
         await db.execute("CREATE TABLE IF NOT EXISTS tx_effects (key text, note text)")
@@ -181,13 +184,13 @@ async def flavour_on(name: str, url: str) -> AsyncIterator[Flavour]:
             "DEFERRABLE INITIALLY DEFERRED)"
         )
         if name == "asyncpg":
-            async with opened(PostgresStore(url)) as store:
+            async with opened(PostgresStore(url, timeout=store_timeout)) as store:
                 yield Asyncpg(store, db, url)
             return
         await create_tables(url)
         engine = create_async_engine(sqlalchemy_url(url), pool_size=5, max_overflow=0)
         try:
-            sqlalchemy_store = SQLAlchemyStore(PostgresStore(url), engine)
+            sqlalchemy_store = SQLAlchemyStore(PostgresStore(url, timeout=store_timeout), engine)
             await sqlalchemy_store.open()
             try:
                 yield SQLAlchemy(sqlalchemy_store, db, url)
@@ -732,6 +735,44 @@ async def test_a_backend_terminated_while_the_handler_runs_is_503_and_frees_the_
     retry = await client.post("/write", headers={"Idempotency-Key": key})
     assert retry.status_code == 201
     assert runs == [1, 1]
+
+
+@pytest.mark.parametrize("name", list(FLAVOURS))
+async def test_a_frozen_database_costs_one_timeout_not_one_per_statement(
+    name: str, idempotency_database_url: str, key: str
+) -> None:
+    """A server that stops answering mid-request (a hung host, a partition) fails the request's next statement after
+    the store's timeout: 503. Its transaction is not then rolled back over the dead connection, which would wait out
+    a second timeout (and asyncpg's unfinished cancellation) for nothing: closing the connection rolls it back."""
+    timeout = 0.5
+    frozen: list[int] = []
+    async with flavour_on(name, idempotency_database_url, store_timeout=timeout) as flavour:
+
+        async def write(request: Request) -> Response:
+            await flavour.write(request, key, "frozen", flush=True)
+            pid = int(await flavour.fetchval(request, "SELECT pg_backend_pid()"))
+            try:
+                os.kill(pid, signal.SIGSTOP)  # this request's backend stops answering
+                frozen.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass  # a server on another host, or another user's: skipped below
+            return JSONResponse({"ok": True}, status_code=201)
+
+        app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=flavour.store, transactional=True)
+        try:
+            started = time.monotonic()
+            response = await client_for(app).post("/write", headers={"Idempotency-Key": key})
+            took = time.monotonic() - started
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        if not frozen:
+            pytest.skip("the database's processes cannot be signalled from here")
+        assert response.status_code == 503
+        assert took < 2 * timeout, f"{took:.2f}s: the request waited out more than the one timeout"
+        assert await flavour.store.inspect(tenant_of(), key) is None
+        assert await flavour.effects(key) == 0
 
 
 async def test_a_handler_that_never_finishes_its_response_frees_the_key_once(
