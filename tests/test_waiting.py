@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -216,6 +217,22 @@ async def test_a_notification_names_the_claim_by_its_fence_alone(idempotency_dat
     for payload in heard:
         assert "provider" not in payload
         assert key not in payload
+
+
+async def test_the_notice_after_a_commit_finds_its_record_by_the_primary_key(
+    idempotency_database_url: str, key: str
+) -> None:
+    """The waiters' notice runs with every transactional request's reset, after its COMMIT: it must look its record
+    up by ``(tenant, key)``, never read the whole table. (Its values are written in as hex; decoded, they carried the
+    collation of ``convert_from``'s encoding name, "C", which the primary key's "default" cannot serve: a sequential
+    scan per request, 2.5 ms on a table of 17,000 records and growing with it.)"""
+    async with PostgresStore(idempotency_database_url) as store:
+        notice = store.notice("tenant-é", key, 12345)
+        async with store.connection() as connection, connection.transaction():
+            await connection.execute("SET LOCAL enable_seqscan = off")  # what the planner can do, not what it likes
+            plan = "\n".join(row[0] for row in await connection.fetch("EXPLAIN " + notice.rstrip().rstrip(";")))
+    assert "idempotency_records_pkey" in plan
+    assert re.search(r"Index Cond: \(\(tenant = .*\) AND \(key = .*\)\)", plan), plan
 
 
 class SettlesAfterTheFirstClaim(PostgresStore):

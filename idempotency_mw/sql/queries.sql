@@ -278,11 +278,12 @@ FROM released AS r, LATERAL (
 -- before it is missed; one counted after it claims again after it and finds the completion. It runs with the
 -- reset of the connection the handler was lent, in one simple query, so its values are written in: {tenant_hex}
 -- and {key_hex} are the record's tenant and key as hex-encoded UTF-8, {fence} its fence, a number; none is text
--- from a client.
+-- from a client. Decoded, they would carry the collation of convert_from's encoding name ("C"), which the primary
+-- key cannot serve: COLLATE "default", the columns' own, keeps this a look-up by the key, not a scan of the table.
 SELECT pg_notify('idempotency_mw_settled', '{schema_name}:{fence}')
 FROM {schema}.idempotency_records
-WHERE tenant = convert_from(decode('{tenant_hex}', 'hex'), 'UTF8')
-  AND key = convert_from(decode('{key_hex}', 'hex'), 'UTF8')
+WHERE tenant = convert_from(decode('{tenant_hex}', 'hex'), 'UTF8') COLLATE "default"
+  AND key = convert_from(decode('{key_hex}', 'hex'), 'UTF8') COLLATE "default"
   AND fence = {fence} AND attempts > 0;
 
 -- name: forget
