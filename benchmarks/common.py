@@ -1,9 +1,11 @@
 """What every measurement shares: the run's context (database, venv, mode, durations), copies of the library at a
-git revision, and markdown helpers."""
+git revision, bulk-loaded records, statistics, markdown helpers, and publishing a result into ``results/``."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import datetime
 import hashlib
 import io
 import json
@@ -15,8 +17,11 @@ import statistics
 import subprocess
 import sys
 import tarfile
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -26,12 +31,29 @@ from peers import EagerVenv
 from pgserver import Database
 from servers import HERE, REPO, WORK, bench_env
 
-# The apps under test key their request fingerprints under the tenant secret (some resolve tenants their own way);
-# the servers the harness starts inherit it.
+# An app built in this process that resolves tenants its own way keys its request fingerprints under the tenant
+# secret. The servers and scripts the harness starts get no IDEMPOTENCY_* variable (servers.bench_env: a peer reads
+# some): their apps give the default resolver the benchmarks' secret themselves (benchapp.TENANT_SECRET).
 os.environ.setdefault("IDEMPOTENCY_TENANT_SECRET", "benchmark-tenant-secret-0123456789abcdef")
 
 LIBRARIES = WORK / "library"  # copies of the library at git revisions, one directory per commit
 TABLES = ("idempotency_records", "idempotency_responses", "idempotency_keys", "fastapi_idempotency_requests")
+RESULTS = HERE / "results"
+RAW = RESULTS / "raw"
+# What run.py runs, in the order the summary lists it: each backs a claim of the project's README.
+MEASUREMENTS = ("roundtrips", "overhead", "endtoend", "scale", "gc", "durability", "opcodes")
+VERSIONS = (
+    "starlette",
+    "fastapi",
+    "uvicorn",
+    "uvloop",
+    "httptools",
+    "asyncpg",
+    "fastidempotent",
+    "fastapi-idempotency",
+    "sqlalchemy",
+    "tortoise-orm",
+)
 
 
 @dataclass
@@ -281,7 +303,7 @@ def verdict(ok: bool | None) -> str:
 
 @dataclass(frozen=True)
 class Target:
-    """One target of issue 5 with what a run measured: the per-measurement files and the summary both list these."""
+    """One goal with what a run measured: the per-measurement files and the summary both list these."""
 
     what: str  # the target, in words
     goal: str  # e.g. "≥ 2x"
@@ -378,3 +400,251 @@ def migrate_with(python: str, url: str, root: Path) -> dict[str, Any]:
         raise RuntimeError(f"migrating with the library under {root} failed:\n{done.stderr[-3000:]}")
     found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return found
+
+
+# -- completed records bulk-loaded into the store's tables (scale and purge) ---------------------------------------
+
+REPLAYABLE_EVERY = 100  # every 100th generated key belongs to the load generator's tenant and replays
+STORED_BODY = b'{"id":1,"status":"accepted","amount":1250,"currency":"eur","customer":"cus_42"}'
+CHUNK = 1_000_000
+STORE_TABLES = ("idempotency_records", "idempotency_responses")
+# Constraints by kind, in the order they come back: the primary keys before the foreign key that needs one.
+KINDS = {"p": "PRIMARY KEY", "u": "UNIQUE"}
+
+BULK_RECORDS = """
+INSERT INTO idempotency_records (tenant, key, fingerprint, fence, lease_expires_at, attempts, created_at, expires_at)
+SELECT CASE WHEN i % $4 = 0 THEN $1 ELSE 'tenant-' || (i % 997) END,
+       $2 || '-' || i, $3, i, NULL, 0,
+       now() - interval '1 hour',
+       CASE WHEN $7::boolean THEN now() - interval '1 hour' - (i % 3600) * interval '1 second'
+            ELSE now() + interval '24 hours' END
+FROM generate_series($5::bigint, $6::bigint) AS i
+"""
+
+BULK_RESPONSES = """
+INSERT INTO idempotency_responses (tenant, key, fence, status, headers, body, body_size, completed_at)
+SELECT CASE WHEN i % $4 = 0 THEN $1 ELSE 'tenant-' || (i % 997) END,
+       $2 || '-' || i, i, 201, $3::jsonb, $7::bytea, octet_length($7::bytea), now() - interval '1 hour'
+FROM generate_series($5::bigint, $6::bigint) AS i
+"""
+
+
+@contextmanager
+def as_served() -> Iterator[None]:
+    """This process's environment as the servers under test get it (``servers.bench_env``): no ``IDEMPOTENCY_*``."""
+    saved = {name: os.environ.pop(name) for name in list(os.environ) if name.startswith("IDEMPOTENCY_")}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+async def served_record() -> tuple[str, bytes]:
+    """(tenant, stored fingerprint) of the load generator's request as the benchmark servers' middleware stores it
+    (``benchapp``'s ``ours``: the default tenant resolver under the benchmarks' secret). Asked of the library itself,
+    a ``MemoryStore`` behind the same middleware, so that bulk-loaded records match the way served ones do, however
+    the library keys its fingerprints."""
+    import httpx
+    from benchapp import TENANT_SECRET, routes
+    from loadgen import BODY, HEADERS
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+
+    from idempotency_mw import AuthorizationTenant, IdempotencyMiddleware, MemoryStore
+
+    store, resolver = MemoryStore(), AuthorizationTenant(TENANT_SECRET)
+    with as_served():
+        app = Starlette(routes=routes(), middleware=[Middleware(IdempotencyMiddleware, store=store, tenant=resolver)])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://bench") as client:
+        answer = await client.post("/orders", content=BODY, headers={**HEADERS, "idempotency-key": "probe"})
+    tenant = resolver({"headers": [(b"authorization", HEADERS["authorization"].encode())]})
+    record = await store.inspect(tenant, "probe") if answer.status_code == 201 and tenant else None
+    if tenant is None or record is None:
+        raise RuntimeError(f"the probe request stored no record under its tenant (answered {answer.status_code})")
+    return tenant, record.fingerprint
+
+
+async def add_records(url: str, start: int, stop: int, *, prefix: str, expired: bool = False) -> float:
+    """Insert completed keys ``<prefix>-<start>`` … ``<prefix>-<stop-1>`` (records and their responses); return the
+    seconds it took, indexes included.
+
+    Rows come from ``INSERT … SELECT … FROM generate_series`` with the tables' indexes and constraints dropped first
+    and rebuilt afterwards from their own definitions, then ``VACUUM ANALYZE``: building a B-tree once is much faster
+    than inserting millions of random keys into it, and the result is the table a long-running service would have.
+    Every ``REPLAYABLE_EVERY``-th row is the load generator's request under its tenant (:func:`served_record`), so
+    those keys replay; the rest are spread over other tenants."""
+    from idempotency_mw.store import encode_headers  # how the responses table keeps headers
+
+    tenant, stored_fingerprint = await served_record()
+    headers = encode_headers(
+        [(b"content-length", str(len(STORED_BODY)).encode()), (b"content-type", b"application/json")]
+    )
+    began = time.perf_counter()
+    connection = await asyncpg.connect(url, command_timeout=3600)
+    try:
+        await connection.execute("SET maintenance_work_mem = '1GB'")
+        foreign_keys = await connection.fetch(
+            "SELECT conname, conrelid::regclass::text AS table_name, pg_get_constraintdef(oid) AS definition "
+            "FROM pg_constraint WHERE contype = 'f' AND conrelid = ANY($1::regclass[])",
+            list(STORE_TABLES),
+        )
+        indexes = await connection.fetch(
+            "SELECT i.tablename, i.indexname, i.indexdef, c.conname, c.contype FROM pg_indexes i "
+            "LEFT JOIN pg_constraint c ON c.conindid = (quote_ident(i.schemaname) || '.' || "
+            "quote_ident(i.indexname))::regclass AND c.contype IN ('p', 'u') "
+            "WHERE i.tablename = ANY($1::text[])",
+            list(STORE_TABLES),
+        )
+        for foreign_key in foreign_keys:
+            await connection.execute(
+                f'ALTER TABLE {foreign_key["table_name"]} DROP CONSTRAINT "{foreign_key["conname"]}"'
+            )
+        for index in indexes:
+            if index["conname"]:
+                await connection.execute(f'ALTER TABLE {index["tablename"]} DROP CONSTRAINT "{index["conname"]}"')
+            else:
+                await connection.execute(f'DROP INDEX "{index["indexname"]}"')
+        try:
+            for low in range(start, stop, CHUNK):
+                high = min(stop, low + CHUNK) - 1
+                shared = (tenant, prefix, stored_fingerprint, REPLAYABLE_EVERY, low, high)
+                await connection.execute(BULK_RECORDS, *shared, expired)
+                await connection.execute(BULK_RESPONSES, *shared[:2], headers, *shared[3:], STORED_BODY)
+        finally:  # the indexes and constraints come back even if the load failed
+            for index in indexes:
+                await connection.execute(index["indexdef"])
+                if index["conname"]:
+                    code = index["contype"]  # a "char": asyncpg returns it as bytes
+                    kind = KINDS[code.decode() if isinstance(code, bytes) else code]
+                    await connection.execute(
+                        f'ALTER TABLE {index["tablename"]} ADD CONSTRAINT "{index["conname"]}" '
+                        f'{kind} USING INDEX "{index["indexname"]}"'
+                    )
+            for foreign_key in foreign_keys:
+                await connection.execute(
+                    f'ALTER TABLE {foreign_key["table_name"]} ADD CONSTRAINT "{foreign_key["conname"]}" '
+                    f"{foreign_key['definition']}"
+                )
+        for name in STORE_TABLES:
+            await connection.execute(f"VACUUM ANALYZE {name}")
+        await connection.execute("CHECKPOINT")
+    finally:
+        await connection.close()
+    return time.perf_counter() - began
+
+
+async def table_size(url: str) -> tuple[int, int]:
+    """(records, bytes with indexes of the records and their responses)."""
+    connection = await asyncpg.connect(url)
+    try:
+        rows = await connection.fetchval("SELECT count(*) FROM idempotency_records")
+        size = await connection.fetchval(
+            "SELECT pg_total_relation_size('idempotency_records') + pg_total_relation_size('idempotency_responses')"
+        )
+        return int(rows), int(size)
+    finally:
+        await connection.close()
+
+
+# -- publishing: results/<name>.md, results/raw/<name>.json and the summary, results/README.md ----------------------
+
+
+def installed_versions() -> dict[str, str]:
+    """The versions of ``VERSIONS`` installed in this interpreter (a measurement that runs in the project's venv)."""
+    found = {}
+    for name in VERSIONS:
+        with suppress(PackageNotFoundError):
+            found[name] = version(name)
+    return found
+
+
+def measurement_meta(
+    *,
+    began: float,
+    mode: str,
+    postgres: str,
+    database: str,
+    load_before: str,
+    versions: dict[str, str],
+    seconds: float,
+) -> dict[str, Any]:
+    """What :func:`publish` records beside a measurement's result: when, how, on what."""
+    return {
+        "started": datetime.datetime.fromtimestamp(began).strftime("%Y-%m-%d %H:%M"),
+        "mode": mode,
+        "minutes": (time.time() - began) / 60,
+        "machine": machine(),
+        "postgres": postgres,
+        "database": database,
+        "load_start": load_before,
+        "load_end": load_average(),
+        "versions": {k: versions.get(k) for k in VERSIONS},
+        "seconds_per_run": seconds,
+    }
+
+
+def header(meta: dict[str, Any]) -> str:
+    m = meta["machine"]
+    return (
+        f"_Measured {meta['started']} ({meta['mode']} mode, {meta['minutes']:.1f} min) on {m['cpu']}, "
+        f"{m['cores']} cores, {m['memory']}, {m['os']}; Python {m['python']}, PostgreSQL {meta['postgres']} "
+        f"({meta['database']}). Load average before {meta['load_start']}, after {meta['load_end']}: this is a "
+        "shared machine, so compare ratios within one run, not absolute numbers across runs._"
+    )
+
+
+def publish(name: str, markdown: str, result: dict[str, Any], targets: Iterable[Target], **meta: Any) -> Path:
+    """Write one measurement: ``raw/<name>.json`` (its result, the targets judged from it, and
+    ``measurement_meta(**meta)``), ``<name>.md`` (the markdown and its header), then the summary again; return the
+    markdown file."""
+    recorded = measurement_meta(**meta)
+    RAW.mkdir(parents=True, exist_ok=True)
+    judged = [dataclasses.asdict(t) for t in targets]
+    raw = {"meta": recorded, "targets": judged, "result": result}
+    (RAW / f"{name}.json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown + "\n\n" + header(recorded) + "\n")
+    (RESULTS / "README.md").write_text(summary() + "\n")
+    return RESULTS / f"{name}.md"
+
+
+def summary() -> str:
+    """``results/README.md``: the targets of every measurement as judged when it ran, read from ``raw/``. Only the
+    measurements in ``MEASUREMENTS`` and the comparisons of ``compare.py`` (``compare``, ``compare-<name>``) are
+    listed, whatever else lies there."""
+    rows: list[list[str]] = []
+    runs, modes = [], set()
+    comparisons = sorted(path.stem for path in RAW.glob("compare*.json"))
+    for name in (*MEASUREMENTS, *comparisons):
+        path = RAW / f"{name}.json"
+        if not path.exists():
+            if name in MEASUREMENTS:
+                rows.append([name, "", "not measured yet: run.py --only " + name, "n/a", ""])
+            continue
+        data = json.loads(path.read_text())
+        meta = data.get("meta", {})
+        link = f"[{name}.md]({name}.md) ({meta.get('mode', '?')})"
+        if "targets" not in data:
+            rows.append([name, "", f"raw/{name}.json was written by an older harness: re-run it", "n/a", link])
+            continue
+        rows += [[t.what, t.goal, t.measured, t.verdict, link] for t in (Target(**found) for found in data["targets"])]
+        if meta:
+            runs.append(f"{name} {meta['started']} ({meta['mode']} mode, {meta['minutes']:.1f} min)")
+            modes |= {meta["mode"]} & {"quick", "full"}  # a count (opcodes.py's "exact") has no quick mode
+    mixed = (
+        [f"**These results come from runs in different modes** ({', '.join(sorted(modes))}): see each row's mode."]
+        if len(modes) > 1
+        else []
+    )
+    return "\n\n".join(
+        [
+            "# Benchmark results",
+            "Written by `benchmarks/run.py` (`./dev bench --quick`, or without `--quick` the full run) and by the "
+            "scripts run on their own (`opcodes.py`, `durability.py`, `compare.py`); see [../README.md](../README.md) "
+            "for what is measured and how. Each verdict is computed from the measurement's raw result "
+            "(`raw/<name>.json`, where it is kept beside the result), and every ratio compares numbers taken side by "
+            "side in one run on one machine. Absolute numbers in the linked files are context for that machine only.",
+            table(["target", "goal", "measured", "verdict", "details (mode)"], rows),
+            *mixed,
+            f"Runs: {'; '.join(runs)}.",
+        ]
+    )

@@ -74,6 +74,7 @@ from common import (
     library_digest,
     load_average,
     median_interval,
+    publish,
     table,
     target_table,
     working_tree,
@@ -901,12 +902,11 @@ def main() -> None:
     print(markdown)
     if args.no_write:
         return
-    import run  # here, not above: run.py imports this module
-
-    written = run.publish(
+    written = publish(
         "durability",
         markdown,
         result,
+        targets(result),
         began=began,
         mode="quick" if args.quick else "full",
         postgres=result["server"]["version"],

@@ -80,7 +80,7 @@ class Connections:
         self.waiters: list[asyncio.Future[Prepared]] = []
 
     async def open(self) -> None:
-        from idempotency_mw.sql import queries
+        from idempotency_mw.postgres._sql import queries
 
         sql = queries("public")
         self.complete_sql = sql["complete_in_transaction"]

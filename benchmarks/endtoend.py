@@ -164,7 +164,7 @@ def run_paired(ctx: Context, rounds: int) -> dict[str, Any]:
     """Ours against the hand-written app, both servers up at once: each round one fresh-key slice of each (the order
     alternating), so the two numbers of a round are taken seconds apart on the same machine. With a Python 3.12+
     venv (``ctx.eager``), a second pair of servers runs there, in the same rounds: eager tasks
-    (``idempotency_mw/eager.py``)."""
+    (``start_eagerly`` in ``idempotency_mw/_claim.py``)."""
     reset(ctx.db.url)
     tag = uuid.uuid4().hex[:6]
     eager = ctx.eager
@@ -503,8 +503,8 @@ def paired_section(paired: dict[str, Any] | None) -> list[str]:
         notes.append(
             f"A second pair of servers runs the same two apps on Python {eager['python']} in the same rounds, where "
             "asyncio starts a task eagerly: the claim and the settlement, each in a task of its own so that a "
-            "cancellation cannot lose them (idempotency_mw/eager.py), run in the request's turn of the event loop "
-            f"up to their first wait instead of costing a turn each. {_paired_verdict(eager)}"
+            "cancellation cannot lose them (`start_eagerly`, idempotency_mw/_claim.py), run in the request's turn "
+            f"of the event loop up to their first wait instead of costing a turn each. {_paired_verdict(eager)}"
         )
     elif "missing" in eager:
         notes.append(f"Python 3.12 or later was not measured: {eager['missing']}.")

@@ -20,11 +20,12 @@ import uuid
 import asyncpg
 import psutil
 
-from idempotency_mw.rows import encode_headers, new_fence
-from idempotency_mw.sql import queries
+from idempotency_mw.postgres._records import new_fence
+from idempotency_mw.postgres._sql import queries
+from idempotency_mw.store import encode_headers
 
 TENANT = "floor-tenant"
-FINGERPRINT = bytes(32)
+FINGERPRINT = bytes(32)  # the claim takes a list of these: the request's fingerprint under each key
 BODY = b'{"id":1,"status":"accepted","amount":1250,"currency":"eur","customer":"cus_42"}'
 HEADERS = encode_headers([(b"content-length", str(len(BODY)).encode()), (b"content-type", b"application/json")])
 
@@ -45,7 +46,7 @@ async def worker(dsn: str, run: str, deadline: float, latencies: list[float], sw
         while time.perf_counter() < deadline:
             i += 1
             started = time.perf_counter()
-            row = await claim.fetchrow(TENANT, f"{run}-{i}", FINGERPRINT, 60.0, 86400.0, new_fence(), None)
+            row = await claim.fetchrow(TENANT, f"{run}-{i}", [FINGERPRINT], 60.0, 86400.0, new_fence(), None)
             assert row is not None
             assert row["owned"]  # a new key: inserted, ours
             await complete.fetch(TENANT, f"{run}-{i}", row["fence"], 201, HEADERS, BODY, len(BODY), None, None)

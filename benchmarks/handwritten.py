@@ -25,8 +25,9 @@ import asyncpg
 from starlette.requests import Request
 from starlette.responses import Response
 
-from idempotency_mw.rows import decode_headers, encode_headers, new_fence
-from idempotency_mw.sql import queries
+from idempotency_mw.postgres._records import new_fence
+from idempotency_mw.postgres._sql import queries
+from idempotency_mw.store import decode_headers, encode_headers
 
 POOL_SIZE = 20
 LEASE, TTL = 30.0, 86400.0

@@ -1,25 +1,30 @@
-"""Python opcodes per request, for library revisions side by side: where the Python work of a request changed, and by
-how much, without noise.
+"""The Python work of one request, counted: opcodes, library calls and library modules entered, against the budget.
 
-Time on a shared 2-core machine moves by several percent between two runs of the same code (``beforeafter.py``
-measures that noise beside each pair); the opcodes CPython executes do not move. So this counts them, with
-``sys.settrace`` and ``f_trace_opcodes``, for requests of ``benchapp``'s ``ours`` variant in process (plain mode,
-``PostgresStore`` with its defaults, as the end-to-end servers run it): ``REQUESTS`` fresh keys, then as many
-replays of them, one request at a time (with requests in flight together, which one waits for a pool connection
-changes from run to run), after a warm-up, under uvloop, with the cycle collector off. Two counts of one revision
-agree to the opcode.
+Time on a shared 2-core machine moves by several percent between two runs of the same code; what CPython executes
+does not. So this counts it, with ``sys.settrace`` and ``f_trace_opcodes``, in the library's own files only:
 
-An opcode is not a unit of time (a call that builds a frame costs many times a local variable's load), and what runs
-in C (asyncpg's protocol, orjson, hashing, uvloop) or in the database is not counted: the count says where the
-Python work of a request changed; ``beforeafter.py`` says what a change does end to end.
+- **opcodes**: every opcode executed in a frame of a library file;
+- **calls**: every call of a library function, a coroutine resumed counting as a call (as CPython reports it);
+- **modules entered**: the library files those calls ran in.
 
-Revisions: by default the round, its base (``beforeafter.BASE``) and then every commit since that changed the
-library (on the first-parent line, so a merge counts as one change), and the working tree when its library has
-changes not committed; or ``--revisions a,b,...``, where ``worktree`` names the working tree. Each revision is
-extracted (``common.library_copy``), migrates a database of its own and is counted in a process that imports it.
+The app is the one the budget is set on: FastAPI with ``setup(app)`` and ``IdempotencyMiddleware`` on a
+``PostgresStore`` with its defaults (the default tenant resolver, under the benchmarks' secret), a plain route that
+returns a dict and a transactional one (``@idempotent(transactional=True)``) that inserts one row through
+``IdempotencyConnection``. It is called in process through httpx's ASGI transport, one request at a time, after 60
+warm-up rounds (a fresh plain request, its replay, a fresh transactional request: statements prepared, pools
+filled), with the cycle collector off while counting. Three requests are counted: a fresh plain one, a fresh
+transactional one, and the replay of a plain one. Beside them, the app the other benchmarks serve (``benchapp``'s
+``ours``: Starlette, plain mode) is counted the same way, a fresh request and a replay, called as an ASGI app with
+``overhead.py``'s request.
 
-    .venv/bin/python benchmarks/opcodes.py                                      # the round: about 2 minutes
-    .venv/bin/python benchmarks/opcodes.py --revisions 7440d2a,worktree --no-write
+Each revision is extracted with ``git archive`` (``common.library_copy``; ``worktree`` is the working tree), gets a
+database of its own, which it migrates, and is counted in a process that imports it and says so. Two counts of one
+revision agree to the opcode. An opcode is not a unit of time, and C (asyncpg's protocol, orjson, hashing) and the
+database are not counted: the count says where the Python work of a request is, and whether it moved.
+
+    .venv/bin/python benchmarks/opcodes.py                                # the budget table, written to results/
+    .venv/bin/python benchmarks/opcodes.py --revisions 2667283,worktree --no-write
+    ./dev bench --quick --only opcodes                                    # the same through run.py
 """
 
 from __future__ import annotations
@@ -27,156 +32,261 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
 
 import asyncpg
-import peers
 import pgserver
-from beforeafter import BASE
+from benchapp import TENANT_SECRET
 from common import (
-    REPO,
     Context,
+    Target,
     check_copy,
     database_url,
     git,
+    installed_versions,
     library_copy,
     library_digest,
     load_average,
-    migrate_with,
+    publish,
     recreate_databases,
     table,
+    target_table,
     working_tree,
 )
-from servers import HERE, bench_env
+from fastapi import FastAPI
+from servers import HERE, REPO, bench_env
 
-REQUESTS = 300
-WARM_UP = 200
-MODES = ("fresh", "replay")
+import idempotency_mw
+from idempotency_mw import IdempotencyMiddleware, PostgresStore, idempotent
+from idempotency_mw.fastapi import IdempotencyConnection, setup  # at the top: FastAPI reads the routes' annotations
+
 WORKTREE = "worktree"
-LIBRARY = "idempotency_mw/"
-SUBJECT = 80  # characters of a commit subject shown (older subjects ran to hundreds)
+# The columns of the budget table: the library before the security review's fixes, after them, and now.
+REVISIONS = {"7b59cfc": "today", "2667283": "after the review fixes", WORKTREE: "now"}
+REQUESTS = ("fresh plain", "fresh transactional", "replay")
+BUDGETS = {  # request -> (modules entered, opcodes), at most
+    "fresh plain": (12, 2500),
+    "fresh transactional": (12, 3100),
+    "replay": (10, 1600),
+}
+E2E_REQUESTS = ("fresh", "replay")
+WARM_UP = 60  # rounds
+MODE = "exact"  # what the results call this count's mode: it has no quick one, and no run moves it
+AUTHORIZATION = "Bearer sk_test_opcodes"
+EFFECTS = "opcodes_effects"  # the transactional route's own table
+
+Modules = dict[str, dict[str, int]]  # library module -> {"calls": n, "opcodes": n}
 
 
-def group(filename: str) -> str:
-    """Where an opcode ran: a module of the library (``idempotency_mw/middleware.py``), an installed package
-    (``asyncpg``), ``asyncio``, the rest of the standard library, or the benchmark's own driver."""
-    if f"/{LIBRARY}" in filename:
-        return LIBRARY + filename.rsplit(f"/{LIBRARY}", 1)[1]
-    if "site-packages/" in filename:
-        return filename.rsplit("site-packages/", 1)[1].split("/", 1)[0]
-    if "/asyncio/" in filename:
-        return "asyncio"
-    if "/lib/python3" in filename:
-        return "standard library"
-    return "benchmark driver"
+# -- the count (in a process that imports the revision's library) -------------------------------------------------
 
 
-def library_total(counts: dict[str, float]) -> float:
-    return sum(n for name, n in counts.items() if name.startswith(LIBRARY))
+class Count:
+    """A ``sys.settrace`` tracer that counts, per library module, the calls and opcodes of frames whose code lives
+    under ``root`` (the imported library's directory, with a trailing separator); frames elsewhere are not traced."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.opcodes: collections.Counter[str] = collections.Counter()
+
+    def trace(self, frame: FrameType, event: str, arg: object) -> Any:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(self.root):
+            return None
+        module = filename[len(self.root) :]
+        self.calls[module] += 1  # the global tracer hears only "call": a new frame, or a coroutine resumed
+        frame.f_trace_opcodes = True
+        opcodes = self.opcodes
+
+        def local(frame: FrameType, event: str, arg: object) -> Any:
+            if event == "opcode":
+                opcodes[module] += 1
+            return local
+
+        return local
+
+    def modules(self) -> Modules:
+        return {name: {"calls": n, "opcodes": self.opcodes[name]} for name, n in sorted(self.calls.items())}
 
 
-# -- the driver (in a process that imports the revision's library) ------------------------------------------------
+async def counted(root: str, request: Awaitable[Any]) -> tuple[Modules, Any]:
+    """The calls and opcodes of one awaited ``request``, by library module, and what it returned."""
+    count = Count(root)
+    previous = sys.gettrace()  # a coverage tracer, when a test runs this: put back after
+    sys.settrace(count.trace)
+    try:
+        answer = await request
+    finally:
+        sys.settrace(previous)
+    return count.modules(), answer
 
 
-async def _drive(dsn: str, requests: int) -> dict[str, Any]:
+def library_root() -> str:
+    """The directory of the library this process imported, as the tracer matches frames' files against it."""
+    return os.path.dirname(os.path.abspath(idempotency_mw.__file__)) + os.sep
+
+
+Post = Callable[[str, str], Awaitable[Any]]
+
+
+async def each_request(app: Any, steps: Callable[[Post], Awaitable[dict[str, Modules]]]) -> dict[str, Modules]:
+    """``steps(post)`` with ``post(path, key)`` a POST through httpx's ASGI transport that must answer 201."""
+    import httpx
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(
+        transport=transport, base_url="http://opcodes", headers={"Authorization": AUTHORIZATION}
+    ) as client:
+
+        async def post(path: str, key: str) -> httpx.Response:
+            response = await client.post(path, json={"amount": 5}, headers={"Idempotency-Key": key})
+            if response.status_code != 201:
+                raise RuntimeError(f"POST {path} answered {response.status_code}: {response.text[:300]}")
+            return response
+
+        return await steps(post)
+
+
+def replayed(response: Any) -> None:
+    if response.headers.get("idempotent-replayed") != "true":
+        raise RuntimeError(f"a replay was not replayed: {dict(response.headers)}")
+
+
+async def count_budget_app(dsn: str) -> dict[str, Modules]:
+    """The three requests of the budget, on the FastAPI app (the module docstring says how)."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        await connection.execute(f"CREATE TABLE IF NOT EXISTS {EFFECTS} (id bigserial PRIMARY KEY, amount int)")
+    finally:
+        await connection.close()
+    store = PostgresStore(dsn)
+    app = FastAPI()
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    setup(app)
+
+    @app.post("/plain", status_code=201)
+    async def plain(body: dict[str, Any]) -> dict[str, Any]:
+        return {"id": uuid.uuid4().hex, **body}
+
+    @app.post("/tx", status_code=201)
+    @idempotent(transactional=True)
+    async def tx(body: dict[str, Any], db: IdempotencyConnection) -> dict[str, Any]:
+        await db.execute(f"INSERT INTO {EFFECTS} (amount) VALUES ($1)", int(body["amount"]))
+        return {"id": uuid.uuid4().hex, **body}
+
+    root = library_root()
+
+    async def steps(post: Post) -> dict[str, Modules]:
+        for i in range(WARM_UP):
+            key = f"warm-{i}-{uuid.uuid4().hex}"
+            await post("/plain", key)
+            await post("/plain", key)
+            await post("/tx", "t" + key)
+        found: dict[str, Modules] = {}
+        with collector_off():
+            found["fresh plain"], _ = await counted(root, post("/plain", f"fresh-{uuid.uuid4().hex}"))
+            found["fresh transactional"], _ = await counted(root, post("/tx", f"fresh-{uuid.uuid4().hex}"))
+            key = f"replay-{uuid.uuid4().hex}"
+            await post("/plain", key)
+            found["replay"], answer = await counted(root, post("/plain", key))
+        replayed(answer)
+        return found
+
+    await store.migrate()
+    await store.open()
+    try:
+        return await each_request(app, steps)
+    finally:
+        await store.close()
+
+
+async def count_benchapp(dsn: str) -> dict[str, Modules]:
+    """A fresh request and a replay of ``benchapp``'s ``ours``, called as an ASGI app with ``overhead.py``'s request
+    (``POST /orders``, five headers and the key), counted the same way."""
     import benchapp
     import overhead
     from pgserver import Database
 
-    import idempotency_mw
-
     app, start, stop = benchapp.build("ours", Database(dsn, embedded=False, settings={}))
-    counts: dict[str, collections.Counter[str]] = {mode: collections.Counter() for mode in MODES}
-    statuses: collections.Counter[tuple[str, int, bool]] = collections.Counter()
+    root = library_root()
 
-    async def one(key: bytes, mode: str) -> None:
-        scope = {**overhead.SCOPE, "headers": [*overhead.BASE_HEADERS, (b"idempotency-key", key)]}
+    async def post(key: str) -> overhead.Sink:
+        scope = {**overhead.SCOPE, "headers": [*overhead.BASE_HEADERS, (b"idempotency-key", key.encode())]}
         sink = overhead.Sink()
         await app(scope, overhead.receive, sink.send)
-        statuses[(mode, sink.status, sink.replayed)] += 1
+        if sink.status != 201:
+            raise RuntimeError(f"POST /orders answered {sink.status}")
+        return sink
 
-    def counting(into: collections.Counter[str]) -> Any:
-        def local(frame: FrameType, event: str, arg: object) -> Any:
-            if event == "opcode":
-                into[group(frame.f_code.co_filename)] += 1
-            return local
-
-        def tracer(frame: FrameType, event: str, arg: object) -> Any:
-            frame.f_trace_opcodes = True
-            return local
-
-        return tracer
+    async def steps() -> dict[str, Modules]:
+        for i in range(WARM_UP):
+            key = f"warm-{i}-{uuid.uuid4().hex}"
+            await post(key)
+            await post(key)
+        found: dict[str, Modules] = {}
+        with collector_off():
+            found["fresh"], _ = await counted(root, post(f"fresh-{uuid.uuid4().hex}"))
+            key = f"replay-{uuid.uuid4().hex}"
+            await post(key)
+            found["replay"], sink = await counted(root, post(key))
+        if not sink.replayed:
+            raise RuntimeError("a replay of POST /orders was not replayed")
+        return found
 
     await start()
     try:
-        run = uuid.uuid4().hex
-        warm = [f"warm-{run}-{i}".encode() for i in range(WARM_UP)]
-        for key in warm:  # statements prepared, pools filled, both paths taken
-            await one(key, "warm")
-        for key in warm:
-            await one(key, "warm")
-        keys = [f"{run}-{i}".encode() for i in range(requests)]
-        for mode in MODES:
-            previous = sys.gettrace()  # a coverage tracer, when a test runs this: put back after
-            sys.settrace(counting(counts[mode]))
-            try:
-                for key in keys:
-                    await one(key, mode)
-            finally:
-                sys.settrace(previous)
+        return await steps()
     finally:
         await stop()
-    expected = {("warm", 201, False): WARM_UP, ("warm", 201, True): WARM_UP}
-    expected |= {("fresh", 201, False): requests, ("replay", 201, True): requests}
-    if statuses != expected:
-        raise SystemExit(f"unexpected answers: {dict(statuses)}")
+
+
+@contextlib.contextmanager
+def collector_off() -> Iterator[None]:
+    """The cycle collector off, after a collection: one that fell inside a count would move it."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+async def _drive(dsn: str) -> dict[str, Any]:
     return {
         "path": idempotency_mw.__path__[0],
-        **{mode: {name: n / requests for name, n in sorted(counts[mode].items())} for mode in MODES},
+        "budget": await count_budget_app(dsn),
+        "benchapp": await count_benchapp(dsn),
     }
 
 
-def drive(dsn: str, requests: int) -> dict[str, Any]:
-    import uvloop
-
-    gc.disable()  # a collection inside one count and not another would move it
-    return uvloop.run(_drive(dsn, requests))
+# -- the revisions (the harness's process) --------------------------------------------------------------------------
 
 
-# -- the revisions (run.py's process) -----------------------------------------------------------------------------
-
-
-def round_revisions() -> list[str]:
-    """The round's base, every first-parent commit since that changed the library, and the working tree when its
-    library has changes not committed."""
-    changed = git("rev-list", "--reverse", "--first-parent", f"{BASE}..HEAD", "--", "idempotency_mw").split()
-    return [BASE, *changed, *([WORKTREE] if working_tree()["dirty"] else [])]
-
-
-def count(python: str, url: str, revision: str, requests: int) -> dict[str, Any]:
-    """One revision's counts, on a database of its own migrated by that revision's library."""
+def count(url: str, revision: str) -> dict[str, Any]:
+    """One revision's counts, on a database of its own that its library migrates."""
     if revision == WORKTREE:
-        commit, root, subject = git("rev-parse", "HEAD"), REPO, "the working tree"
+        commit, root, database = git("rev-parse", "HEAD"), REPO, "opcodes_worktree"
     else:
         commit, root = library_copy(revision)
-        subject = git("log", "-1", "--format=%s", commit)
-    database = f"opcodes_{commit[:12]}"
+        database = f"opcodes_{commit[:12]}"
     asyncio.run(recreate_databases(url, [database], create=True))
     try:
-        dsn = database_url(url, database)
-        migrated = migrate_with(python, dsn, root)
-        check_copy(f"{revision} (migration)", migrated["path"], root)
+        env = {**bench_env(str(root)), "IDEMPOTENCY_TENANT_SECRET": TENANT_SECRET}  # the default resolver's
         done = subprocess.run(
-            [python, __file__, "--drive", dsn, "--requests", str(requests)],
+            [sys.executable, str(HERE / "opcodes.py"), "--drive", database_url(url, database)],
             cwd=str(HERE),
-            env=bench_env(str(root)),
+            env=env,
             capture_output=True,
             text=True,
             timeout=600,
@@ -184,126 +294,164 @@ def count(python: str, url: str, revision: str, requests: int) -> dict[str, Any]
         )
         if done.returncode != 0:
             raise RuntimeError(f"counting {revision} failed:\n{done.stderr[-3000:]}")
-        counted: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-        check_copy(revision, counted.pop("path"), root)
+        found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        check_copy(revision, found.pop("path"), root)
     finally:
         asyncio.run(recreate_databases(url, [database], create=False))
-    return {"revision": revision, "commit": commit, "subject": subject, "digest": library_digest(root), **counted}
+    return {
+        "revision": revision,
+        "label": REVISIONS.get(revision, revision),
+        "commit": commit,
+        "dirty": working_tree()["dirty"] if revision == WORKTREE else False,
+        "digest": library_digest(root),
+        **found,
+    }
 
 
-def measure_with(python: str, url: str, revisions: list[str], requests: int = REQUESTS) -> dict[str, Any]:
-    counted = []
+def measure_with(url: str, revisions: Sequence[str]) -> dict[str, Any]:
+    counts = []
     for revision in revisions:
-        counted.append(count(python, url, revision, requests))
-        fresh, replay = (library_total(counted[-1][mode]) for mode in MODES)
-        print(f"opcodes: {revision}: library {fresh:.0f} fresh, {replay:.0f} replay", file=sys.stderr, flush=True)
-    return {"requests": requests, "revisions": counted}
+        counts.append(count(url, revision))
+        line = "/".join(str(totals(counts[-1]["budget"][r])["opcodes"]) for r in REQUESTS)
+        print(f"opcodes: {revision}: {line}", file=sys.stderr, flush=True)
+    return {"warm_up": WARM_UP, "revisions": counts}
 
 
 def measure(ctx: Context) -> dict[str, Any]:
-    """run.py's entry: the round's revisions, on the run's server and venv."""
-    return measure_with(ctx.python, ctx.db.url, round_revisions())
+    """run.py's entry: the budget's revisions, on the run's server (in this interpreter, not the benchmark venv)."""
+    return measure_with(ctx.db.url, list(REVISIONS))
 
 
-# -- rendering ------------------------------------------------------------------------------------------------------
+# -- reading the result ---------------------------------------------------------------------------------------------
 
 
-def _delta(now: float, before: float | None) -> str:
-    return "" if before is None else f"{now - before:+.0f}"
+def totals(modules: Modules) -> dict[str, int]:
+    """Opcodes, calls and modules entered of one request."""
+    return {
+        "opcodes": sum(m["opcodes"] for m in modules.values()),
+        "calls": sum(m["calls"] for m in modules.values()),
+        "modules": len(modules),
+    }
+
+
+def judged(result: dict[str, Any]) -> dict[str, Any]:
+    """The revision the budget is judged on: the last counted (the working tree, by default)."""
+    last: dict[str, Any] = result["revisions"][-1]
+    return last
+
+
+def within(request: str, found: dict[str, int]) -> dict[str, bool]:
+    modules, opcodes = BUDGETS[request]
+    return {"modules": found["modules"] <= modules, "opcodes": found["opcodes"] <= opcodes}
+
+
+def targets(result: dict[str, Any]) -> list[Target]:
+    entry = judged(result)
+    found = {request: totals(entry["budget"][request]) for request in REQUESTS}
+    name = "the working tree" if entry["revision"] == WORKTREE else f"`{entry['revision']}`"
+    out = []
+    for measure, index, what in (
+        ("opcodes", 1, "Python opcodes in the library per request"),
+        ("modules", 0, "library modules a request enters"),
+    ):
+        out.append(
+            Target(
+                f"{what}: fresh plain / fresh transactional / replay ({name}; counted)",
+                "≤ " + " / ".join(f"{BUDGETS[r][index]:,}" for r in REQUESTS),
+                " / ".join(f"{found[r][measure]:,}" for r in REQUESTS),
+                all(within(r, found[r])[measure] for r in REQUESTS),
+            )
+        )
+    return out
+
+
+def _verdict(request: str, measure: str, found: dict[str, int]) -> str:
+    if measure == "calls":
+        return ""
+    limit = BUDGETS[request][0 if measure == "modules" else 1]
+    over = found[measure] - limit
+    return "met" if over <= 0 else f"**missed** by {over:,}"
+
+
+def _column(entry: dict[str, Any]) -> str:
+    if entry["revision"] == WORKTREE:
+        return f"{entry['label']} (working tree)"
+    commit = f"`{entry['commit'][:7]}`"
+    return commit if entry["label"] == entry["revision"] else f"{entry['label']} ({commit})"
+
+
+def _named(entry: dict[str, Any]) -> str:
+    """The revision judged, in words: the working tree with its commit (and whether it has changes), or a commit."""
+    if entry["revision"] == WORKTREE:
+        changes = ", with changes not committed" if entry["dirty"] else ""
+        return f"the working tree at `{entry['commit'][:7]}`{changes}"
+    return f"`{entry['commit'][:7]}`"
 
 
 def render(result: dict[str, Any], ctx: Context | None = None) -> str:
     revisions = result["revisions"]
-    rows = []
-    previous: dict[str, float] | None = None
-    for entry in revisions:
-        totals = {mode: library_total(entry[mode]) for mode in MODES}
-        cells = []
-        for mode in MODES:
-            cells += [
-                f"{totals[mode]:.0f}",
-                _delta(totals[mode], previous[mode] if previous else None),
-                f"{sum(entry[mode].values()):.0f}",
-            ]
-        name = "working tree" if entry["revision"] == WORKTREE else f"`{entry['commit'][:7]}`"
-        subject = entry["subject"] if len(entry["subject"]) <= SUBJECT else entry["subject"][: SUBJECT - 1] + "…"
-        rows.append([name, subject, *cells])
-        previous = totals
-    headers = ["revision", "change"]
-    for mode in MODES:
-        headers += [f"{mode}: library", "change", f"{mode}: all Python"]
-    first, last = revisions[0], revisions[-1]
-    groups = sorted(
-        {name for entry in (first, last) for mode in MODES for name in entry[mode]},
-        key=lambda name: (-abs(last["fresh"].get(name, 0.0) - first["fresh"].get(name, 0.0)), name),
+    last = judged(result)
+    budget_rows = []
+    for request in REQUESTS:
+        found = [totals(entry["budget"][request]) for entry in revisions]
+        for measure, label, index in (
+            ("opcodes", "opcodes", 1),
+            ("modules", "modules entered", 0),
+            ("calls", "calls", None),
+        ):
+            budget = "" if index is None else f"≤ {BUDGETS[request][index]:,}"
+            budget_rows.append(
+                [request, label, budget, *(f"{f[measure]:,}" for f in found), _verdict(request, measure, found[-1])]
+            )
+    columns = [_column(entry) for entry in revisions]
+    modules = sorted(
+        {name for request in REQUESTS for name in last["budget"][request]},
+        key=lambda name: (-sum(last["budget"][r].get(name, {}).get("opcodes", 0) for r in REQUESTS), name),
     )
-    module_rows = []
-    for name in groups:
+    module_rows = [
+        [f"`{name}`", *(f"{last['budget'][r].get(name, {}).get('opcodes', 0):,}" for r in REQUESTS)] for name in modules
+    ]
+    module_rows.append(["all library", *(f"**{totals(last['budget'][r])['opcodes']:,}**" for r in REQUESTS)])
+    module_rows.append(["budget", *(f"≤ {BUDGETS[r][1]:,}" for r in REQUESTS)])
+    e2e_rows = []
+    for entry, column in zip(revisions, columns, strict=True):
         cells = []
-        for mode in MODES:
-            before, after = first[mode].get(name, 0.0), last[mode].get(name, 0.0)
-            cells += [f"{before:.0f}", f"{after:.0f}", f"{after - before:+.0f}"]
-        module_rows.append([f"`{name}`", *cells])
-    module_headers = ["where", *(f"{mode}: {side}" for mode in MODES for side in ("first", "last", "change"))]
-    first_name, last_name = (rows[0][0], rows[-1][0])
+        for request in E2E_REQUESTS:
+            e2e = totals(entry["benchapp"][request])
+            cells += [f"{e2e['opcodes']:,}", str(e2e["calls"]), str(e2e["modules"])]
+        e2e_rows.append([column, *cells])
+    e2e_headers = ["revision", *(f"{r}: {m}" for r in E2E_REQUESTS for m in ("opcodes", "calls", "modules"))]
+    digests = "; ".join(f"{entry['revision']} {entry['digest'][:12]}" for entry in revisions)
     return "\n\n".join(
         [
-            "# Python opcodes per request, revision by revision",
-            "What a request of `benchapp`'s `ours` variant (plain mode, `PostgresStore` with its defaults) executes "
-            f"in Python, in process, counted by `opcodes.py`: {result['requests']} fresh keys, then as many replays "
-            "of them, one at a time, after a warm-up. *library* is the opcodes in `idempotency_mw`; *all Python* "
-            "adds Starlette, asyncpg's Python side, asyncio and the driver. Counts are exact (two counts of one "
-            "revision agree to the opcode), but an opcode is not a unit of time, and C (asyncpg's protocol, orjson, "
-            "hashing, uvloop) and the database are not counted: for what a change does end to end, see "
-            "[beforeafter.md](beforeafter.md) and [redesign.md](redesign.md).",
-            "## Revision by revision",
-            "Each change to the library on the round's first-parent line, with what it changed in each count.",
-            table(headers, rows),
-            f"## Where, from {first_name} to {last_name}",
-            table(module_headers, module_rows),
+            "# The Python work of one request, against the budget",
+            "Counted by `opcodes.py` ([README](../README.md#the-opcode-budget)), deterministic: a FastAPI app with "
+            "`setup(app)` and `IdempotencyMiddleware` on a `PostgresStore` with its defaults, a plain route "
+            "returning a dict and a transactional route inserting one row through `IdempotencyConnection`, called "
+            f"in process through httpx's ASGI transport one request at a time after {result['warm_up']} warm-up "
+            "rounds, the cycle collector off. `sys.settrace` with `f_trace_opcodes` counts, in the library's own "
+            "files only, the opcodes executed, the calls (a coroutine resumed counts as one) and the modules those "
+            "calls ran in. Two counts of one revision agree to the opcode; C code and the database are not counted.",
+            target_table(targets(result)),
+            "## Against the budget",
+            f"Verdicts are for the last column: {_named(last)}.",
+            table(["request", "counted", "budget", *columns, "verdict"], budget_rows),
+            "## Where the opcodes go",
+            f"Opcodes per library module (a path under `idempotency_mw/`) of {_named(last)}, for each request "
+            "counted above.",
+            table(["module", *REQUESTS], module_rows),
+            "## The benchmarks' app",
+            "`benchapp`'s `ours` (Starlette, plain mode, `PostgresStore` with its defaults: what the end-to-end and "
+            "scale servers serve) called as an ASGI app with `overhead.py`'s request, `POST /orders` with five "
+            "headers and the key (httpx sends more, which the middleware reads through): a fresh request and a "
+            "replay, counted the same way. This is the count `opcodes.py` kept per revision before the budget.",
+            table(e2e_headers, e2e_rows),
+            f"Library digests (`common.library_digest`): {digests}.",
         ]
     )
 
 
 # -- standalone -----------------------------------------------------------------------------------------------------
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--revisions", help=f"comma-separated git revisions ('{WORKTREE}': the working tree)")
-    parser.add_argument("--requests", type=int, default=REQUESTS, help="requests counted per mode")
-    parser.add_argument("--no-write", action="store_true", help="print the tables, leave results/ as it is")
-    parser.add_argument("--drive", metavar="DSN", help=argparse.SUPPRESS)  # the counting process
-    args = parser.parse_args()
-    if args.drive:
-        print(json.dumps(drive(args.drive, args.requests)))
-        return
-    revisions = args.revisions.split(",") if args.revisions else round_revisions()
-    began, load_before = time.time(), load_average()
-    python, _, versions = peers.ensure()
-    with pgserver.database() as db:
-        result = measure_with(python, db.url, revisions, args.requests)
-        database = "embedded" if db.embedded else "DATABASE_URL"
-        postgres = asyncio.run(server_version(db.url))
-    markdown = render(result)
-    print(markdown)
-    if args.no_write:
-        return
-    import run  # here, not above: run.py imports this module
-
-    written = run.publish(
-        "opcodes",
-        markdown,
-        result,
-        began=began,
-        mode="full",
-        postgres=postgres,
-        database=f"{database}; a database per revision",
-        load_before=load_before,
-        versions=versions,
-        seconds=0.0,
-    )
-    print(f"written to {written}", file=sys.stderr)
 
 
 async def server_version(url: str) -> str:
@@ -312,6 +460,45 @@ async def server_version(url: str) -> str:
         return await pgserver.server_version(connection)
     finally:
         await connection.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--revisions",
+        help=f"comma-separated git revisions, the last judged ('{WORKTREE}': the working tree; "
+        f"default {','.join(REVISIONS)})",
+    )
+    parser.add_argument("--no-write", action="store_true", help="print the tables, leave results/ as it is")
+    parser.add_argument("--drive", metavar="DSN", help=argparse.SUPPRESS)  # the counting process
+    args = parser.parse_args()
+    if args.drive:
+        print(json.dumps(asyncio.run(_drive(args.drive))))
+        return
+    revisions = args.revisions.split(",") if args.revisions else list(REVISIONS)
+    began, load_before = time.time(), load_average()
+    with pgserver.database() as db:
+        result = measure_with(db.url, revisions)
+        database = "embedded" if db.embedded else "DATABASE_URL"
+        postgres = asyncio.run(server_version(db.url))
+    markdown = render(result)
+    print(markdown)
+    if args.no_write:
+        return
+    written = publish(
+        "opcodes",
+        markdown,
+        result,
+        targets(result),
+        began=began,
+        mode=MODE,
+        postgres=postgres,
+        database=f"{database}; a database per revision",
+        load_before=load_before,
+        versions=installed_versions(),
+        seconds=0.0,
+    )
+    print(f"written to {written}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -19,16 +19,12 @@ from collections.abc import Callable
 from typing import Any
 
 from benchapp import TENANT_SECRET, Collector, routes
-from common import Target, table, target_table
+from common import Target, served_record, table, target_table
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message
 
-from idempotency_mw import IdempotencyMiddleware, MemoryStore
-from idempotency_mw.events import hash_key
-from idempotency_mw.fingerprint import fingerprint
-from idempotency_mw.leases import LeaseKeeper
-from idempotency_mw.tenants import AuthorizationTenant
+from idempotency_mw import AuthorizationTenant, IdempotencyMiddleware, MemoryStore
 
 BODY = b'{"amount": 1250, "currency": "eur", "customer": "cus_42"}'
 BASE_HEADERS = [
@@ -110,9 +106,7 @@ async def round_of(n: int, serial: int) -> dict[str, tuple[float, float, int, bo
     last status, replayed)}."""
     out: dict[str, tuple[float, float, int, bool]] = {}
     fresh_keys: list[bytes | None] = [f"r{serial}-k{i}".encode() for i in range(n)]
-    tenant = TENANT({"headers": BASE_HEADERS})
-    assert tenant is not None
-    digest = fingerprint("POST", "/orders", b"", b"application/json", BODY)
+    tenant, stored = await served_record()  # this request's tenant and fingerprint, as the middleware stores them
 
     runs: dict[str, Callable[[], tuple[ASGIApp, list[bytes | None]]]] = {}
     runs["bare"] = lambda: (bare_app(), fresh_keys)
@@ -125,7 +119,7 @@ async def round_of(n: int, serial: int) -> dict[str, tuple[float, float, int, bo
     runs["replay"] = lambda: (replay_app, [b"done"] * n)
 
     conflict_store = MemoryStore()
-    await conflict_store.claim(tenant, "busy", digest, lease=3600.0, ttl=86400.0)
+    await conflict_store.claim(tenant, "busy", stored, lease=3600.0, ttl=86400.0)
     runs["conflict"] = lambda: (covered_app(conflict_store), [b"busy"] * n)
 
     for name, make in runs.items():
@@ -138,58 +132,6 @@ async def round_of(n: int, serial: int) -> dict[str, tuple[float, float, int, bo
 
 EXPECTED = {"bare": (201, False), "keyless": (201, False), "fresh": (201, False), "replay": (201, True)}
 EXPECTED["conflict"] = (409, False)
-
-
-async def components(n: int) -> dict[str, float]:
-    """Microseconds for pieces of a fresh request's work, timed alone: where the middleware's time goes."""
-
-    def each(function: Callable[[], object]) -> float:
-        started = time.perf_counter()
-        for _ in range(n):
-            function()
-        return (time.perf_counter() - started) / n * 1e6
-
-    async def each_async(function: Callable[[], Any]) -> float:
-        started = time.perf_counter()
-        for _ in range(n):
-            await function()
-        return (time.perf_counter() - started) / n * 1e6
-
-    async def idle() -> None:
-        await asyncio.sleep(3600)
-
-    keeper = LeaseKeeper(MemoryStore())
-
-    async def lease_cycle() -> None:  # what keeping the lease costs a request that ends before its first renewal
-        held = keeper.hold("t", "k", 1, 60.0)
-        await asyncio.sleep(0)
-        keeper.drop(held)
-        await asyncio.sleep(0)
-
-    async def task_cycle() -> None:  # for comparison: a heartbeat task of its own per request (the earlier design)
-        task = asyncio.create_task(idle())
-        await asyncio.sleep(0)
-        task.cancel()
-        await asyncio.sleep(0)
-
-    async def two_yields() -> None:
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-
-    scope = {"headers": BASE_HEADERS}
-    store = MemoryStore()
-    keys = iter(range(10**9))
-    baseline = await each_async(two_yields)
-    return {
-        "fingerprint (JSON body canonicalised + SHA-256)": each(
-            lambda: fingerprint("POST", "/orders", b"", b"application/json", BODY)
-        ),
-        "tenant (HMAC-SHA256 of Authorization)": each(lambda: TENANT(scope)),
-        "key hash for the event (SHA-256)": each(lambda: hash_key("some-idempotency-key")),
-        "MemoryStore.claim": await each_async(lambda: store.claim("t", str(next(keys)), b"f", lease=60.0, ttl=86400.0)),
-        "lease keeper: hold + drop (one timer per middleware)": await each_async(lease_cycle) - baseline,
-        "for comparison: a heartbeat task per request (create, start, cancel)": await each_async(task_cycle) - baseline,
-    }
 
 
 async def main(n: int, rounds: int) -> dict[str, Any]:
@@ -223,7 +165,6 @@ async def main(n: int, rounds: int) -> dict[str, Any]:
         "rounds": rounds,
         "python": sys.version.split()[0],
         "variants": summary,
-        "components": await components(n),
     }
 
 
@@ -277,9 +218,4 @@ def render(result: dict[str, Any]) -> str:
             ["variant", "what", "µs per request", "added vs bare, µs", "vs bare", "of which the collector, µs"], rows
         ),
     ]
-    if "components" in result:
-        parts += [
-            "Where a fresh request's time goes (each piece timed alone, µs per call):",
-            table(["piece", "µs"], [[name, f"{us:.1f}"] for name, us in result["components"].items()]),
-        ]
     return "\n\n".join(parts)

@@ -10,7 +10,7 @@ reported with its error, not hidden. Known pitfalls, handled here: ``fastidempot
 (in ``benchapp.py``).
 
 Target 14.1 is measured on a second interpreter as well, Python 3.12 or later, where asyncio starts a task eagerly
-and the middleware's two tasks per fresh request cost no turn of the event loop (``idempotency_mw/eager.py``). Its
+and the middleware's two tasks per fresh request cost no turn of the event loop (``idempotency_mw/_claim.py``). Its
 venv (``venv-eager``) has the same packages at the same versions, and no peers. The interpreter is
 ``$BENCH_EAGER_PYTHON``, or else the first ``python3.12`` or ``python3.13`` that runs, on the PATH or under pyenv;
 without one, the run says so and measures the benchmark's own interpreter alone.

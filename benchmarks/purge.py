@@ -20,9 +20,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import bulk
 import loadgen
-from common import Context, Target, ratio, reset, table, target_table, wal_position
+from common import Context, Target, add_records, ratio, reset, table, target_table, wal_position
 from endtoend import check
 from servers import CpuMeter, Server
 
@@ -61,7 +60,7 @@ def own_cpu() -> float:
 
 def measure_round(ctx: Context, server: Server, pause: float, tag: str) -> dict[str, Any]:
     reset(ctx.db.url)
-    load_seconds = asyncio.run(bulk.add_records(ctx.db.url, 0, RECORDS, prefix="expired", expired=True))
+    load_seconds = asyncio.run(add_records(ctx.db.url, 0, RECORDS, prefix="expired", expired=True))
     meter = CpuMeter(server.pid, ctx.db.postmaster_pid)
     loads: dict[str, loadgen.Load] = {}
     cpu: dict[str, dict[str, float | None]] = {}

@@ -1,7 +1,7 @@
 """Measurement 4: does a request get slower as the table grows? 10⁴, 10⁶ and 10⁷ stored records.
 
-Each size gets its own database on the same server (``bench_scale_<size>``), bulk-loaded with :mod:`bulk`
-(completed records, 24 h to live) and served by its own uvicorn process with idempotency_mw. Then the sizes are
+Each size gets its own database on the same server (``bench_scale_<size>``), bulk-loaded with completed records, 24 h
+to live (``common.add_records``), and served by its own uvicorn process with idempotency_mw. Then the sizes are
 measured interleaved, like the end-to-end variants: each repetition runs every size in turn (odd repetitions in
 reverse order), so the drift of a shared machine does not favour the smallest or the largest table. Each turn is a
 fresh-key run (new random keys go into the big primary-key index) and a replay run on keys picked uniformly at
@@ -21,17 +21,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
-import bulk
 import loadgen
 from common import (
+    REPLAYABLE_EVERY,
     Context,
     Target,
+    add_records,
     database_url,
     median,
     per_request,
     ratio,
     server_counters,
     table,
+    table_size,
     target_table,
 )
 from endtoend import check
@@ -131,8 +133,8 @@ def measure(ctx: Context) -> dict[str, Any]:
     with databases(ctx.db.url, levels) as urls, contextlib.ExitStack() as stack:
         servers: dict[int, Server] = {}
         for level in levels:
-            took = asyncio.run(bulk.add_records(urls[level], 0, level, prefix="bulk"))
-            rows, size = asyncio.run(bulk.table_size(urls[level]))
+            took = asyncio.run(add_records(urls[level], 0, level, prefix="bulk"))
+            rows, size = asyncio.run(table_size(urls[level]))
             loaded[level] = {"rows": rows, "bytes": size, "load_seconds": took}
             newest[level] = asyncio.run(_newest_expiry(urls[level]))
         for level in levels:
@@ -190,8 +192,8 @@ def sample(server: Server, level: int, seconds: float) -> loadgen.Load:
         server.url,
         mode="sample",
         prefix="bulk",
-        pool=level // bulk.REPLAYABLE_EVERY,
-        stride=bulk.REPLAYABLE_EVERY,
+        pool=level // REPLAYABLE_EVERY,
+        stride=REPLAYABLE_EVERY,
         connections=CONNECTIONS,
         seconds=seconds,
     )

@@ -3,22 +3,28 @@
 from idempotency_mw import IdempotencyMiddleware, PostgresStore
 
 app.add_middleware(IdempotencyMiddleware, store=PostgresStore("postgresql://…"))
+
+The package's public faces are the names below and the modules without a leading underscore: ``fastapi``,
+``sqlalchemy``, ``client``, ``testing``, ``metrics``, ``telemetry``, ``encryption``, ``postgres``, ``store`` (the
+store contract), ``cli`` and ``devdb``. Everything else (``_middleware`` and the rest) may change in any release.
 """
 
-from idempotency_mw.context import IdempotencyContext, idempotency_context
-from idempotency_mw.events import Event, Outcome
-from idempotency_mw.memory import MemoryStore
-from idempotency_mw.middleware import IdempotencyMiddleware
-from idempotency_mw.policy import Policy, idempotent
+from idempotency_mw._context import IdempotencyContext, claim, idempotency_context, mark_not_executed
+from idempotency_mw._events import Event, Outcome, log_event
+from idempotency_mw._fingerprint import FingerprintKeys
+from idempotency_mw._keys import AuthorizationTenant, header_tenant, legacy_sha256_fallback
+from idempotency_mw._memory import MemoryStore
+from idempotency_mw._middleware import IdempotencyMiddleware
+from idempotency_mw._policy import Policy, idempotent
 from idempotency_mw.postgres import PostgresStore
 from idempotency_mw.store import Store, StoredResponse, StoreUnavailable
-from idempotency_mw.tenants import AuthorizationTenant, header_tenant
 
 __version__ = "0.2.0"
 
 __all__ = [
     "AuthorizationTenant",
     "Event",
+    "FingerprintKeys",
     "IdempotencyContext",
     "IdempotencyMiddleware",
     "MemoryStore",
@@ -28,7 +34,11 @@ __all__ = [
     "Store",
     "StoreUnavailable",
     "StoredResponse",
+    "claim",
     "header_tenant",
     "idempotency_context",
     "idempotent",
+    "legacy_sha256_fallback",
+    "log_event",
+    "mark_not_executed",
 ]

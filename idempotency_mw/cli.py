@@ -2,12 +2,10 @@
 
 ``migrate`` creates or upgrades the table, ``gc`` purges expired records in batches, ``inspect`` and ``forget`` look
 at or delete one record, ``stats`` summarises the table, and ``reencrypt`` re-seals stored responses under the
-current response key (``encryption.py``). Every expected
-failure (no database URL, a malformed one, a server that does not answer, a database not migrated yet, an unknown
-key) ends in one line on stderr and a non-zero exit status, never a traceback.
-
-Exit statuses: 0 success, 1 no such record, 2 usage error (including no database URL), 3 database error,
-130 interrupted.
+current response key (``encryption.py``). Every expected failure (no database URL, a malformed one, a server that
+does not answer, a database not migrated yet, an unknown key) ends in one line on stderr and a non-zero exit
+status, never a traceback: 0 success, 1 no such record, 2 usage error (including no database URL), 3 database
+error, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -26,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from idempotency_mw.fingerprint import DIGEST_BYTES, fingerprint_key_id
-from idempotency_mw.postgres import PostgresStore
-from idempotency_mw.sql import check_schema
+from idempotency_mw._fingerprint import DIGEST_BYTES, fingerprint_key_id
+from idempotency_mw._keys import PREFIX, SECRET_VARIABLE, AuthorizationTenant
+from idempotency_mw.postgres._sql import check_schema
+from idempotency_mw.postgres._store import PostgresStore
 from idempotency_mw.store import RecordInfo, SealedResponseError, StoreNotMigrated, StoreUnavailable
-from idempotency_mw.tenants import PREFIX, SECRET_VARIABLE, AuthorizationTenant
 
 if TYPE_CHECKING:
     from idempotency_mw.encryption import ResponseCipher
@@ -70,10 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _global_options(*, after_command: bool = False) -> argparse.ArgumentParser:
     """``--database-url``, ``--timeout`` and ``--schema``, accepted before the command and after it (users type both
-    orders).
-
-    After the command they default to "not given" (``SUPPRESS``), so that a value given before the command is kept.
-    """
+    orders). After the command they default to "not given" (``SUPPRESS``): a value given before the command stays."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument(
         "--database-url",
@@ -188,24 +183,21 @@ def _keys_option(parser: argparse.ArgumentParser, summary: str) -> None:
 
 
 def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
-    return parse
+    return _at_least(kind, zero=False)
 
 
 def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    return _at_least(kind, zero=True)
+
+
+def _at_least(kind: Callable[[str], Any], *, zero: bool) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         value = kind(text)
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+        if value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"must {'not be negative' if zero else 'be positive'}, got {text}")
         return value
 
-    parse.__name__ = kind.__name__
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
     return parse
 
 
@@ -512,17 +504,16 @@ def record_to_dict(record: RecordInfo, *, now: float) -> dict[str, Any]:
     response = None
     if record.response is not None:
         stored = record.response
+        body_preview, encoding = (None, None) if stored.body is None else preview(stored.body)
         response = {
             "status": stored.status,
             "headers": [[name.decode("latin-1"), value.decode("latin-1")] for name, value in stored.headers],
             "body_size": stored.body_size,
             "body_stored": stored.body is not None,
-            "body_preview": None,
-            "body_preview_encoding": None,
+            "body_preview": body_preview,
+            "body_preview_encoding": encoding,
             "sealed_with": record.sealed_with,
         }
-        if stored.body is not None:
-            response["body_preview"], response["body_preview_encoding"] = preview(stored.body)
     return {
         "tenant": record.tenant,
         "key": record.key,
@@ -541,6 +532,8 @@ def record_to_dict(record: RecordInfo, *, now: float) -> dict[str, Any]:
 
 def format_record(shown: dict[str, Any]) -> str:
     state = shown["state"] + (" (expired: counts as absent, awaiting gc)" if shown["expired"] else "")
+    key_id = shown["fingerprint_key"]
+    keyed = "unkeyed: written before fingerprints were keyed" if key_id is None else f"key {key_id!r}"
     rows: list[tuple[str, str]] = [
         ("tenant", shown["tenant"] or "'' (empty)"),
         ("key", shown["key"]),
@@ -550,7 +543,7 @@ def format_record(shown: dict[str, Any]) -> str:
         ("created", shown["created_at"]),
         ("expires", shown["expires_at"]),
         ("lease until", shown["lease_expires_at"] or "-"),
-        ("fingerprint", f"{shown['fingerprint']} ({_keyed(shown['fingerprint_key'])})"),
+        ("fingerprint", f"{shown['fingerprint']} ({keyed})"),
     ]
     response = shown["response"]
     if response is not None:
@@ -568,10 +561,6 @@ def format_record(shown: dict[str, Any]) -> str:
             rows.append((f"body ({response['body_preview_encoding']})", text + more))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
-
-
-def _keyed(key_id: str | None) -> str:
-    return "unkeyed: written before fingerprints were keyed" if key_id is None else f"key {key_id!r}"
 
 
 def preview(body: bytes) -> tuple[str, str]:

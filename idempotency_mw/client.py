@@ -33,8 +33,8 @@ try:
 except ImportError as error:  # httpx is an optional dependency of the package
     raise ImportError("idempotency_mw.client needs httpx: pip install 'idempotency-mw[client]'") from error
 
-from idempotency_mw.keys import InvalidKey, parse_key
-from idempotency_mw.wire import KEY_HEADER, REPLAYED_HEADER, ProblemCode
+from idempotency_mw._keys import InvalidKey, parse_key
+from idempotency_mw._wire import KEY_HEADER, REPLAYED_HEADER, ProblemCode
 
 __all__ = ["AsyncIdempotentClient", "IdempotentClient", "IdempotentResult", "RetriesExhausted", "Retry"]
 
@@ -168,9 +168,9 @@ class RetriesExhausted(Exception):
 def validate_key(key: str) -> str:
     """Return a caller's key unchanged if the server reads it back as exactly that key; else raise ValueError.
 
-    The server's own parser (:func:`idempotency_mw.keys.parse_key`) decides, so the two can never disagree: 1 to 255
-    visible ASCII characters, no comma (proxies join repeated header fields with one, so ``a,b`` could be two keys),
-    and no leading double quote (the server would read ``"abc"`` as the quoted string ``abc``).
+    The server's own parser (``parse_key`` in ``idempotency_mw/_keys.py``) decides, so the two can never disagree: 1
+    to 255 visible ASCII characters, no comma (proxies join repeated header fields with one, so ``a,b`` could be two
+    keys), and no leading double quote (the server would read ``"abc"`` as the quoted string ``abc``).
     """
     if not isinstance(key, str):
         raise TypeError(f"idempotency_key must be a str, not {type(key).__name__}")

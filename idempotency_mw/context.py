@@ -1,110 +1,16 @@
-"""What a handler can learn about the idempotent request it is serving, and how an app that authenticates inside the
-request hands the middleware its tenant."""
+"""Moved (0.3): ``idempotency_mw.context`` is ``idempotency_mw._context``, an internal of the package. Its public names
+are imported from where its ``__getattr__`` says; importing them from here still works, with a
+``DeprecationWarning``."""
 
-from __future__ import annotations
+from idempotency_mw._moved import moved
 
-import hashlib
-import struct
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
-
-from idempotency_mw.store import Transaction
-
-if TYPE_CHECKING:
-    import asyncpg
-    from starlette.requests import HTTPConnection
-
-STATE_KEY = "idempotency"
-PENDING_KEY = "idempotency_pending"
-NOT_EXECUTED_KEY = "idempotency_not_executed"
-
-_DOWNSTREAM_V1 = "idempotency-mw/downstream/v1"
-_DOWNSTREAM_V2 = b"idempotency-mw/downstream/v2\0"
-_LENGTH = struct.Struct(">Q")
-
-
-@dataclass(frozen=True, slots=True)
-class IdempotencyContext:
-    """Set on ``request.state.idempotency`` for every request the middleware handles.
-
-    ``transaction`` is the open transaction of a transactional route: write the effect through it and the
-    idempotency record commits with it, or neither does. It is None on other routes.
-    """
-
-    tenant: str
-    key: str | None  # None on a transactional route called without a key
-    transaction: Transaction | None = None
-
-    @property
-    def connection(self) -> asyncpg.Connection | None:
-        """The asyncpg connection of a transactional route's transaction (``PostgresStore``); None elsewhere. It
-        refuses use once the request has ended."""
-        lent: asyncpg.Connection | None = getattr(self.transaction, "lent", None)
-        return lent
-
-    def downstream_key(self, label: str) -> str:
-        """A stable key (64 hex digits) for a side effect that cannot join the transaction (a payment provider's API).
-
-        The same tenant, key and label always give the same value, so a retry of this request sends the
-        provider the same ``Idempotency-Key`` and the provider deduplicates its half. Use one label per call.
-        """
-        if self.key is None:
-            raise LookupError("this request carries no Idempotency-Key to derive a downstream key from")
-        parts = (self.tenant, self.key, label)
-        if not any("\0" in part for part in parts):
-            # Without a NUL the NUL-joined parts read back one way only. Providers hold these values already: a
-            # retry after an upgrade that derived another one would be charged twice, so they never change.
-            return hashlib.sha256(b"\0".join(p.encode() for p in (_DOWNSTREAM_V1, *parts))).hexdigest()
-        # A tenant or label holding a NUL could spell another request's joined parts: each part is length-prefixed
-        # instead, under a prefix of its own, so it meets neither another such request nor one of the first kind.
-        encoded = [part.encode() for part in parts]
-        prefixed = b"".join(_LENGTH.pack(len(part)) + part for part in encoded)
-        return hashlib.sha256(_DOWNSTREAM_V2 + prefixed).hexdigest()
-
-
-class ClaimAnswered(Exception):
-    """Raised by :func:`claim` when the middleware has answered the request itself (a replay, a 409, a 422, a 400):
-    the handler must not run. The middleware takes it back on its way out, and drops whatever the app sends after it
-    (an exception handler's 500, say)."""
-
-
-class PendingClaim(Protocol):
-    """A covered request whose claim waits for the app to tell its tenant (``IdempotentRequest``)."""
-
-    async def claim_for(self, tenant: str | None) -> IdempotencyContext: ...
-
-
-async def claim(request: HTTPConnection, tenant: str | None) -> IdempotencyContext | None:
-    """Steps 2 and 4 of the request flow, for an app that authenticates inside the request: scope the key by
-    ``tenant`` (None: unknown, refused with 400) and claim it, before the handler's body runs.
-
-    With ``IdempotencyMiddleware(tenant=...)`` given a tenant the app resolves itself (:class:`TenantFromApp`;
-    ``idempotency_mw.fastapi.TenantDependency`` does this as a FastAPI dependency), the middleware reads and checks
-    the key and the body, then leaves the claim to this call, so that the app's own authentication answers first (its
-    401, before any of the middleware's answers). When the key is not this request's to run (a replay, one still in
-    progress, another request's, or a refusal), the middleware has answered and this raises :class:`ClaimAnswered`.
-    A request with nothing to claim (one the middleware does not cover, or a keyless one it lets through) gets
-    None; one whose claim was taken already, its context.
-    """
-    state: dict[str, Any] = request.scope.setdefault("state", {})
-    pending: PendingClaim | None = state.get(PENDING_KEY)
-    if pending is not None:
-        return await pending.claim_for(tenant)
-    return idempotency_context(request)
-
-
-def idempotency_context(request: HTTPConnection) -> IdempotencyContext | None:
-    """The context of ``request``, or None when the middleware did not handle it."""
-    state: dict[str, Any] = request.scope.get("state", {})
-    context = state.get(STATE_KEY)
-    return context if isinstance(context, IdempotencyContext) else None
-
-
-def mark_not_executed(request: HTTPConnection) -> None:
-    """Tell the middleware that this request was refused before anything ran (say, its parameters were invalid).
-
-    The key is then released whatever the status, so the client may correct the request and retry with the same
-    key: Stripe's rule for validation errors. ``idempotency_mw.fastapi.setup`` does this for FastAPI's own
-    request validation errors.
-    """
-    request.scope.setdefault("state", {})[NOT_EXECUTED_KEY] = True
+__getattr__ = moved(
+    __name__,
+    "idempotency_mw._context",
+    {
+        "mark_not_executed": "idempotency_mw",
+        "idempotency_context": "idempotency_mw",
+        "IdempotencyContext": "idempotency_mw",
+        "claim": "idempotency_mw",
+    },
+)

@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from types import FrameType, ModuleType
 
-from idempotency_mw.urls import postgres_url
+from idempotency_mw.postgres._connector import postgres_url
 
 PROG = "python -m idempotency_mw.devdb"
 
@@ -140,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _schema_name(text: str) -> str:
-    from idempotency_mw.sql import check_schema
+    from idempotency_mw.postgres._sql import check_schema
 
     try:
         return check_schema(text)
@@ -149,7 +149,7 @@ def _schema_name(text: str) -> str:
 
 
 async def _migrate(url: str, schema: str) -> list[str]:
-    from idempotency_mw.postgres import PostgresStore
+    from idempotency_mw.postgres._store import PostgresStore
 
     store = PostgresStore(url, min_size=0, max_size=1, schema=schema)
     try:

@@ -36,14 +36,15 @@ except ImportError as error:  # cryptography is an optional dependency of the pa
         "idempotency_mw.encryption needs cryptography: pip install 'idempotency-mw[encryption]'"
     ) from error
 
-from idempotency_mw.keyring import check_key_id, parse_keys
-from idempotency_mw.rows import decode_headers, encode_headers
+from idempotency_mw._keyring import check_key_id, parse_keys
 from idempotency_mw.store import (
     PlainResponseRefused,
     SealedResponse,
     SealedResponseError,
     StoredResponse,
     UnknownKeyId,
+    decode_headers,
+    encode_headers,
 )
 
 __all__ = ["KEYS_VARIABLE", "PlainResponseRefused", "ResponseCipher", "SealedResponseError", "UnknownKeyId"]

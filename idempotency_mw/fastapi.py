@@ -29,13 +29,12 @@ except ImportError as error:  # fastapi is an optional dependency of the package
     raise ImportError("idempotency_mw.fastapi needs fastapi: pip install 'idempotency-mw[fastapi]'") from error
 from starlette.responses import Response
 
-from idempotency_mw.context import IdempotencyContext, claim, idempotency_context, mark_not_executed
-from idempotency_mw.middleware import IdempotencyMiddleware
-from idempotency_mw.policy import Policy, PolicyResolver, idempotent
-from idempotency_mw.problems import TYPE_BASE
-from idempotency_mw.routes import iter_routes
-from idempotency_mw.tenants import TenantFromApp
-from idempotency_mw.wire import MAX_KEY_LENGTH, ProblemCode
+from idempotency_mw._context import IdempotencyContext, claim, idempotency_context, mark_not_executed
+from idempotency_mw._keys import TenantFromApp
+from idempotency_mw._middleware import IdempotencyMiddleware
+from idempotency_mw._policy import Policy, RouteTable, idempotent, iter_routes
+from idempotency_mw._problems import TYPE_BASE
+from idempotency_mw._wire import MAX_KEY_LENGTH, ProblemCode
 
 
 class TenantDependency(TenantFromApp):
@@ -276,12 +275,12 @@ def _may_be_replayed(status: str, policy: Policy) -> bool:
     return status.isdigit() and policy.records(int(status))
 
 
-def _resolver(app: FastAPI) -> PolicyResolver | None:
+def _resolver(app: FastAPI) -> RouteTable | None:
     for middleware in app.user_middleware:
         if middleware.cls is IdempotencyMiddleware:  # type: ignore[comparison-overlap]
             options = dict(middleware.kwargs)
             store = options.pop("store", None)
-            return IdempotencyMiddleware(app, store, **options).policies  # type: ignore[arg-type]
+            return IdempotencyMiddleware(app, store, **options).routes  # type: ignore[arg-type]
     return None
 
 

@@ -27,8 +27,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 from starlette.types import Scope
 
-from idempotency_mw.events import Event, Outcome
-from idempotency_mw.routes import UNMATCHED
+from idempotency_mw._events import Event, Outcome
+from idempotency_mw._policy import UNMATCHED
 from idempotency_mw.store import StoreUnavailable
 
 __all__ = ["UNMATCHED", "PrometheusMetrics", "StatsSource"]

@@ -10,7 +10,9 @@ async def transfer(session: IdempotencySession) -> dict: ...
 
 The handler's ``AsyncSession`` is bound to a connection of the app's own engine, in the transaction that the
 middleware completes the idempotency record in and commits once the response is final: the ORM writes and the
-record commit together, or neither does. Claims, lease renewals and releases still go through the PostgresStore.
+record commit together, or neither does. Claims, lease renewals and releases still go through the PostgresStore's
+own connections. :class:`SQLAlchemyConnector` is the connector that lends the engine's connections
+(procrastinate's ``contrib/sqlalchemy`` is the model); :class:`SQLAlchemyStore` is a PostgresStore that uses it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import contextlib
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Self
 
+import asyncpg
+
 try:
     from sqlalchemy import exc as sa_exc
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, AsyncTransaction
@@ -28,41 +32,28 @@ except ImportError as error:  # sqlalchemy is an optional dependency of the pack
     raise ImportError("idempotency_mw.sqlalchemy needs sqlalchemy: pip install 'idempotency-mw[sqlalchemy]'") from error
 from starlette.requests import HTTPConnection
 
-from idempotency_mw.connectors import NOT_MIGRATED, UNAVAILABLE
-from idempotency_mw.context import idempotency_context
-from idempotency_mw.lending import remember, reset_sql
-from idempotency_mw.postgres import FENCED_OUT, PostgresStore
-from idempotency_mw.rows import completion
+from idempotency_mw._context import idempotency_context
+from idempotency_mw.postgres._connector import Connector, Listener, default_isolation
+from idempotency_mw.postgres._lending import FENCED_OUT, Settlement, remember, reset_sql
+from idempotency_mw.postgres._records import NOT_MIGRATED, UNAVAILABLE, Records, run_unprepared
+from idempotency_mw.postgres._store import PostgresStore
 from idempotency_mw.store import (
     Claim,
     PoolExhausted,
-    RecordInfo,
-    ResealedBatch,
     StoredResponse,
     StoreNotMigrated,
     StoreUnavailable,
-    Subscription,
     TransactionEnded,
 )
-from idempotency_mw.transaction import Settlement
-
-if TYPE_CHECKING:
-    from idempotency_mw.encryption import ResponseCipher
 
 
-class SQLAlchemyStore:
-    """A :class:`~idempotency_mw.postgres.PostgresStore` whose transactions, lent to transactional handlers, run on
-    the app's SQLAlchemy engine (``postgresql+asyncpg://``), with an ``AsyncSession`` of ``session_class``.
+class SQLAlchemyConnector:
+    """The connector of a store whose lent transactions run on the app's SQLAlchemy engine
+    (``postgresql+asyncpg://``), each with an ``AsyncSession`` of ``session_class`` bound to it. The store's other
+    statements (claims, renewals, completions, releases, operators' commands) run on ``statements``, the store's own
+    connections. The engine stays the app's: nothing here disposes of it."""
 
-    Every store call goes to ``store``. The engine must reach the store's database (:meth:`open` checks it), and
-    stays the app's: :meth:`close` closes the store only.
-    """
-
-    def __init__(
-        self, store: PostgresStore, engine: AsyncEngine, *, session_class: type[AsyncSession] = AsyncSession
-    ) -> None:
-        if not isinstance(store, PostgresStore):
-            raise TypeError(f"SQLAlchemyStore keeps its records in a PostgresStore, not {type(store).__name__}")
+    def __init__(self, engine: AsyncEngine, statements: Connector, *, session_class: type[AsyncSession]) -> None:
         if not isinstance(engine, AsyncEngine):
             raise TypeError(
                 f"SQLAlchemyStore needs an AsyncEngine (sqlalchemy.ext.asyncio.create_async_engine), "
@@ -76,26 +67,42 @@ class SQLAlchemyStore:
             )
         if not (isinstance(session_class, type) and issubclass(session_class, AsyncSession)):
             raise TypeError(f"session_class must be AsyncSession or a subclass of it, not {session_class!r}")
-        self.store = store
         self.engine = engine
         self.session_class = session_class
+        self._statements = statements
+        self._explicit: bool | None = None  # whether the engine's sessions need READ COMMITTED asked for the claim
 
     @property
-    def cipher(self) -> ResponseCipher | None:
-        """The PostgresStore's: the responses of the handlers' transactions are sealed like its own."""
-        return self.store.cipher
+    def timeout(self) -> float:
+        return self._statements.timeout
+
+    @property
+    def database_isolation(self) -> str | None:
+        return self._statements.database_isolation
+
+    async def run(self, name: str, args: tuple[Any, ...], *, urgent: bool = False, status: bool = False) -> Any:
+        return await self._statements.run(name, args, urgent=urgent, status=status)
+
+    def connection(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        return self._statements.connection()
+
+    def session(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        return self._statements.session()
+
+    def listening(self, channel: str, notified: Listener) -> contextlib.AbstractAsyncContextManager[Any]:
+        return self._statements.listening(channel, notified)
 
     async def open(self) -> None:
-        """Open the store (:meth:`PostgresStore.open <idempotency_mw.postgres.PostgresStore.open>`), and check that
-        the engine reaches the same database: the records complete in the handlers' transactions, on the engine."""
-        await self.store.open()
-        identity = self.store.statement("database_identity")
-        async with self.store.connection() as connection:
-            row = await connection.fetchrow(identity, timeout=self.store.timeout)
+        """Open the store's own connections, and check that the engine reaches the same database: the records
+        complete in the handlers' transactions, on the engine."""
+        await self._statements.open()
+        identity = "SELECT current_database() AS database, pg_postmaster_start_time() AS server_started"
+        async with self._statements.connection() as connection:
+            row = await connection.fetchrow(identity, timeout=self.timeout)
             assert row is not None
             ours = tuple(row)
-        with _reachable(self.store.timeout):
-            async with asyncio.timeout(self.store.timeout), self.engine.connect() as connection:
+        with _reachable(self.timeout):
+            async with asyncio.timeout(self.timeout), self.engine.connect() as connection:
                 await _refuse_autocommit(connection)
                 theirs = tuple((await connection.exec_driver_sql(identity)).one())
         if theirs != ours:
@@ -105,17 +112,8 @@ class SQLAlchemyStore:
                 "the idempotency records, so both must use the same database"
             )
 
-    async def close(self, *, grace: float | None = None) -> None:
-        """Close the store (see :meth:`PostgresStore.close` for ``grace``). The engine is the app's, to dispose of
-        when it is done with it."""
-        await self.store.close(grace=grace)
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
+    async def close(self) -> None:
+        await self._statements.close()  # the engine is the app's, to dispose of when it is done with it
 
     def _no_connection(self, timeout: float) -> StoreUnavailable:
         """Why no connection of the engine came in time: :class:`PoolExhausted` when every one its pool may open is
@@ -134,11 +132,11 @@ class SQLAlchemyStore:
         )
 
     @contextlib.asynccontextmanager
-    async def transaction(self) -> AsyncIterator[SQLAlchemyTransaction]:
-        """A connection of the engine for one transactional request (``transaction.py``), with a session bound to
-        it: the claim is taken on it, then the transaction begins on it; committed or rolled back by the caller. The
-        connection goes back to the engine's pool with a clean session, or invalidated if it was lost."""
-        timeout = self.store.timeout
+    async def transaction(self, records: Records) -> AsyncIterator[SQLAlchemyTransaction]:
+        """A connection of the engine for one transactional request, with a session bound to it: the claim is taken
+        on it, then the transaction begins on it; committed or rolled back by the caller. The connection goes back
+        to the engine's pool with a clean session, or invalidated if it was lost."""
+        timeout = self.timeout
         try:
             async with asyncio.timeout(timeout):
                 with _reachable(timeout):
@@ -154,6 +152,9 @@ class SQLAlchemyStore:
             raw = await connection.get_raw_connection()
             with _reachable(timeout):
                 await remember(raw.driver_connection, time_limit=timeout)  # the pool's session state, to restore
+                driver: Any = raw.driver_connection  # asyncpg's Connection
+                if self._explicit is None:  # the claim runs READ COMMITTED, whatever the engine's sessions default to
+                    self._explicit = await default_isolation(driver, timeout) != "read committed"
         except BaseException:
             await connection.close()
             raise
@@ -161,7 +162,7 @@ class SQLAlchemyStore:
         session = lent_session_class(self.session_class)(
             bind=connection, join_transaction_mode="create_savepoint", expire_on_commit=False, info={LENT: True}
         )
-        transaction = SQLAlchemyTransaction(self.store, connection, session)
+        transaction = SQLAlchemyTransaction(records, connection, session, explicit=self._explicit)
         app_failed = True
         try:
             yield transaction
@@ -169,63 +170,43 @@ class SQLAlchemyStore:
         finally:
             await transaction.give_back(app_failed=app_failed)
 
-    # -- the Store protocol, kept by the PostgresStore --------------------------------------------------------
 
-    async def claim(
-        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
-    ) -> Claim:
-        return await self.store.claim(tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching)
+class SQLAlchemyStore(PostgresStore):
+    """A :class:`~idempotency_mw.postgres.PostgresStore` whose transactions, lent to transactional handlers, run on
+    the app's SQLAlchemy engine (``postgresql+asyncpg://``), with an ``AsyncSession`` of ``session_class``
+    (:class:`SQLAlchemyConnector`).
 
-    async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
-        return await self.store.renew(tenant, key, fence, lease=lease)
+    It keeps the records, the settings and the connections of ``store``, which it stands in for: give the
+    middleware this one. The engine must reach the store's database (:meth:`open` checks it), and stays the app's:
+    :meth:`close` closes the store's own connections only.
+    """
 
-    async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
-        return await self.store.complete(tenant, key, fence, response)
+    def __init__(
+        self, store: PostgresStore, engine: AsyncEngine, *, session_class: type[AsyncSession] = AsyncSession
+    ) -> None:
+        if not isinstance(store, PostgresStore):
+            raise TypeError(f"SQLAlchemyStore keeps its records in a PostgresStore, not {type(store).__name__}")
+        vars(self).update(vars(store))  # the same records, settings and connections as the store it stands in for
+        self._connect(SQLAlchemyConnector(engine, store.connector, session_class=session_class))
+        self.store = store
+        self.engine = engine
+        self.session_class = session_class
 
-    async def release(self, tenant: str, key: str, fence: int) -> bool:
-        return await self.store.release(tenant, key, fence)
+    def bind(self, pool: asyncpg.Pool) -> Self:
+        """Put the store's own statements on the app's asyncpg ``pool`` (:meth:`PostgresStore.bind
+        <idempotency_mw.postgres.PostgresStore.bind>`); the handlers' transactions stay on the engine."""
+        self.store.bind(pool)
+        self._connect(SQLAlchemyConnector(self.engine, self.store.connector, session_class=self.session_class))
+        return self
 
-    async def forget(self, tenant: str, key: str, *, connection: AsyncConnection | None = None) -> bool:
-        """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names
-        (``await session.connection()``), so that both happen or neither does."""
-        if connection is None:
-            return await self.store.forget(tenant, key)
-        with _reachable(self.store.timeout, self.store.schema):
-            result = await connection.exec_driver_sql(self.store.statement("forget"), (tenant, key))
-        return result.rowcount == 1
-
-    async def inspect(self, tenant: str, key: str) -> RecordInfo | None:
-        return await self.store.inspect(tenant, key)
-
-    async def purge_expired(self, *, batch_size: int = 1000) -> int:
-        return await self.store.purge_expired(batch_size=batch_size)
-
-    def watch(self, fence: int) -> contextlib.AbstractAsyncContextManager[Subscription]:
-        return self.store.watch(fence)
-
-    # -- what the docs call on a store, kept by the PostgresStore too ------------------------------------------
-
-    async def migrate(self) -> list[str]:
-        """Create or upgrade the store's tables (:meth:`PostgresStore.migrate
-        <idempotency_mw.postgres.PostgresStore.migrate>`); needs no :meth:`open` first."""
-        return await self.store.migrate()
-
-    async def count_expired(self) -> int:
-        return await self.store.count_expired()
-
-    async def stats(self) -> dict[str, Any]:
-        """The table's summary, for ``PrometheusMetrics.update_from_store`` and ``idempotency-mw stats``."""
-        return await self.store.stats()
-
-    async def reencrypt(
-        self, *, batch_size: int = 1000, seal_plain: bool = False, after: tuple[str, str] | None = None
-    ) -> ResealedBatch:
-        """One batch of re-sealing under the current key (:meth:`PostgresStore.reencrypt
-        <idempotency_mw.postgres.PostgresStore.reencrypt>`), with the PostgresStore's cipher."""
-        return await self.store.reencrypt(batch_size=batch_size, seal_plain=seal_plain, after=after)
-
-    async def responses_by_key(self) -> dict[str | None, int]:
-        return await self.store.responses_by_key()
+    async def forget(self, tenant: str, key: str, *, connection: Any = None) -> bool:
+        """Delete the record; pass the ``connection`` (``await session.connection()``) of a transaction that deletes
+        the resource it names, so that both happen or neither does; an asyncpg connection is taken too."""
+        if not isinstance(connection, AsyncConnection):
+            return await super().forget(tenant, key, connection=connection)
+        with _reachable(self.timeout, self.schema):
+            result = await connection.exec_driver_sql(self._records.sql["forget"], (tenant, key))
+        return bool(result.rowcount == 1)
 
 
 class SQLAlchemyTransaction:
@@ -240,16 +221,16 @@ class SQLAlchemyTransaction:
     invalidated, not reused).
     """
 
-    def __init__(self, store: PostgresStore, connection: AsyncConnection, session: AsyncSession) -> None:
+    def __init__(self, records: Records, connection: AsyncConnection, session: AsyncSession, *, explicit: bool) -> None:
         self.connection = connection
         self.session = session
         self.lost = False
         self._transaction: AsyncTransaction | None = None
-        self._store = store
-        self._complete_sql = store.statement("complete_in_transaction")
-        self._timeout = store.timeout
-        self._schema = store.schema
-        self.settlement = Settlement(store.settled, store.notice)
+        self._records = records
+        self._explicit = explicit  # the claim asks for READ COMMITTED: the engine's sessions default to another level
+        self._timeout = records.timeout
+        self._schema = records.schema
+        self.settlement = Settlement(records)
 
     async def claim(
         self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
@@ -258,8 +239,15 @@ class SQLAlchemyTransaction:
         has begun nothing yet: its BEGIN goes with the first statement)."""
         raw = await self.connection.get_raw_connection()
         driver: Any = raw.driver_connection  # asyncpg's Connection
+        sql, timeout, explicit = self._records.sql, self._timeout, self._explicit
+
+        async def run(name: str, args: tuple[Any, ...]) -> Any:
+            with _reachable(timeout, self._schema):
+                return await run_unprepared(driver, sql[name], args, timeout, False, explicit)
+
         try:
-            return await self._store.claim_on(driver, tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching)
+            fingerprints = (fingerprint, *matching)
+            return await self._records.claim(run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=False)
         except StoreUnavailable as error:
             if not isinstance(error, StoreNotMigrated):
                 self.lost = True
@@ -277,7 +265,8 @@ class SQLAlchemyTransaction:
             with self._reachable(self._schema):
                 async with self._deadline():
                     result = await self.connection.exec_driver_sql(
-                        self._complete_sql, completion(tenant, key, fence, response, self._store.cipher)
+                        self._records.sql["complete_in_transaction"],
+                        self._records.completion(tenant, key, fence, response),
                     )
             done = result.rowcount == 1
         except sa_exc.DBAPIError as error:
@@ -551,4 +540,10 @@ else:
     """The session of a transactional route: its writes commit with the idempotency record, or not at all."""
 
 
-__all__ = ["IdempotencySession", "SQLAlchemyStore", "SQLAlchemyTransaction", "idempotency_session"]
+__all__ = [
+    "IdempotencySession",
+    "SQLAlchemyConnector",
+    "SQLAlchemyStore",
+    "SQLAlchemyTransaction",
+    "idempotency_session",
+]

@@ -13,7 +13,22 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import orjson
+
 Headers = list[tuple[bytes, bytes]]
+
+
+def encode_headers(headers: Headers) -> str:
+    """A response's header list as stores keep it: JSON ``[[name, value], …]``; latin-1 keeps every byte, so the
+    round trip is exact."""
+    return orjson.dumps([[name.decode("latin-1"), value.decode("latin-1")] for name, value in headers]).decode()
+
+
+def decode_headers(encoded: str | bytes | list[list[str]]) -> Headers:
+    """The header list back from its JSON text, or from the list itself where a connection decodes jsonb (a
+    SQLAlchemy engine's connections do)."""
+    pairs = orjson.loads(encoded) if isinstance(encoded, str | bytes) else encoded
+    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in pairs]
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +229,7 @@ class Store(Protocol):
         """Subscribe to the settlement of the claim under ``fence`` (the one a claim answered ``IN_PROGRESS`` with):
         completed, released or taken over, here or in another process. Subscribed once the block is entered, so a
         caller checks the claim again inside it, then waits; without polling, and without holding a connection
-        meanwhile (``waiting.py``)."""
+        meanwhile (``_waiting.py``)."""
 
     async def close(self) -> None:
         """Release resources the store opened itself."""

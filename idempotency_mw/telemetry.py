@@ -10,7 +10,7 @@ from typing import Any
 
 from starlette.types import Scope
 
-from idempotency_mw.events import Event, EventHook, Outcome, hash_key, logger
+from idempotency_mw._events import Event, EventHook, Outcome, hash_key, logger
 
 
 class Hooks:

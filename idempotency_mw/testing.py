@@ -31,7 +31,7 @@ except ImportError as error:
     raise ImportError("idempotency_mw.testing needs pytest: pip install 'idempotency-mw[testing]'") from error
 
 from idempotency_mw.devdb import local_database
-from idempotency_mw.postgres import PostgresStore
+from idempotency_mw.postgres._store import PostgresStore
 
 
 def _async_fixture(function: Callable[..., Any]) -> Any:

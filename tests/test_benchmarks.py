@@ -1,173 +1,56 @@
-"""The benchmarks that stand in for a part of the middleware still fit it.
-
-``fixes.py`` and ``instructions.py`` replace internals of the middleware by name (the settlement, the tasks, the
-fingerprint) to measure what those parts cost. A reshaped internal breaks them only when someone runs a benchmark,
-which is how ``fixes.py`` went stale once; so each runs here, at a tiny size, against the test database.
-"""
+"""The benchmarks' own logic, where it could go wrong without anyone seeing it in a run: the intervals and verdicts
+they compute, the opcode count (exact, and every library module a request enters), the two-revision runner's
+copies of the library, the bulk-loaded records the scale and purge runs stand on, and what the summary lists.
+Nothing here times anything."""
 
 from __future__ import annotations
 
+import collections
+import importlib
+import itertools
 import json
-import subprocess
+import os
+import shutil
 import sys
+import uuid
 from pathlib import Path
+from types import FrameType, ModuleType
 from typing import Any
 
+import asyncpg
+import httpx
 import pytest
 
+import idempotency_mw
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+LIBRARY = os.path.join(os.path.dirname(os.path.abspath(idempotency_mw.__file__)), "")  # as the tracer sees it
 
 
-async def test_fixes_py_settles_every_request_in_each_of_its_variants(
-    migrated_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``bench("name")``: the benchmark script ``benchmarks/name.py``, imported with benchmarks/ on the path."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import fixes
-
-    from idempotency_mw.recording import PlainRun
-
-    shipped = PlainRun._settle
-    result = await fixes.settle_cost(migrated_url, rounds=1, requests=20)  # asserts 20 answers of 201
-    assert PlainRun._settle == shipped  # put back
-    for store in ("MemoryStore", "PostgresStore"):
-        assert {fixes.SHIPPED, fixes.FROM_THE_START, fixes.DIRECT} <= set(result[store])
-        assert all(result[store][name] > 0 for name in (fixes.SHIPPED, fixes.FROM_THE_START, fixes.DIRECT))
+    return importlib.import_module
 
 
-async def test_storepath_py_replays_through_both_claim_statements(
-    migrated_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """storepath.py reads the claim statements' rows itself: a reshaped row fails here, not in a benchmark run."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import storepath
-
-    result = await storepath.replays(migrated_url, 3, 1, "test-storepath")
-    assert set(result["wal_bytes_per_replay"]) == {"claim", "claim_locked"}
+# -- statistics and the end-to-end verdicts --------------------------------------------------------------------------
 
 
-async def test_bulk_loads_records_and_puts_every_constraint_back(
-    migrated_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """bulk.py drops the tables' constraints for the load and restores them, the responses' foreign key included."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import asyncpg
-    import bulk
-
-    query = "SELECT conrelid::regclass::text, contype::text FROM pg_constraint WHERE conrelid = ANY($1::regclass[])"
-    connection = await asyncpg.connect(migrated_url)
-    try:
-        constraints = sorted(map(tuple, await connection.fetch(query, list(bulk.TABLES))))
-        await bulk.add_records(migrated_url, 0, 10, prefix="test-bulk")
-        assert sorted(map(tuple, await connection.fetch(query, list(bulk.TABLES)))) == constraints
-        assert ("idempotency_responses", "f") in constraints
-        assert await connection.fetchval("SELECT count(*) FROM idempotency_responses") == 10
-    finally:
-        await connection.close()
-
-
-async def test_fixes_py_runs_each_variant_of_the_0_2_0_fixes(
-    migrated_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The lent connection's guard, the two table layouts' statements, the store on a REPEATABLE READ database
-    (through an app's pool with and without its explicit transactions and its share, and its own pool pinned or
-    not), the pool-state restore, and the pieces on the library before (``fixpieces.py`` in a process of its own):
-    each asserts its own answers (claims owned, completions landed, replays found, the restored search_path)."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import fixes
-
-    found = {
-        "guard": await fixes.guard_cost(migrated_url, rounds=1, statements=5),
-        "responses": await fixes.responses_cost(migrated_url, False, rounds=1, n=3),
-        "isolation": await fixes.isolation_cost(migrated_url, rounds=1, n=3),
-        "restore": await fixes.restore_cost(migrated_url, False, rounds=1, n=3),
-        "pieces": fixes.pieces_compared(rounds=1, n=10),
-        "new_pieces": fixes.new_pieces(10),
-    }
-    assert set(found["responses"]["phases"]) == {
-        fixes.FRESH_CLAIM,
-        fixes.COMPLETION,
-        fixes.REPLAY,
-        fixes.IN_TRANSACTION,
-    }
-    assert found["responses"]["phases"][fixes.COMPLETION]["wal_bytes"]["shipped"] > 0
-    assert set(found["isolation"]["compared"]) == {
-        fixes.APP_COMPARED,
-        fixes.SHARE_COMPARED,
-        fixes.CHECKOUT_COMPARED,
-        fixes.OWN_COMPARED,
-    }
-    assert set(found["restore"]["compared"]) == {fixes.OWN_RESTORE, fixes.APP_RESTORE}
-    assert set(found["pieces"]["pieces"]) >= {fixes.FORM_ESCAPED_PIECE, fixes.RECORDER_PIECE, fixes.LEASE_PIECE}
-    markdown = "\n\n".join(fixes.render_exactly_once(found, 1))
-    assert "| completion (plain mode) |" in markdown
-    assert [t.ok for t in fixes.exactly_once_targets(found)] == [None] * 5
-
-
-def test_the_function_reset_variant_keeps_the_pool_state_after_the_do_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The variant that deallocates in a function replaces only the DO block: the shipped reset's restore of the
-    pool's session state (here the store's READ COMMITTED pin) still follows, so the two differ by the block alone."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import fixes
-
-    from idempotency_mw.connectors import PIN_RESTORE
-    from idempotency_mw.sql import reset_session
-
-    variant = fixes.deallocation_in_a_function(reset_session() + "\n" + PIN_RESTORE)
-    assert "DO $$" not in variant
-    assert variant.endswith(PIN_RESTORE)
-    assert variant.count("bench_deallocate_sql_statements()") == 1
-
-
-@pytest.mark.parametrize(
-    ("kind", "variant", "count"),
-    [
-        *(("requests", name, "20") for name in ("bare", "handwritten", "ours", "tasks", "fingerprint", "tenant")),
-        ("requests", "events", "20"),
-        ("pairs", "raw", "32"),
-        ("pairs", "store", "32"),
-    ],
-)
-def test_instructions_py_drives_each_variant(migrated_url: str, kind: str, variant: str, count: str) -> None:
-    """The driver valgrind counts, run without valgrind: every request answered 201 and, for the ablations, the
-    part taken out really was (the ``tasks`` ablation checks that it replaced a task)."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "instructions.py"),
-            "--dsn",
-            migrated_url,
-            "--drive",
-            kind,
-            variant,
-            count,
-            "--collector-off",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
-def test_the_paired_median_comes_with_an_order_statistic_interval(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Target 14.1's interval: the 6th smallest and 6th largest of 20 rounds (P(fewer than 6 of 20 below the median)
-    is 21,700 / 2^20, about 2.1%, at most the 2.5% a tail may have; 7 would be 5.8%), and none for 5 rounds, which
-    cannot give 95% (the extremes hold the median with probability 1 - 2/32)."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from common import median_interval
-
+def test_the_median_comes_with_an_order_statistic_interval(bench: Any) -> None:
+    """The 6th smallest and 6th largest of 20 rounds (P(fewer than 6 of 20 below the median) is 21,700 / 2^20, about
+    2.1%, at most the 2.5% a tail may have; 7 would be 5.8%), and none for 5 rounds, which cannot give 95% (the
+    extremes hold the median with probability 1 - 2/32)."""
+    common = bench("common")
     rounds = [float(n) for n in range(20, 0, -1)]  # unordered on purpose
-    assert median_interval(rounds) == (6.0, 15.0)
-    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]) == (1.0, 6.0)
-    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
+    assert common.median_interval(rounds) == (6.0, 15.0)
+    assert common.median_interval([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]) == (1.0, 6.0)
+    assert common.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
 
 
-def test_the_paired_verdict_is_shown_to_the_digit_it_is_judged_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_paired_verdict_is_shown_to_the_digit_it_is_judged_on(bench: Any) -> None:
     """A median of 0.8988 misses 0.90: shown as "0.90x" it read as a pass beside "missed"."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import endtoend
-
+    endtoend = bench("endtoend")
     ratios = [0.85, 0.86, 0.87, 0.88, 0.89, 0.8976, 0.9, 0.91, 0.92, 0.93, 0.95, 0.97]
     paired = {"rounds": 12, "slice_seconds": 2.0, "ratios": ratios, "median_ratio": 0.8988, "invalid": []}
     target = endtoend.targets({"summary": {}, "paired": paired})[1]
@@ -175,11 +58,10 @@ def test_the_paired_verdict_is_shown_to_the_digit_it_is_judged_on(monkeypatch: p
     assert target.verdict == "**missed**"
 
 
-def test_target_14_1_is_judged_again_on_the_eager_interpreter_when_one_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_paired_measurement_is_judged_again_on_the_eager_interpreter_when_one_ran(bench: Any) -> None:
     """The Python 3.12+ pair is a row of its own beside the main verdict, never in its place; a run without one says
     why instead of leaving the row out."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import endtoend
+    endtoend = bench("endtoend")
 
     def measured(ratios: list[float]) -> dict[str, object]:
         return {
@@ -194,131 +76,298 @@ def test_target_14_1_is_judged_again_on_the_eager_interpreter_when_one_ran(monke
     found = endtoend.targets({"summary": {}, "paired": paired})
     assert [t.verdict for t in found[1:3]] == ["**missed**", "met"]
     assert found[2].what.startswith("14.1 on Python 3.12.1")
-    section = "\n".join(endtoend.paired_section(paired))
-    assert "ours / hand-written, Python 3.12.1" in section
-    assert "| 7 | 1000 | 910 | 0.91x | 1000 | 1000 | 1.00x |" in section
-
-    del paired["eager"]  # a result from before the Python 3.12 pair renders as it did
-    assert len(endtoend.targets({"summary": {}, "paired": paired})) == 4
-    assert "3.12" not in "\n".join(endtoend.paired_section(paired))
+    assert "| 7 | 1000 | 910 | 0.91x | 1000 | 1000 | 1.00x |" in "\n".join(endtoend.paired_section(paired))
 
     paired["eager"] = {"missing": "no Python 3.12 or later found"}
     found = endtoend.targets({"summary": {}, "paired": paired})
     assert found[2].measured == "not measured: no Python 3.12 or later found"
     assert found[2].ok is None
-    assert "Python 3.12 or later was not measured: no Python 3.12 or later found." in endtoend.paired_section(paired)
 
 
-def _fake_python(directory: Path, version: str, venv_error: str = "") -> str:
-    """A stand-in interpreter: prints ``version`` (after a line of noise, as a sitecustomize might) when asked for it,
-    and fails to make a venv with ``venv_error``."""
-    script = directory / f"python-{version.replace(' ', '.')}"
-    script.write_text(
-        f'#!/bin/sh\nif [ "$1" = "-c" ]; then echo "noise"; echo "{version}"; exit 0; fi\n'
-        f'echo "{venv_error}" >&2; exit 1\n'
-    )
-    script.chmod(0o755)
-    return str(script)
+# -- compare.py: two revisions against the noise ---------------------------------------------------------------------
 
 
-def test_the_eager_interpreter_is_3_12_or_later_and_a_failed_venv_is_a_reason(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What ``$BENCH_EAGER_PYTHON`` names is checked for its version, and a venv that cannot be made (a Debian
-    Python without ensurepip) ends in a reason, not in an exception that stops the whole benchmark."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import peers
-
-    monkeypatch.setattr(peers, "EAGER_VENV", tmp_path / "venv-eager")
-    monkeypatch.setenv(peers.EAGER_VARIABLE, _fake_python(tmp_path, "3 11 9"))
-    eager = peers.ensure_eager({})
-    assert eager.python is None
-    assert eager.missing.endswith("is not a Python 3.12 or later that runs")
-
-    monkeypatch.setenv(peers.EAGER_VARIABLE, _fake_python(tmp_path, "3 13 2", "Error: ensurepip is not available"))
-    eager = peers.ensure_eager({})
-    assert eager.python is None
-    assert eager.missing.startswith("could not make a venv with ")
-    assert eager.missing.endswith("(Python 3.13.2): Error: ensurepip is not available")
-
-    monkeypatch.setenv(peers.EAGER_VARIABLE, str(tmp_path / "absent"))
-    assert peers.ensure_eager({}).missing.endswith("is not a Python 3.12 or later that runs")
+def slice_(rps: float, invalid: str | None = None) -> dict[str, Any]:
+    return {"requests": int(rps), "seconds": 1.0, "rps": rps, "p50_ms": 10.0, "p99_ms": 30.0, "invalid": invalid}
 
 
-def test_the_eager_search_takes_pyenv_default_builds_newest_patch_first(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import peers
+def compared(now: list[float], again: list[float], base: list[float]) -> dict[str, Any]:
+    """A raw result of compare.py with these fresh-key requests/s per round (replays: ten times as many)."""
+    rounds = []
+    for number, (a, b, c) in enumerate(zip(now, again, base, strict=True)):
+        entry: dict[str, Any] = {"modes": ["fresh", "replay"]}
+        for mode, scale in (("fresh", 1), ("replay", 10)):
+            entry[mode] = {"now": slice_(a * scale), "now-again": slice_(b * scale), "base": slice_(c * scale)}
+        entry["order"] = list(itertools.permutations(["now", "now-again", "base"]))[number % 6]
+        rounds.append(entry)
+    return {
+        "settings": {"base": "v0.1.0", "rounds": len(rounds), "slice_seconds": 1.0, "connections": 32, "pool": 1000},
+        "library": {
+            "base": {"ref": "v0.1.0", "commit": "4" * 40, "path": "/copy", "digest": "d" * 64},
+            "now": {"commit": "5" * 40, "dirty": True, "path": "/repo", "digest": "e" * 64},
+            "identical": False,
+        },
+        "servers": {
+            name: {"database": f"db_{name}", "migrations": ["0001_initial.sql"], "tables": ["idempotency_records"]}
+            for name in ("now", "now-again", "base")
+        },
+        "server": {"version": "18.1"},
+        "rounds": rounds,
+    }
 
-    for build in ("3.12.2", "3.12.10", "3.13.0t", "3.13.1", "3.14.0", "3.11.7"):
-        (tmp_path / "versions" / build / "bin").mkdir(parents=True)
-    monkeypatch.setenv("PYENV_ROOT", str(tmp_path))
-    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    assert peers._eager_candidates() == [
-        str(tmp_path / "versions" / build / "bin" / "python3") for build in ("3.12.10", "3.12.2", "3.13.1")
+
+NOISY = [1000.0, 1040.0, 960.0, 1020.0, 980.0, 1010.0, 990.0, 1030.0, 970.0, 1000.0, 1050.0, 950.0]
+
+
+def test_compare_takes_ratios_round_by_round_and_leaves_out_slices_that_do_not_count(bench: Any) -> None:
+    compare = bench("compare")
+    raw = compared([1000.0] * 6, [1100.0] * 6, [800.0] * 6)
+    assert compare.round_ratios(raw, "fresh", "now", "base") == [1.25] * 6
+    assert compare.round_ratios(raw, "replay", "now-again", "now") == pytest.approx([1.1] * 6)
+    raw["rounds"][2]["fresh"]["base"] = slice_(800.0, invalid="statuses {'201': 9, '409': 1}")
+    assert len(compare.round_ratios(raw, "fresh", "now", "base")) == 5
+    assert len(compare.round_ratios(raw, "fresh", "now-again", "now")) == 6  # its own pair counts
+    assert "Slices that do not count: round 3, fresh, base: statuses" in compare.render(raw)
+
+
+def test_compare_reads_the_change_against_the_noise_band(bench: Any) -> None:
+    compare = bench("compare")
+    assert compare.noise_band([0.97, 0.98, 0.99, 1.01, 1.02, 1.03]) == (0.97, 1.03)
+    assert compare.noise_band([0.90, 0.91, 0.92, 0.93, 0.94, 0.95]) == (0.90, 1.0)  # stretched to hold 1.0
+    assert compare.noise_band([0.9, 1.1, 1.0, 1.0, 1.0]) is None  # 5 rounds give no 95% interval
+    noise = [0.97, 0.98, 0.99, 1.0, 1.01, 1.02]
+    assert compare.judge([0.99, 1.0, 1.01, 1.02, 1.03, 1.04], noise) is True  # holds 1.0
+    assert compare.judge([0.90, 0.92, 0.93, 0.94, 0.95, 0.97], noise) is True  # touches the band at 0.97
+    assert compare.judge([0.90, 0.92, 0.93, 0.94, 0.95, 0.96], noise) is False  # below it
+    assert compare.judge([1.03, 1.04, 1.05, 1.06, 1.07, 1.08], noise) is False  # above it: faster is a move too
+    assert compare.judge([0.99, 1.0, 1.01, 1.02, 1.03], noise) is None  # too few rounds
+    assert compare.judge([0.99, 1.0, 1.01, 1.02, 1.03, 1.04], noise[:5]) is None
+
+
+def test_compare_within_the_noise_and_outside_it(bench: Any) -> None:
+    """1% slower than the base, and now-again 1% slower than now: the change is the size of the noise. 10% is not."""
+    compare = bench("compare")
+    raw = compared(NOISY, [r * 0.99 for r in NOISY], [r * 1.01 for r in NOISY])
+    found = compare.targets(raw)
+    assert [t.what for t in found] == [
+        "compare: fresh keys, requests/s of the working tree / `v0.1.0` (4444444), paired slices",
+        "compare: replays, requests/s of the working tree / `v0.1.0` (4444444), paired slices",
     ]
+    assert [t.verdict for t in found] == ["met", "met"]
+    assert found[0].measured == (
+        "0.990x (95% interval 0.99 to 0.99x, 12 rounds); now/now 0.990x (95% interval 0.99 to 0.99x, 12 rounds)"
+    )
+    markdown = compare.render(raw)
+    assert "| fresh keys | now / base | 0.990x" in markdown
+    assert "within the noise (band 0.99 to 1.00x)" in markdown
+    assert "| 1 | now now-again base | 1000 | 990 | 1010 | 0.990 | 0.990 |" in markdown
+    raw = compared(NOISY, NOISY, [r * 1.10 for r in NOISY])
+    assert [t.verdict for t in compare.targets(raw)] == ["**missed**", "**missed**"]
+    assert "**outside the noise** (band 1.00 to 1.00x)" in compare.render(raw)
+    few = compared(NOISY[:4], NOISY[:4], NOISY[:4])
+    assert [t.ok for t in compare.targets(few)] == [None, None]
 
 
-def test_a_measurement_run_on_its_own_is_published_as_run_py_would(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def test_compare_puts_every_server_before_every_other_equally_often_over_six_rounds(bench: Any) -> None:
+    compare = bench("compare")
+    orders = [compare.ORDERS[number % len(compare.ORDERS)] for number in range(6)]
+    for first, second in itertools.permutations(compare.NAMES, 2):
+        assert sum(order.index(first) < order.index(second) for order in orders) == 3
+    for name in compare.NAMES:
+        assert sorted(order.index(name) for order in orders) == [0, 0, 1, 1, 2, 2]
+
+
+def test_the_library_of_a_revision_is_extracted_once_and_checked_where_it_is_run(
+    bench: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """durability.py and beforeafter.py publish through run.publish: the raw result with its meta, the markdown
-    with its header, and the summary, which judges the result again from the file."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import run
+    """What keeps compare.py (and opcodes.py, durability.py) from measuring other code than the results name: a
+    revision must be a commit; its library is extracted once, whole, into a directory of its own; a process that
+    imported ``idempotency_mw`` from anywhere else stops the run; the digest sees a change to the source and not
+    to a cache; each server gets a database of its own on the same server."""
+    common = bench("common")
+    compare = bench("compare")
+    monkeypatch.setattr(common, "LIBRARIES", tmp_path / "library")
+    commit, copy = common.library_copy("HEAD")
+    assert commit == common.git("rev-parse", "HEAD")
+    assert copy == tmp_path / "library" / commit[:12]
+    assert (copy / "idempotency_mw" / "__init__.py").exists()
+    assert not list((tmp_path / "library").glob("*.partial"))
+    assert common.library_copy("HEAD") == (commit, copy)  # extracted once
+    with pytest.raises(Exception, match="rev-parse"):
+        common.library_copy("no-such-revision-" + uuid.uuid4().hex)
+    common.check_copy("base", copy / "idempotency_mw", copy)
+    with pytest.raises(RuntimeError, match="imported idempotency_mw from"):
+        common.check_copy("base", Path(idempotency_mw.__file__).parent, copy)
 
-    published = json.loads((BENCHMARKS / "results" / "raw" / "beforeafter.json").read_text())
-    monkeypatch.setattr(run, "RESULTS", tmp_path)
-    monkeypatch.setattr(run, "RAW", tmp_path / "raw")
+    twin = tmp_path / "twin"
+    shutil.copytree(copy, twin)
+    assert common.library_digest(twin) == common.library_digest(copy)
+    (twin / "idempotency_mw" / "__pycache__").mkdir(exist_ok=True)
+    (twin / "idempotency_mw" / "__pycache__" / "x.py").write_text("compiled")
+    assert common.library_digest(twin) == common.library_digest(copy)
+    with open(twin / "idempotency_mw" / "__init__.py", "a") as source:
+        source.write("# changed\n")
+    assert common.library_digest(twin) != common.library_digest(copy)
+
+    assert len(set(compare.DATABASES.values())) == len(compare.NAMES)
+    assert (
+        common.database_url("postgresql://postgres:@/postgres?host=/tmp/x", "compare_base")
+        == "postgresql://postgres:@/compare_base?host=/tmp/x"
+    )
+    assert common.database_url("postgresql://u:p@db:5433/app", "b") == "postgresql://u:p@db:5433/b"
+
+
+# -- opcodes.py: the count and the budget -----------------------------------------------------------------------------
+
+
+async def test_the_opcode_count_is_exact_and_sees_every_library_module_a_request_enters(
+    bench: Any, migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two counts of the working tree agree to the opcode, and each request's calls and modules entered are those
+    that a second hook of CPython's (``sys.setprofile``, beside the tracer) sees in the library's files: the modules
+    the budget counts are the ones the request enters."""
+    opcodes = bench("opcodes")
+    root = LIBRARY
+    assert opcodes.library_root() == root
+    seen: list[collections.Counter[str]] = []
+    counted = opcodes.counted
+
+    async def counted_and_profiled(library: str, request: Any) -> Any:
+        calls: collections.Counter[str] = collections.Counter()
+
+        def profile(frame: FrameType, event: str, arg: object) -> None:
+            if event == "call" and frame.f_code.co_filename.startswith(root):
+                calls[frame.f_code.co_filename[len(root) :]] += 1
+
+        sys.setprofile(profile)
+        try:
+            return await counted(library, request)
+        finally:
+            sys.setprofile(None)
+            seen.append(calls)
+
+    monkeypatch.setattr(opcodes, "counted", counted_and_profiled)
+    first = await opcodes.count_budget_app(migrated_url)
+    second = await opcodes.count_budget_app(migrated_url)
+    assert first == second
+    assert list(first) == list(opcodes.REQUESTS)
+    for request, profiled in zip(opcodes.REQUESTS, seen, strict=False):
+        assert {name: entry["calls"] for name, entry in first[request].items()} == dict(profiled)
+        assert all(entry["opcodes"] > 0 for entry in first[request].values())
+    found = {request: opcodes.totals(first[request]) for request in opcodes.REQUESTS}
+    assert set(first["fresh transactional"]) - set(first["fresh plain"])  # its transaction's own modules
+    assert found["fresh plain"]["opcodes"] > found["replay"]["opcodes"]
+
+
+def counts(opcodes: ModuleType, fresh: int, transactional: int, replay: int, modules: int) -> dict[str, Any]:
+    """A request's count: ``modules`` modules entered, the opcodes all in the first."""
+
+    def request(total: int) -> dict[str, dict[str, int]]:
+        names = [f"_m{n}.py" for n in range(modules)]
+        return {name: {"calls": 1, "opcodes": total - (modules - 1) if n == 0 else 1} for n, name in enumerate(names)}
+
+    return {
+        "budget": {
+            "fresh plain": request(fresh),
+            "fresh transactional": request(transactional),
+            "replay": request(replay),
+        },
+        "benchapp": {"fresh": request(fresh - 50), "replay": request(replay - 50)},
+    }
+
+
+def test_the_opcode_budget_is_judged_on_the_last_revision_counted(bench: Any) -> None:
+    opcodes = bench("opcodes")
+    today = {"revision": "7b59cfc", "label": "today", "commit": "7b59cfc" + "0" * 33, "dirty": False, "digest": "a"}
+    now = {"revision": opcodes.WORKTREE, "label": "now", "commit": "9" * 40, "dirty": True, "digest": "b"}
+    revisions: list[dict[str, Any]] = [
+        {**today, **counts(opcodes, 3146, 3878, 2055, 20)},
+        {**now, **counts(opcodes, 2500, 3101, 1600, 12)},
+    ]
+    result = {"warm_up": 60, "revisions": revisions}
+    found = opcodes.targets(result)
+    assert [t.measured for t in found] == ["2,500 / 3,101 / 1,600", "12 / 12 / 12"]
+    assert [t.goal for t in found] == ["≤ 2,500 / 3,100 / 1,600", "≤ 12 / 12 / 10"]
+    assert [t.ok for t in found] == [False, False]
+    markdown = opcodes.render(result)
+    assert "| fresh plain | opcodes | ≤ 2,500 | 3,146 | 2,500 | met |" in markdown
+    assert "| fresh transactional | opcodes | ≤ 3,100 | 3,878 | 3,101 | **missed** by 1 |" in markdown
+    assert "| replay | modules entered | ≤ 10 | 20 | 12 | **missed** by 2 |" in markdown
+    assert "| `_m0.py` | 2,489 | 3,090 | 1,589 |" in markdown  # where the opcodes go, in the last revision
+    assert "| all library | **2,500** | **3,101** | **1,600** |" in markdown
+
+    revisions[1].update(counts(opcodes, 2400, 3000, 1500, 10))
+    assert [t.ok for t in opcodes.targets(result)] == [True, True]
+
+
+# -- the records the scale and purge runs stand on --------------------------------------------------------------------
+
+
+async def test_bulk_loaded_records_keep_every_constraint_and_replay_as_served_ones_do(
+    bench: Any, migrated_url: str
+) -> None:
+    """The load drops the tables' constraints and puts them all back, the responses' foreign key included; and a
+    replayable record holds the fingerprint the benchmark servers' middleware stores for the load generator's request,
+    so that a replay is one claim, not a mismatch claimed again."""
+    common, benchapp, loadgen, pgserver = (bench(name) for name in ("common", "benchapp", "loadgen", "pgserver"))
+    query = "SELECT conrelid::regclass::text, contype::text FROM pg_constraint WHERE conrelid = ANY($1::regclass[])"
+    connection = await asyncpg.connect(migrated_url)
+    try:
+        constraints = sorted(map(tuple, await connection.fetch(query, list(common.STORE_TABLES))))
+        await common.add_records(migrated_url, 0, 10, prefix="test-bulk")
+        assert sorted(map(tuple, await connection.fetch(query, list(common.STORE_TABLES)))) == constraints
+        assert ("idempotency_responses", "f") in constraints
+        assert await connection.fetchval("SELECT count(*) FROM idempotency_responses") == 10
+
+        app, start, stop = benchapp.build("ours", pgserver.Database(migrated_url, embedded=False, settings={}))
+        await start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://bench") as client:
+                headers = {**loadgen.HEADERS, "idempotency-key": "served"}
+                assert (await client.post("/orders", content=loadgen.BODY, headers=headers)).status_code == 201
+                headers["idempotency-key"] = "test-bulk-0"  # every REPLAYABLE_EVERY-th key is the generator's
+                replay = await client.post("/orders", content=loadgen.BODY, headers=headers)
+        finally:
+            await stop()
+        assert replay.headers.get("idempotent-replayed") == "true"
+        stored = await connection.fetch(
+            "SELECT key, tenant, fingerprint, attempts FROM idempotency_records WHERE key IN ('served', 'test-bulk-0') "
+            "ORDER BY key"
+        )
+        assert [row["key"] for row in stored] == ["served", "test-bulk-0"]
+        assert stored[0]["tenant"] == stored[1]["tenant"]
+        assert stored[0]["fingerprint"] == stored[1]["fingerprint"]
+    finally:
+        await connection.close()
+
+
+# -- what run.py runs and what the summary lists ----------------------------------------------------------------------
+
+
+def test_a_result_is_published_with_its_verdicts_and_the_summary_lists_only_kept_measurements(
+    bench: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    common = bench("common")
+    run = bench("run")
+    assert set(run.STEPS) == set(common.MEASUREMENTS)
+    assert set(run.QUICK_SKIPS) <= set(common.MEASUREMENTS)
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(common, "RAW", tmp_path / "raw")
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "fixes.json").write_text(json.dumps({"meta": {}, "targets": [], "result": {}}))
+    (tmp_path / "raw" / "scale.json").write_text(json.dumps({"meta": {"mode": "quick"}, "result": {}}))
     meta = {"postgres": "18", "database": "test", "load_before": "0.1", "versions": {}, "seconds": 1.0}
-    written = run.publish("beforeafter", "# pair", published["result"], began=0.0, mode="quick", **meta)
-    assert written == tmp_path / "beforeafter.md"
-    assert written.read_text().startswith("# pair\n")
-    assert json.loads((tmp_path / "raw" / "beforeafter.json").read_text())["result"] == published["result"]
-    assert "before/after: fresh keys" in (tmp_path / "README.md").read_text()
-
-
-async def test_opcodes_py_counts_a_library_the_same_twice(migrated_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """opcodes.py drives the middleware as benchapp builds it (asserting every answer) and its counts are exact: two
-    counts of one library agree to the opcode, which is what lets it compare revisions without noise."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import opcodes
-
-    first: dict[str, Any] = await opcodes._drive(migrated_url, 5)
-    second: dict[str, Any] = await opcodes._drive(migrated_url, 5)
-    for mode in opcodes.MODES:
-        assert first[mode] == second[mode]
-        assert first[mode]["idempotency_mw/middleware.py"] > 0
-        assert opcodes.library_total(first[mode]) > 0
-    assert opcodes.library_total(first["fresh"]) > opcodes.library_total(first["replay"])
-
-
-def test_opcodes_py_groups_code_and_renders_each_change(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import opcodes
-
-    assert opcodes.group("/r/benchmarks/.work/library/abc/idempotency_mw/sql/__init__.py") == (
-        "idempotency_mw/sql/__init__.py"
-    )
-    assert opcodes.group("/v/lib/python3.11/site-packages/asyncpg/pool.py") == "asyncpg"
-    assert opcodes.group("/p/lib/python3.11/asyncio/tasks.py") == "asyncio"
-    assert opcodes.group("/p/lib/python3.11/hmac.py") == "standard library"
-    assert opcodes.group("/r/benchmarks/benchapp.py") == "benchmark driver"
-
-    def revision(name: str, fresh: float, replay: float) -> dict[str, object]:
-        return {
-            "revision": name,
-            "commit": "0123456789abcdef" if name != opcodes.WORKTREE else "fedcba9876543210",
-            "subject": f"change {name}",
-            "digest": "d",
-            "fresh": {"idempotency_mw/middleware.py": fresh, "asyncio": 100.0},
-            "replay": {"idempotency_mw/middleware.py": replay, "asyncio": 50.0},
-        }
-
-    markdown = opcodes.render(
-        {"requests": 5, "revisions": [revision("base", 1000, 400), revision(opcodes.WORKTREE, 1120, 390)]}
-    )
-    assert "| `0123456` | change base | 1000 |  | 1100 | 400 |  | 450 |" in markdown
-    assert "| working tree | change worktree | 1120 | +120 | 1220 | 390 | -10 | 440 |" in markdown
-    assert "| `idempotency_mw/middleware.py` | 1000 | 1120 | +120 | 400 | 390 | -10 |" in markdown
+    found = [common.Target("a goal", "≤ 1", "2", False), common.Target("another", "none", "3", None)]
+    written = common.publish("overhead", "# overhead", {"n": 1}, found, began=0.0, mode="quick", **meta)
+    assert written == tmp_path / "overhead.md"
+    assert written.read_text().startswith("# overhead\n")
+    raw = json.loads((tmp_path / "raw" / "overhead.json").read_text())
+    assert raw["result"] == {"n": 1}
+    assert [common.Target(**t) for t in raw["targets"]] == found
+    summary = (tmp_path / "README.md").read_text()
+    assert "| a goal | ≤ 1 | 2 | **missed** | [overhead.md](overhead.md) (quick) |" in summary
+    assert "| another | none | 3 | n/a | [overhead.md](overhead.md) (quick) |" in summary
+    assert "| roundtrips |  | not measured yet: run.py --only roundtrips | n/a |  |" in summary
+    assert "raw/scale.json was written by an older harness: re-run it" in summary
+    assert "fixes" not in summary
+    assert "compare.md" not in summary  # run on its own: listed once it has a result

@@ -35,8 +35,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from idempotency_mw import IdempotencyMiddleware, PostgresStore, problems
+from idempotency_mw import IdempotencyMiddleware, PostgresStore
+from idempotency_mw import _problems as problems
 from idempotency_mw import client as client_module
+from idempotency_mw._keys import InvalidKey, parse_key
+from idempotency_mw._wire import ProblemCode
 from idempotency_mw.client import (
     AsyncIdempotentClient,
     IdempotentClient,
@@ -46,8 +49,6 @@ from idempotency_mw.client import (
     parse_retry_after,
     validate_key,
 )
-from idempotency_mw.keys import InvalidKey, parse_key
-from idempotency_mw.wire import ProblemCode
 
 FAST = Retry(attempts=10, deadline=20.0, backoff=0.01, max_backoff=0.05)
 AUTH = {"Authorization": "Bearer sk_test_client"}

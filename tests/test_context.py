@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from idempotency_mw.context import IdempotencyContext
+from idempotency_mw._context import IdempotencyContext
 
 
 @pytest.mark.parametrize(

@@ -72,8 +72,8 @@ def test_python_snippets_import_what_exists(where: str, code: str) -> None:
 CALLABLES: dict[str, set[str]] = {
     "IdempotencyMiddleware": set(inspect.signature(IdempotencyMiddleware).parameters),
     "PostgresStore": set(inspect.signature(PostgresStore).parameters),
-    "idempotent": {field.name for field in dataclasses.fields(Policy)},
-    "Policy": {field.name for field in dataclasses.fields(Policy)},
+    "idempotent": {field.name for field in dataclasses.fields(Policy) if field.init},
+    "Policy": {field.name for field in dataclasses.fields(Policy) if field.init},
     "AuthorizationTenant": set(inspect.signature(AuthorizationTenant).parameters),
     "header_tenant": set(inspect.signature(header_tenant).parameters),
     "Retry": {field.name for field in dataclasses.fields(Retry)},

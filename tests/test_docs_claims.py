@@ -16,8 +16,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, StoredResponse
-from idempotency_mw.context import mark_not_executed
-from idempotency_mw.events import Event, Outcome
+from idempotency_mw._context import mark_not_executed
+from idempotency_mw._events import Event, Outcome
 from tests.apps import Probe, build_app
 from tests.conftest import client_for, http_scope, tenant_of
 

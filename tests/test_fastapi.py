@@ -17,10 +17,10 @@ from starlette.responses import JSONResponse
 from starlette.types import Message
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, header_tenant, idempotent
+from idempotency_mw._keys import InvalidKey, parse_key
+from idempotency_mw._policy import RELEASED_STATUSES
+from idempotency_mw._wire import ProblemCode
 from idempotency_mw.fastapi import Idempotency, IdempotencyConnection, TenantDependency, setup
-from idempotency_mw.keys import InvalidKey, parse_key
-from idempotency_mw.policy import RELEASED_STATUSES
-from idempotency_mw.wire import ProblemCode
 from tests.conftest import client_for
 
 jsonschema_rs = pytest.importorskip("jsonschema_rs", reason="jsonschema_rs comes with schemathesis (the dev extra)")

@@ -22,8 +22,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, StoredResponse, header_tenant
-from idempotency_mw import fingerprint as fingerprint_module
-from idempotency_mw.fingerprint import (
+from idempotency_mw import _fingerprint as fingerprint_module
+from idempotency_mw._fingerprint import (
     FingerprintKeys,
     canonical_body,
     canonical_query,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from idempotency_mw.keys import InvalidKey, MissingKey, key_from_headers, parse_key, uuid7_time
+from idempotency_mw._keys import InvalidKey, MissingKey, key_from_headers, parse_key, uuid7_time
 
 
 @pytest.mark.parametrize(

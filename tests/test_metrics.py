@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 
 from idempotency_mw import Event, MemoryStore, Outcome, PostgresStore, StoreUnavailable
-from idempotency_mw.events import hash_key, log_event, tenant_tag
+from idempotency_mw._events import hash_key, log_event, tenant_tag
 from idempotency_mw.metrics import PrometheusMetrics
 from idempotency_mw.telemetry import SpanAttributes, hooks
 from tests.apps import Probe, Registry, build_app

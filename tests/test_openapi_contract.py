@@ -34,8 +34,8 @@ from schemathesis.python import asgi as st_asgi  # noqa: E402
 
 from examples.payments.app import create_app  # noqa: E402
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, idempotent  # noqa: E402
+from idempotency_mw._keys import InvalidKey, parse_key  # noqa: E402
 from idempotency_mw.fastapi import setup  # noqa: E402
-from idempotency_mw.keys import InvalidKey, parse_key  # noqa: E402
 
 SEED = 1  # another seed draws other requests; the list below holds for seeds 1 to 5
 EXAMPLES = {"bare": 30, "payments": 15}  # per operation and phase: 4 and 14 documented operations

@@ -48,10 +48,10 @@ def test_the_wheel_holds_the_library_alone(wheel: zipfile.ZipFile) -> None:
     assert not [name for name in names if name.startswith("idempotency_mw/demo")]
     assert {
         "idempotency_mw/py.typed",
-        "idempotency_mw/sql/queries.sql",
-        "idempotency_mw/sql/session.sql",
-        "idempotency_mw/sql/migrations/0001_initial.sql",
-        "idempotency_mw/sql/migrations/0002_responses.sql",
+        "idempotency_mw/postgres/sql/queries.sql",
+        "idempotency_mw/postgres/sql/session.sql",
+        "idempotency_mw/postgres/sql/migrations/0001_initial.sql",
+        "idempotency_mw/postgres/sql/migrations/0002_responses.sql",
     } <= set(names)
 
 

@@ -7,9 +7,9 @@ import orjson
 import pytest
 from starlette.types import Message
 
-from idempotency_mw import problems
-from idempotency_mw.problems import TYPE_BASE, Problem
-from idempotency_mw.wire import ProblemCode
+from idempotency_mw import _problems as problems
+from idempotency_mw._problems import TYPE_BASE, Problem
+from idempotency_mw._wire import ProblemCode
 from tests.calls import recorder
 
 EVERY_PROBLEM = {

@@ -30,10 +30,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotency_context, idempotent
-from idempotency_mw.events import Outcome
+from idempotency_mw._events import Outcome
 from idempotency_mw.fastapi import IdempotencyConnection, setup
 from idempotency_mw.metrics import PrometheusMetrics
-from idempotency_mw.sqlalchemy import IdempotencySession, SQLAlchemyStore, idempotency_session
+from idempotency_mw.sqlalchemy import IdempotencySession, SQLAlchemyConnector, SQLAlchemyStore, idempotency_session
 from idempotency_mw.store import StoredResponse, TransactionalStore
 from tests.conftest import client_for, tenant_of
 from tests.orm import SCHEMA, Effect, Note, create_tables, sqlalchemy_url
@@ -119,6 +119,25 @@ async def effects(db: asyncpg.Connection, key: str) -> int:
 def test_the_middleware_takes_it_as_a_transactional_store(store: SQLAlchemyStore) -> None:
     assert isinstance(store, TransactionalStore)
     IdempotencyMiddleware(Starlette(), store, transactional=True)
+
+
+async def test_a_store_bound_to_the_apps_pool_keeps_its_transactions_on_the_engine(
+    idempotency_database_url: str, engine: AsyncEngine, db: asyncpg.Connection, key: str
+) -> None:
+    """``SQLAlchemyStore(PostgresStore(), engine).bind(pool)`` in a lifespan: the store's statements on the app's
+    asyncpg pool, the handlers' transactions on the engine."""
+    store = SQLAlchemyStore(PostgresStore(), engine)
+    async with asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=4) as pool:
+        await store.bind(pool).open()
+        try:
+            client = client_for(build(store))
+            first = await client.post("/write", headers={"Idempotency-Key": key})
+            again = await client.post("/write", headers={"Idempotency-Key": key})
+        finally:
+            await store.close(grace=0)
+    assert first.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true"
+    assert await effects(db, key) == 1
 
 
 async def test_a_session_commit_before_a_failure_is_rolled_back_with_it(
@@ -518,23 +537,14 @@ async def test_what_the_docs_call_on_a_store_works_on_a_sqlalchemy_store(
         await db.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
-# What a PostgresStore has that a SQLAlchemyStore leaves out, and why. Anything else the docs may call on a store.
-NOT_ON_A_SQLALCHEMY_STORE = {
-    "bind": "puts a store made without a pool on an asyncpg pool of the app's: a SQLAlchemyStore has its engine",
-    "claim_on": "how a transaction of another kind claims on a connection of its own, through the PostgresStore",
-    "connection": "an asyncpg connection: a SQLAlchemy app deletes through its session (the guide says how)",
-    "notice": "the SQL that tells other processes' waiters of a commit, for a transaction of another kind",
-    "settled": "how a transaction of another kind tells the PostgresStore a claim settled",
-    "statement": "the store's SQL, for a transaction the store does not own",
-}
-
-
-def test_a_sqlalchemy_store_has_every_operation_of_a_postgres_store() -> None:
-    public = {
-        name for name in vars(PostgresStore) if not name.startswith("_") and callable(getattr(PostgresStore, name))
-    }
-    missing = {name for name in public if not hasattr(SQLAlchemyStore, name)}
-    assert missing == set(NOT_ON_A_SQLALCHEMY_STORE)
+def test_a_sqlalchemy_store_is_a_postgres_store_that_lends_the_engines_connections(
+    store: SQLAlchemyStore, pg_store: PostgresStore
+) -> None:
+    """Every operation of a PostgresStore is a SQLAlchemyStore's own: it is one, on the records and connections of
+    the store it was given, with the engine's connections lent to handlers (``SQLAlchemyConnector``)."""
+    assert isinstance(store, PostgresStore)
+    assert isinstance(store.connector, SQLAlchemyConnector)
+    assert store.store is not store
 
 
 def test_bad_arguments_are_refused_with_what_is_needed(idempotency_database_url: str) -> None:

@@ -31,8 +31,8 @@ from idempotency_mw import (
     StoreUnavailable,
     header_tenant,
 )
-from idempotency_mw.events import Event
-from idempotency_mw.tenants import TenantResolver, legacy_sha256_fallback
+from idempotency_mw._events import Event
+from idempotency_mw._keys import TenantResolver, legacy_sha256_fallback
 from idempotency_mw.testing import assert_idempotent
 from tests.apps import Probe, build_app
 from tests.conftest import TEST_TENANT_SECRET, client_for

@@ -22,10 +22,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, Store, StoredResponse, idempotency_context
-from idempotency_mw.postgres import PostgresTransaction
+from idempotency_mw._waiting import Waiters
 from idempotency_mw.sqlalchemy import SQLAlchemyStore, SQLAlchemyTransaction
-from idempotency_mw.store import Claim, ClaimOutcome
-from idempotency_mw.waiting import Waiters
+from idempotency_mw.store import Claim, ClaimOutcome, Transaction
 from tests.conftest import client_for
 
 FINGERPRINT = b"f" * 40
@@ -180,13 +179,13 @@ async def test_waiters_of_one_claim_share_one_event() -> None:
 
     woken = asyncio.gather(*(wait() for _ in range(3)))
     await asyncio.sleep(0)
-    assert waiters.waiting
+    assert waiters.events
     waiters.wake(7)  # another claim's settlement wakes nobody here
     await asyncio.sleep(0.05)
     assert not woken.done()
     waiters.wake(42)
     await asyncio.wait_for(woken, 1)
-    assert not waiters.waiting
+    assert not waiters.events
 
 
 async def test_a_notification_names_the_claim_by_its_fence_alone(idempotency_database_url: str, key: str) -> None:
@@ -227,7 +226,7 @@ async def test_the_notice_after_a_commit_finds_its_record_by_the_primary_key(
     collation of ``convert_from``'s encoding name, "C", which the primary key's "default" cannot serve: a sequential
     scan per request, 2.5 ms on a table of 17,000 records and growing with it.)"""
     async with PostgresStore(idempotency_database_url) as store:
-        notice = store.notice("tenant-é", key, 12345)
+        notice = store._records.notice("tenant-é", key, 12345)  # what a transaction appends to its reset
         async with store.connection() as connection, connection.transaction():
             await connection.execute("SET LOCAL enable_seqscan = off")  # what the planner can do, not what it likes
             plan = "\n".join(row[0] for row in await connection.fetch("EXPLAIN " + notice.rstrip().rstrip(";")))
@@ -417,7 +416,7 @@ class CommitsWhenTold(PostgresStore):
         self.commit = asyncio.Event()
 
     @contextlib.asynccontextmanager
-    async def transaction(self) -> AsyncIterator[PostgresTransaction]:
+    async def transaction(self) -> AsyncIterator[Transaction]:
         async with super().transaction() as transaction:
             commit = transaction.commit
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Annotated, Any
 
 import asyncpg
@@ -24,17 +24,15 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, compile_path
+from starlette.routing import BaseRoute, Mount, compile_path
 from starlette.types import Scope
 
 from examples.payments import edge, expansion, ledger, lists, objects, wire
 from examples.payments.migrate import apply_migrations
 from examples.payments.wire import StripeError
-from idempotency_mw import IdempotencyMiddleware, PostgresStore, __version__
-from idempotency_mw.context import mark_not_executed
+from idempotency_mw import IdempotencyMiddleware, PostgresStore, __version__, mark_not_executed
 from idempotency_mw.fastapi import Idempotency, IdempotencyConnection, setup
-from idempotency_mw.routes import iter_routes
-from idempotency_mw.urls import postgres_url
+from idempotency_mw.postgres import postgres_url
 
 # The smallest charge (in the currency's smallest unit) is 50 everywhere here; Stripe's minimums vary a little.
 CURRENCIES = ("chf", "eur", "gbp", "jpy", "usd")
@@ -818,10 +816,26 @@ def allowed_methods(routes: Iterable[BaseRoute], scope: Scope) -> list[str]:
     if root and path.startswith(root):
         path = path[len(root) :]
     methods: set[str] = set()
-    for entry in iter_routes(routes):
-        if entry.methods and compile_path(entry.path)[0].fullmatch(path):
-            methods |= entry.methods
+    for template, allowed in _route_methods(routes):
+        if compile_path(template)[0].fullmatch(path):
+            methods |= allowed
     return sorted(methods)
+
+
+def _route_methods(routes: Any, prefix: str = "") -> Iterator[tuple[str, set[str]]]:
+    """(path template, methods) of every route below ``routes``, through Mounts and included routers (FastAPI 0.160
+    and later keep those as branches, which ``iter_route_contexts`` walks with their full paths)."""
+    try:
+        from fastapi.routing import iter_route_contexts
+    except ImportError:  # an older FastAPI: included routes are copied in flat
+        found: Any = ((route, getattr(route, "path_format", None)) for route in routes)
+    else:
+        found = ((context.original_route, context.path_format) for context in iter_route_contexts(list(routes)))
+    for route, path in found:
+        if isinstance(route, Mount):
+            yield from _route_methods(route.routes, prefix + route.path)
+        elif path is not None and getattr(route, "methods", None):
+            yield prefix + path, set(route.methods)
 
 
 async def _server_error(request: Request, error: Exception) -> Response:

@@ -41,7 +41,7 @@ class Translation:
     should_retry: bool | None = None  # Stripe-Should-Retry, which Stripe's client libraries obey
 
 
-# The middleware's problem codes (idempotency_mw.problems) and Stripe's answer in the same situation.
+# The middleware's problem codes (idempotency_mw._problems) and Stripe's answer in the same situation.
 TRANSLATIONS: dict[str, Translation] = {
     # Stripe: 400 idempotency_error for a key used with other parameters; the middleware: 422.
     "idempotency_key_reused": Translation(

@@ -16,7 +16,7 @@ import asyncpg
 
 from examples.payments import ledger
 from idempotency_mw import PostgresStore
-from idempotency_mw.urls import postgres_url
+from idempotency_mw.postgres import postgres_url
 
 
 async def apply_migrations(store: PostgresStore, pool: asyncpg.Pool) -> list[str]:

@@ -21,8 +21,8 @@ from examples.payments import app as payments_app
 from examples.payments import wire
 from examples.payments.app import create_app
 from idempotency_mw import PostgresStore
+from idempotency_mw._fingerprint import fingerprint
 from idempotency_mw.client import should_retry
-from idempotency_mw.fingerprint import fingerprint
 from idempotency_mw.testing import assert_idempotent
 
 REPOSITORY = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import pytest
 
 from examples.payments.app import create_app
 from examples.payments.edge import TRANSLATIONS
-from idempotency_mw.wire import ProblemCode
+from idempotency_mw._wire import ProblemCode
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from idempotency_mw import MemoryStore, PostgresStore, Store
-from idempotency_mw.policy import RELEASED_STATUSES
+from idempotency_mw._policy import RELEASED_STATUSES
 from tests.faults import asgi
 from tests.faults.hostile_app import MAX_REQUEST_BYTES, Runs, build
 

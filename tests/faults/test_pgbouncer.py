@@ -20,6 +20,7 @@ from faults.ledger_app import create_app
 from faults.storm import run_storm
 from faults.workers import effects_per_key, violations
 from idempotency_mw import PostgresStore
+from idempotency_mw.postgres._lending import PostgresTransaction
 
 pytestmark = pytest.mark.slow
 
@@ -87,6 +88,7 @@ async def test_a_lent_connection_comes_back_healthy_through_pgbouncer(pgbouncer_
             await connection.execute("SET application_name = 'lent'")
             lent = connection.get_server_pid()  # PgBouncer's own key for this client connection
         async with store.transaction() as transaction:
+            assert isinstance(transaction, PostgresTransaction)
             await transaction.begin()
             assert transaction.connection.get_server_pid() == lent  # the same connection, kept
             assert await transaction.connection.fetchval("SELECT 1") == 1

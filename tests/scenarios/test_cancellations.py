@@ -25,9 +25,8 @@ from idempotency_mw import (
     PostgresStore,
     idempotency_context,
 )
-from idempotency_mw.events import Event, Outcome
-from idempotency_mw.postgres import PostgresTransaction
-from idempotency_mw.store import Claim
+from idempotency_mw._events import Event, Outcome
+from idempotency_mw.store import Claim, Transaction
 from tests.calls import hanging_up_client, ignore
 from tests.conftest import http_scope, opened
 
@@ -100,7 +99,7 @@ class PausingRollbackStore(PostgresStore):
         self.resume = asyncio.Event()
 
     @contextlib.asynccontextmanager
-    async def transaction(self) -> AsyncIterator[PostgresTransaction]:
+    async def transaction(self) -> AsyncIterator[Transaction]:
         async with super().transaction() as transaction:
             rollback = transaction.rollback
 
@@ -207,13 +206,16 @@ class TransactionalClaimLandsThenStalls(PostgresStore):
         super().__init__(dsn, min_size=0, max_size=2, timeout=1.0)
         self.landed = asyncio.Event()
         self.reply = asyncio.Event()
+        claim = self._records.claim
 
-    async def _claim(self, *args: Any, **kwargs: Any) -> Claim:
-        claim = await super()._claim(*args, **kwargs)
-        if not self.landed.is_set():
-            self.landed.set()
-            await self.reply.wait()
-        return claim
+        async def stalling(*args: Any, **kwargs: Any) -> Claim:  # every claim of the store's, its transactions' too
+            claimed = await claim(*args, **kwargs)
+            if not self.landed.is_set():
+                self.landed.set()
+                await self.reply.wait()
+            return claimed
+
+        self._records.claim = stalling  # type: ignore[method-assign]
 
 
 async def test_a_transactional_request_cancelled_during_its_claim_gives_its_connection_back(

@@ -1,0 +1,368 @@
+"""A claim that is the request's: its lease renewed while the handler runs, then completed with the final answer or
+released so that the retry runs afresh; once, whatever happens to the request meanwhile.
+
+Leases are renewed by one :class:`LeaseKeeper` per middleware (and event loop): a request registers its claim and
+unregisters it when it settles, and the keeper's single timer wakes when the earliest renewal is due, every third
+of the lease. Most requests end long before that and never cost a timer, a task or a store call of their own.
+Leases of one duration come due in the order they were held or last renewed, so the keeper keeps one queue per
+duration (an insertion-ordered dict: holding appends, renewing moves to the back, dropping removes, each O(1)); a
+wake looks at the fronts of the queues only. A middleware served from more than one event loop (a server per
+thread, a server restarted in process) has each loop renew its own leases, and forgets the loops that closed.
+
+The claim and the settlement of a request must outlive a cancellation of the request (a server shutting down, an
+outer timeout), so whatever waits on the store goes on in a task of its own (:func:`start_eagerly`), and the request
+waits for it through :func:`outlasting`. On Python 3.12 and later the task starts eagerly: it runs in the caller's
+turn of the event loop up to its first wait, so one that never waits (``MemoryStore``) is done at once, and one that
+waits for the database has already sent its statement. Python 3.11 has no eager tasks; there it starts at the loop's
+next turn. (Driving the coroutine by hand on 3.11 instead would make the request's task current while it runs, and
+``asyncio.timeout``, which the pool uses, would then cancel the request rather than the claim.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Protocol, TypeVar
+
+from starlette.types import Scope
+
+from idempotency_mw._events import FailureLog, Outcome, hash_key
+from idempotency_mw._fingerprint import FingerprintKeys, fingerprint
+from idempotency_mw._keys import ROUTE_TENANTS
+from idempotency_mw._policy import Policy
+from idempotency_mw.store import (
+    Claim,
+    ClaimOutcome,
+    PoolExhausted,
+    Store,
+    StoredResponse,
+    StoreUnavailable,
+    Subscription,
+)
+
+T = TypeVar("T")
+logger = logging.getLogger("idempotency_mw")
+
+
+class OwnedClaim:
+    """The claim of ``(tenant, key)`` under ``fence``, the request's until it settles: its lease renewed meanwhile
+    (by ``leases``), then :meth:`complete` or :meth:`release`, which say how it ended. ``store_seconds`` is the
+    time its settlement spent waiting on the store."""
+
+    __slots__ = ("_failures", "_lease", "_leases", "fence", "key", "store", "store_seconds", "tenant")
+
+    def __init__(
+        self,
+        store: Store,
+        tenant: str,
+        key: str,
+        fence: int,
+        *,
+        lease: float,
+        leases: LeaseKeeper,
+        failures: FailureLog,
+    ) -> None:
+        self.store, self.tenant, self.key, self.fence = store, tenant, key, fence
+        self.store_seconds = 0.0
+        self._failures = failures
+        self._leases = leases
+        self._lease: HeldLease | None = leases.hold(tenant, key, fence, lease)
+
+    def drop_lease(self) -> None:
+        """The handler is done (its answer settles now): stop renewing."""
+        if self._lease is not None:
+            self._leases.drop(self._lease)
+            self._lease = None
+
+    async def complete(self, response: StoredResponse) -> Outcome:
+        """Record the final answer: EXECUTED, or FENCED_OUT when a newer claim owns the key."""
+        self.drop_lease()
+        started = time.perf_counter()
+        try:
+            try:
+                completed = await self.store.complete(self.tenant, self.key, self.fence, response)
+            except StoreUnavailable:
+                raise
+            except Exception as refused:
+                # The database refused the response itself (a header it cannot hold). The effect has happened: the
+                # key completes all the same, without a response to replay, rather than run again after its lease.
+                self._failures.failed("store a response (the key completes without it)", refused)
+                unreplayable = response.unreplayable()
+                completed = await self.store.complete(self.tenant, self.key, self.fence, unreplayable)
+        except Exception as error:
+            # The client has its response; the claim stays until its lease lapses, then a retry runs again.
+            self._failures.failed("record a completed response", error)
+            return store_failure(error)
+        finally:
+            self.store_seconds += time.perf_counter() - started
+        return Outcome.EXECUTED if completed else Outcome.FENCED_OUT
+
+    async def release(self) -> Outcome:
+        """Free the key for the retry (FENCED_OUT when it was no longer this claim's to free). Shielded: it must happen
+        even when the request was cancelled."""
+        self.drop_lease()
+        started = time.perf_counter()
+        try:
+            released = await asyncio.shield(self.store.release(self.tenant, self.key, self.fence))
+        except Exception as error:
+            self._failures.failed("release a key (it frees itself when its lease lapses)", error)
+            return store_failure(error)
+        finally:
+            self.store_seconds += time.perf_counter() - started
+        return Outcome.RELEASED if released else Outcome.FENCED_OUT
+
+
+def store_failure(error: BaseException) -> Outcome:
+    """An exhausted pool is its own outcome: the fix is a larger ``max_size``, not the database team."""
+    return Outcome.POOL_EXHAUSTED if isinstance(error, PoolExhausted) else Outcome.STORE_ERROR
+
+
+# -- leases --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class HeldLease:
+    """One claim in flight (compared by identity: two claims are never the same one)."""
+
+    tenant: str
+    key: str
+    fence: int
+    lease: float
+    due: float  # loop time of the next renewal
+    leases: LoopLeases  # those of the loop it was held on, which renews it
+    renewal: asyncio.Task[None] | None = None
+    dropped: bool = False  # the request has ended: a renewal still on its way changes nothing and says nothing
+
+
+@dataclass(eq=False, slots=True)
+class LoopLeases:
+    """The leases held on one event loop and the timer that renews them: a loop's timer and tasks run on it alone."""
+
+    loop: asyncio.AbstractEventLoop
+    queues: dict[float, OrderedDict[HeldLease, None]] = field(default_factory=dict)  # lease -> leases, earliest first
+    timer: asyncio.TimerHandle | None = None
+    wake_at: float = math.inf
+
+
+class LeaseKeeper:
+    """Renews the lease of every claim held, from one timer per event loop."""
+
+    def __init__(self, store: Store, failures: FailureLog | None = None) -> None:
+        self._store = store
+        self._failures = failures if failures is not None else FailureLog(logger)
+        self._loops: dict[asyncio.AbstractEventLoop, LoopLeases] = {}
+
+    def hold(self, tenant: str, key: str, fence: int, lease: float) -> HeldLease:
+        """Renew this claim's lease until :meth:`drop` is called with what this returns."""
+        loop = asyncio.get_running_loop()
+        leases = self._loops.get(loop)
+        if leases is None:
+            leases = self._meet(loop)
+        held = HeldLease(tenant, key, fence, lease, loop.time() + lease / 3, leases)
+        queue = leases.queues.get(lease)
+        if queue is None:  # one queue per duration a route configures, kept for the life of the loop
+            queue = leases.queues[lease] = OrderedDict()
+        queue[held] = None  # due last among the leases of its duration
+        if held.due < leases.wake_at:
+            self._arm(leases, held.due)
+        return held
+
+    def _meet(self, loop: asyncio.AbstractEventLoop) -> LoopLeases:
+        """Start keeping the leases of a loop seen for the first time (another thread's, a server restarted in
+        process), and forget the loops that have closed: nothing renews their leases again, and kept they would
+        pile up, one per loop the middleware ever served."""
+        for known in list(self._loops):  # a copy: another thread's loop may meet the keeper meanwhile
+            if known.is_closed():
+                self._loops.pop(known, None)
+        leases = self._loops[loop] = LoopLeases(loop)
+        return leases
+
+    def drop(self, held: HeldLease) -> None:
+        """The request has ended: stop renewing. The timer is left to lapse; it costs one idle wake at most.
+
+        A renewal already on its way is left to finish rather than cancelled: cancelling a statement in flight
+        costs its connection, and the renewal is harmless (fenced, and a completed record is never renewed)."""
+        held.dropped = True
+        queue = held.leases.queues.get(held.lease)
+        if queue is not None:
+            queue.pop(held, None)
+
+    def _arm(self, leases: LoopLeases, when: float) -> None:
+        if leases.timer is not None:
+            leases.timer.cancel()
+        leases.wake_at = when
+        leases.timer = leases.loop.call_at(when, self._wake, leases)
+
+    def _wake(self, leases: LoopLeases) -> None:
+        leases.timer, leases.wake_at = None, math.inf
+        loop = leases.loop
+        now = loop.time()
+        earliest = math.inf
+        for lease, queue in leases.queues.items():
+            for _ in range(len(queue)):  # each lease once at most, even one so short that it is due again at once
+                held = next(iter(queue))
+                if held.due > now:
+                    break
+                held.due = now + lease / 3
+                queue.move_to_end(held)  # renewed now: due after every other lease of this duration
+                if held.renewal is None or held.renewal.done():
+                    held.renewal = loop.create_task(self._renew(held))
+            if queue:
+                earliest = min(earliest, next(iter(queue)).due)
+        if earliest < math.inf:
+            self._arm(leases, earliest)
+
+    async def _renew(self, held: HeldLease) -> None:
+        try:
+            renewed = await self._store.renew(held.tenant, held.key, held.fence, lease=held.lease)
+            if not renewed and not held.dropped:  # dropped: it was completed or released meanwhile, not taken over
+                logger.warning("idempotency lease of key %s was taken over", hash_key(held.key))
+                self.drop(held)
+        except Exception as error:  # the store is unreachable for now: the next beat tries again
+            self._failures.failed("renew a lease (retried at the next beat)", error)
+
+
+# -- tasks that a cancellation of the request cannot stop ----------------------------------------------------------
+
+
+if sys.version_info >= (3, 12):
+
+    def start_eagerly(coroutine: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+        """A task running ``coroutine``, started eagerly: up to its first wait, in the caller's turn of the loop."""
+        return asyncio.Task(coroutine, loop=asyncio.get_running_loop(), name=name, eager_start=True)
+
+else:
+
+    def start_eagerly(coroutine: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+        """A task running ``coroutine``: Python 3.11 has no eager tasks, so it starts at the loop's next turn."""
+        return asyncio.Task(coroutine, loop=asyncio.get_running_loop(), name=name)
+
+
+def outlasting(task: asyncio.Future[T]) -> asyncio.Future[T]:
+    """What ``task`` ends with, to wait for: cancelling the wait leaves ``task`` running (``asyncio.shield``, minus
+    its argument checks and its second turn of the loop). An error nobody reads after a cancelled wait is marked
+    read, so that asyncio does not log it as lost."""
+    if task.done():
+        return task
+    follower: asyncio.Future[T] = task.get_loop().create_future()
+    task.add_done_callback(partial(_pass_on, follower))
+    return follower
+
+
+def _pass_on(follower: asyncio.Future[T], task: asyncio.Future[T]) -> None:
+    if follower.cancelled():  # the waiter was cancelled: the outcome is the task's owner's to read
+        if not task.cancelled():
+            task.exception()  # marked as read, or asyncio would log an error that nobody retrieved
+        return
+    if task.cancelled():
+        follower.cancel()
+    elif (error := task.exception()) is not None:
+        follower.set_exception(error)
+    else:
+        follower.set_result(task.result())
+
+
+# -- taking a claim -------------------------------------------------------------------------------------------------
+
+
+class Claimer(Protocol):
+    """What takes a claim: the store, or a transactional run (on the connection its transaction then uses)."""
+
+    async def claim(
+        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+    ) -> Claim: ...
+
+
+@dataclass(eq=False, slots=True)
+class Ask:
+    """What a request asks of the store: its key, under whose name, for which request; filled in as the request is
+    read (its key, then its tenant, then its fingerprint)."""
+
+    key: str | None = None
+    tenant: str = ""  # whose record: the tenant, or a route's own tenant in a namespace of its own
+    owner: str = ""  # the tenant as resolved: what the handler's context and the event carry
+    legacy_tenant: str | None = None  # a route's tenant as stored before routes had a namespace
+    digest: bytes = b""  # the request's fingerprint, unkeyed: never stored, nor sent to the store
+    digests: tuple[bytes, ...] = ()  # as stored, under each fingerprint key, the current one first
+
+    def scope_to(self, tenant: str, *, route_owns_it: bool) -> bool:
+        """Scope the key by ``tenant``. A route's own tenant (a provider's webhooks) has a namespace of its own, its
+        records apart from every tenant of the resolver; False for a resolver's tenant in that namespace, which could
+        meet a route's records."""
+        if route_owns_it:
+            self.owner, self.tenant, self.legacy_tenant = tenant, ROUTE_TENANTS + tenant, tenant
+        elif tenant.startswith(ROUTE_TENANTS):
+            return False
+        else:
+            self.tenant = self.owner = tenant
+        return True
+
+    def fingerprint(
+        self, scope: Scope, content_type: bytes, body: bytes, policy: Policy, keys: FingerprintKeys
+    ) -> None:
+        """The request's fingerprint (method, path, query and body, less the policy's excluded fields), as stored
+        under each of ``keys``."""
+        self.digest = fingerprint(
+            scope["method"],
+            scope["path"],
+            scope.get("query_string", b""),
+            content_type,
+            body,
+            policy.fingerprint_exclude,
+        )
+        self.digests = keys.digests(self.digest)
+
+    async def claim(self, claimer: Claimer, store: Store, *, lease: float, ttl: float) -> Claim:
+        """The claim, by ``claimer``.
+
+        A record whose fingerprint is a bare SHA-256 was written before fingerprints were keyed: when it is this
+        request's own ``digest``, it is the same request after all (a retry in flight across the upgrade), and the
+        claim is taken again with it. For a route's own tenant, a fresh claim goes where a record written before
+        routes' tenants had a namespace of their own would be, if one is live there (an event delivered before the
+        upgrade, redelivered after): the fresh claim is released, and the request is claimed under the bare tenant,
+        so that it is still the same request."""
+        assert self.key is not None
+        current, *previous = self.digests
+        claim = await claimer.claim(self.tenant, self.key, current, lease=lease, ttl=ttl, matching=tuple(previous))
+        if claim.outcome is ClaimOutcome.MISMATCH and claim.unkeyed is not None and claim.unkeyed == self.digest:
+            matching = (*previous, self.digest)
+            return await claimer.claim(self.tenant, self.key, current, lease=lease, ttl=ttl, matching=matching)
+        legacy = self.legacy_tenant
+        if claim.outcome is ClaimOutcome.OWNED and not claim.attempts and legacy is not None:
+            found = await store.inspect(legacy, self.key)
+            if found is not None and found.expires_at > time.time():
+                await store.release(self.tenant, self.key, claim.fence)
+                self.tenant, self.legacy_tenant = legacy, None
+                return await self.claim(claimer, store, lease=lease, ttl=ttl)
+        return claim
+
+
+# -- waiting for the claim of another request -----------------------------------------------------------------------
+
+Watch = Callable[[int], contextlib.AbstractAsyncContextManager[Subscription]]
+
+
+async def claim_or_wait(claim: Callable[[], Awaitable[Claim]], watch: Watch, within: float) -> Claim:
+    """The ``claim``; while another request runs under its key, watch that request's claim (``watch(fence)``), check
+    again, and wait for it to settle, then claim again; for ``within`` seconds at most."""
+    claimed = await claim()
+    if claimed.outcome is not ClaimOutcome.IN_PROGRESS:
+        return claimed
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while claimed.outcome is ClaimOutcome.IN_PROGRESS and deadline > loop.time():
+        running = claimed.fence
+        async with watch(running) as settled:
+            claimed = await claim()  # subscribed: a settlement before this is found here, one after wakes us
+            if claimed.outcome is ClaimOutcome.IN_PROGRESS and claimed.fence == running:
+                await settled.wait(deadline - loop.time())
+                claimed = await claim()
+    return claimed

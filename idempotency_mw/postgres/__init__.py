@@ -1,0 +1,10 @@
+"""The PostgreSQL store: records in two tables, on asyncpg, through connections of its own or of the app's.
+
+``PostgresStore`` is the store; ``postgres_url`` turns a deploy's ``DATABASE_URL`` (SQLAlchemy's spelling
+included) into one asyncpg takes. Everything else in this package is how the store works (``docs/design.md`` §9).
+"""
+
+from idempotency_mw.postgres._connector import postgres_url
+from idempotency_mw.postgres._store import PostgresStore
+
+__all__ = ["PostgresStore", "postgres_url"]

@@ -1,0 +1,301 @@
+"""Connections lent to code other than the store's, for the loan only, and given back as they were lent; and the
+transaction of a transactional request on one of them.
+
+A transactional handler writes through a connection of the store's (or of the app's pool) for one request. Two
+things keep one request's use of it from reaching the next user of the connection:
+
+- :class:`LentConnection` is what the handler holds: an asyncpg connection that refuses every call once the loan
+  has ended, as asyncpg's own pool refuses a connection used after its release. A task that outlived its request
+  could otherwise read another tenant's uncommitted writes, or write into its transaction.
+- :func:`reset_sql` is what the connection runs when it comes back, in one round trip: ``sql/reset_session.sql``
+  clears whatever the handler did to the session (role, settings, temp tables, prepared statements, advisory
+  locks, LISTEN), then the SQL that restores what the pool established when it opened the connection (an asyncpg
+  pool's ``init``, a SQLAlchemy ``connect`` event, the store's own settings). That state is read once per
+  connection, the first time it is lent (:func:`remember`), and kept with the connection.
+
+:class:`PostgresTransaction` is the lent connection of one transactional request: the key is claimed on it (committed
+at once), then the handler's transaction begins on it, and the record completes in it.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import functools
+import inspect
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import asyncpg
+
+from idempotency_mw.postgres._connector import default_isolation
+from idempotency_mw.postgres._records import NOT_MIGRATED, UNAVAILABLE, Records, reachable
+from idempotency_mw.postgres._sql import reset_session, session
+from idempotency_mw.store import Claim, StoredResponse, StoreNotMigrated, StoreUnavailable, TransactionEnded
+
+# How a completion in a handler's transaction learns that another claim's response is stored (the primary key) or
+# that the record was deleted meanwhile (the foreign key): fenced out, like a completion that finds another fence
+# (sql/queries.sql). Under REPEATABLE READ and SERIALIZABLE, the primary key met in a row the snapshot cannot see is
+# a serialization failure instead, which a conflict of the handler's own writes can raise just as well: that one
+# fails the transaction, and the release that follows tells the two apart (_transactional.py).
+FENCED_OUT = (
+    asyncpg.exceptions.UniqueViolationError,
+    asyncpg.exceptions.ForeignKeyViolationError,
+)
+
+# The SQL that restores each connection's state as its pool made it, by the driver connection it belongs to.
+_restores: weakref.WeakKeyDictionary[asyncpg.Connection, str] = weakref.WeakKeyDictionary()
+
+
+def driver_connection(connection: Any) -> asyncpg.Connection:
+    """The asyncpg connection itself, behind an asyncpg pool's proxy if ``connection`` is one."""
+    driver: asyncpg.Connection = getattr(connection, "_con", None) or connection  # where an asyncpg pool's proxy has it
+    return driver
+
+
+def set_restore(connection: asyncpg.Connection, sql: str) -> None:
+    """Record the SQL that gives ``connection`` back the state its pool established (the store's own pool sets it
+    as it opens a connection, since it knows what it set)."""
+    _restores[driver_connection(connection)] = sql
+
+
+async def remember(connection: Any, *, time_limit: float) -> None:
+    """Read the session state the pool gave ``connection`` (once per connection), before it is first lent."""
+    driver = driver_connection(connection)
+    if driver not in _restores:
+        _restores[driver] = await connection.fetchval(session()["capture"], timeout=time_limit) or ""
+
+
+def reset_sql(connection: Any) -> str:
+    """What a lent connection runs when it comes back: the full reset, then its pool's state again."""
+    return reset_session() + "\n" + _restores.get(driver_connection(connection), "")
+
+
+class LentConnection:
+    """An asyncpg connection for the length of a loan: every method of ``asyncpg.Connection`` works on the
+    connection until :meth:`end`, and raises ``asyncpg.InterfaceError`` after it (a method looked up before the end
+    and called after it too). Like asyncpg's pool proxy, it guards the connection's methods, not the objects they
+    returned during the loan (a prepared statement, a cursor)."""
+
+    __slots__ = ("_connection",)
+
+    def __init__(self, connection: asyncpg.Connection) -> None:
+        self._connection: asyncpg.Connection | None = connection
+
+    def end(self) -> None:
+        self._connection = None
+
+    def _live(self, name: str) -> asyncpg.Connection:
+        connection = self._connection
+        if connection is None:
+            raise asyncpg.InterfaceError(
+                f"cannot call Connection.{name}(): the connection was lent to a request that has ended (a task that "
+                "outlives its request needs a connection of its own)"
+            )
+        return connection
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._live(name), name)
+
+    def __repr__(self) -> str:
+        state = "ended" if self._connection is None else repr(self._connection)
+        return f"<LentConnection {state}>"
+
+
+def _forwarding(name: str) -> Any:
+    def method(self: LentConnection, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._live(name), name)(*args, **kwargs)
+
+    return functools.update_wrapper(method, getattr(asyncpg.Connection, name))
+
+
+for _name, _member in inspect.getmembers(asyncpg.Connection, inspect.isfunction):
+    if not _name.startswith("_"):
+        setattr(LentConnection, _name, _forwarding(_name))
+
+
+class Lender(abc.ABC):
+    """An asyncpg connector that lends its connections to requests (the store's own pool, or the app's): what
+    lending asks of it, and the loans it gives the store."""
+
+    timeout: float
+    database_isolation: str | None
+
+    @abc.abstractmethod
+    async def lend(self) -> asyncpg.Connection:
+        """A connection from the share of ordinary work; :class:`PoolExhausted` when none comes free in time."""
+
+    @abc.abstractmethod
+    def begin_isolation(self) -> str | None:
+        """The isolation level (asyncpg's spelling) to begin a lent connection's transaction with, when its session
+        default is not the database's; None to begin with the session's default."""
+
+    @abc.abstractmethod
+    async def run_on(self, connection: asyncpg.Connection, name: str, args: tuple[Any, ...]) -> Any:
+        """One of the store's statements, its first row, on a lent connection, outside a transaction."""
+
+    @abc.abstractmethod
+    async def give_back(self, connection: asyncpg.Connection, *, lost: bool, then: str = "") -> None:
+        """Take a lent connection back as its pool gave it; closed if ``lost`` or if its reset fails. ``then`` is SQL
+        to run after the reset, in its round trip (``notify_waiters``, after a transactional request's COMMIT)."""
+
+    def transaction(self, records: Records) -> contextlib.AbstractAsyncContextManager[PostgresTransaction]:
+        return lend_transaction(self, records)
+
+    def connection(self) -> contextlib.AbstractAsyncContextManager[asyncpg.Connection]:
+        return lent_connection(self)
+
+    async def _not_read_committed(self, connection: asyncpg.Connection) -> bool:
+        """Ask a session the store does not set up (an app's pool, a proxy's) for its default level, once: True when
+        it is not READ COMMITTED."""
+        self.database_isolation = await default_isolation(connection, self.timeout)
+        return self.database_isolation != "read committed"
+
+
+@contextlib.asynccontextmanager
+async def lend_transaction(lender: Lender, records: Records) -> AsyncIterator[PostgresTransaction]:
+    """A connection of ``lender``'s for one transactional request: the claim is taken on it, then the transaction
+    begins on it; committed or rolled back by the caller. It comes back with a clean session, and after a commit
+    the waiters of the record in other processes are told, in the same round trip."""
+    connection = await lender.lend()
+    run = functools.partial(lender.run_on, connection)
+    transaction = PostgresTransaction(records, connection, run, isolation=lender.begin_isolation())
+    try:
+        yield transaction
+    finally:
+        transaction.lent.end()
+        await lender.give_back(connection, lost=transaction.lost, then=transaction.settlement.notice)
+
+
+@contextlib.asynccontextmanager
+async def lent_connection(lender: Lender) -> AsyncIterator[asyncpg.Connection]:
+    """A connection of ``lender``'s for code other than the store's, at the database's default isolation level: it
+    comes back as its pool gave it, whatever the code did to it, and refuses use once the block has ended."""
+    connection = await lender.lend()
+    lent = LentConnection(connection)
+    lost = False
+    try:
+        if lender.begin_isolation() is not None:  # the store's own session reads READ COMMITTED
+            with reachable():
+                await connection.execute(
+                    "SELECT set_config('default_transaction_isolation', $1, false)",
+                    lender.database_isolation,
+                    timeout=lender.timeout,
+                )
+        yield cast(asyncpg.Connection, lent)
+    except BaseException as error:
+        lost = isinstance(error, (*UNAVAILABLE, StoreUnavailable))  # no reset for a connection that is gone
+        raise
+    finally:
+        lent.end()
+        await lender.give_back(connection, lost=lost)
+
+
+class Settlement:
+    """What a transaction that completes a claim tells its store's records: the claim is settled once its completion
+    is committed, or at once if it was fenced out (the key is another claim's now). A completion rolled back is not
+    settled here: the request releases the key. Once committed, ``notice`` is the SQL that tells the waiters of
+    other processes, run after the COMMIT with the connection's reset."""
+
+    def __init__(self, records: Records) -> None:
+        self._records = records
+        self._completed: tuple[str, str, int] | None = None
+        self.notice = ""
+
+    def completed(self, tenant: str, key: str, fence: int, done: bool) -> bool:
+        """Note the outcome of the completion statement; returns ``done``."""
+        if done:
+            self._completed = (tenant, key, fence)
+        else:
+            self._records.settled(tenant, key, fence)
+        return done
+
+    def committed(self) -> None:
+        if self._completed is not None:
+            self.notice = self._records.notice(*self._completed)
+            self._records.settled(*self._completed)
+
+
+class PostgresTransaction:
+    """A connection lent to one transactional request: its claim, then a transaction whose ``connection`` the handler
+    writes through (a :class:`LentConnection`, refused once the request has ended) and in which the record completes.
+
+    Every call has the store's deadline; a database that cannot be reached is :class:`StoreUnavailable`, and marks
+    the connection ``lost`` (it goes back closed, without a reset that would wait out another deadline).
+    """
+
+    def __init__(self, records: Records, connection: asyncpg.Connection, run: Any, *, isolation: str | None) -> None:
+        self.connection = connection
+        self.lent = LentConnection(connection)
+        self.lost = False
+        self.settlement = Settlement(records)
+        self._records = records
+        self._run = run  # the store's statements on this connection
+        self._isolation = isolation
+        self._transaction: asyncpg.transaction.Transaction | None = None
+
+    async def claim(
+        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+    ) -> Claim:
+        fingerprints = (fingerprint, *matching)
+        try:
+            return await self._records.claim(self._run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=False)
+        except StoreNotMigrated:
+            raise
+        except StoreUnavailable:
+            self.lost = True
+            raise
+
+    async def begin(self) -> None:
+        """BEGIN, at the database's default isolation level (the store's own session reads READ COMMITTED)."""
+        try:
+            self._transaction = self.connection.transaction(isolation=self._isolation)  # type: ignore[arg-type]
+            await self._transaction.start()
+        except UNAVAILABLE as error:
+            raise self._unreachable(error) from error
+
+    async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
+        if not self.connection.is_in_transaction():
+            # The handler ran COMMIT or ROLLBACK itself. Completing now would write the record on its own: after a
+            # ROLLBACK, a retry would be told of an effect that never happened.
+            raise TransactionEnded.by_the_handler("connection", "async with connection.transaction(): ...")
+        records = self._records
+        args = records.completion(tenant, key, fence, response)
+        try:
+            status = await self.connection.execute(
+                records.sql["complete_in_transaction"], *args, timeout=records.timeout
+            )
+        except FENCED_OUT:
+            status = "INSERT 0 0"
+        except UNAVAILABLE as error:
+            raise self._unreachable(error) from error
+        except NOT_MIGRATED as error:
+            raise StoreNotMigrated(records.schema, str(error)) from error
+        return self.settlement.completed(tenant, key, fence, status == "INSERT 0 1")
+
+    async def commit(self) -> None:
+        assert self._transaction is not None
+        try:
+            await self._transaction.commit()
+        except UNAVAILABLE as error:
+            raise self._unreachable(error) from error
+        self.settlement.committed()
+
+    async def rollback(self) -> None:
+        assert self._transaction is not None
+        if self.lost:
+            # A statement of ours found the connection dead or silent (a hung server). A ROLLBACK would wait out
+            # another timeout behind asyncpg's unfinished cancellation; closing the connection, which the store
+            # does as it takes it back, rolls the transaction back on the server.
+            raise StoreUnavailable("the connection of the handler's transaction was lost")
+        try:
+            await self._transaction.rollback()
+        except UNAVAILABLE as error:
+            raise self._unreachable(error) from error
+
+    def _unreachable(self, error: BaseException) -> StoreUnavailable:
+        """A statement found the connection gone, or its server silent: it goes back closed, without a reset that
+        would wait out another deadline (``lost``)."""
+        self.lost = True
+        return StoreUnavailable(str(error) or type(error).__name__)

@@ -1,0 +1,257 @@
+"""The store's records as its statements write and read them, and the claims it has handed out until they settle;
+what the database's answers mean (rows, and the errors that mean it cannot be reached).
+
+:class:`Records` is what a store and the transactions it lends share: the statements of ``sql/queries.sql`` in the
+store's schema, the claim (up to three statements, the first that answers), a completion's arguments, the rows read
+back, and the claims handed out and not yet settled (the store's ``close`` gives them a grace; settling one wakes
+the requests that wait for it in this process).
+
+A response is stored plain (``status``, ``headers``, ``body``) or, by a store with a cipher, sealed (``sealed``,
+under the key ``sealed_with``; ``idempotency_mw.encryption``); ``body_size`` is kept either way. A sealed one is
+read back with the cipher that has its key; a plain one under a cipher only if the cipher allows plain responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+
+from idempotency_mw._waiting import Waiters
+from idempotency_mw.postgres._sql import queries
+from idempotency_mw.store import (
+    Claim,
+    ClaimOutcome,
+    PlainResponseRefused,
+    RecordInfo,
+    SealedResponse,
+    SealedResponseError,
+    StoredResponse,
+    StoreNotMigrated,
+    StoreUnavailable,
+    UnknownKeyId,
+    decode_headers,
+    encode_headers,
+)
+
+if TYPE_CHECKING:
+    from idempotency_mw.encryption import ResponseCipher
+
+Run = Callable[[str, tuple[Any, ...]], Awaitable[Any]]  # one statement by name and arguments: its first row
+
+# What "the store cannot be reached" looks like from asyncpg: connection failures, a server shutting down,
+# deadlines. Errors in our own SQL surface as they are, except a missing table (see NOT_MIGRATED).
+# A lost COMMIT (TransactionResolutionUnknownError, SQLSTATE 08007) is among them: the retry then finds the record
+# completed (and replays) or gone (and runs), so answering 503 and releasing the key is right either way.
+UNAVAILABLE = (
+    OSError,
+    TimeoutError,
+    asyncpg.exceptions.PostgresConnectionError,  # SQLSTATE class 08, connection lost or refused
+    asyncpg.exceptions.InterfaceError,  # "connection is closed", a closed pool, an operation on a lost connection
+    asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.TooManyConnectionsError,
+    asyncpg.exceptions.QueryCanceledError,
+    # A statement sent on a connection whose server process was just terminated (pg_terminate_backend, a
+    # failover): the server's FATAL error has arrived but the socket is not closed yet, and asyncpg, still in the
+    # middle of that error, refuses the statement with "cannot switch to state 11; another operation (2) is in
+    # progress". asyncpg raises this class for any client state it did not expect; a connection that saw it is
+    # closed, never reused, so a retry runs on a fresh one.
+    asyncpg.exceptions.InternalClientError,
+)
+
+# What "the store's tables are not there" looks like: a table or sequence (42P01) or the schema itself (3F000)
+# does not exist. The store's statements name nothing else, so this means "not migrated" (or the wrong schema).
+NOT_MIGRATED = (asyncpg.exceptions.UndefinedTableError, asyncpg.exceptions.InvalidSchemaNameError)
+
+
+@contextlib.contextmanager
+def reachable(schema: str | None = None) -> Iterator[None]:
+    """Turn "the database cannot be reached" (see ``UNAVAILABLE``) into :class:`StoreUnavailable` and, around the
+    store's own statements in ``schema``, "the tables are missing" into :class:`StoreNotMigrated`; let the rest be.
+    """
+    try:
+        yield
+    except UNAVAILABLE as error:
+        raise StoreUnavailable(str(error) or type(error).__name__) from error
+    except NOT_MIGRATED as error:
+        if schema is None:
+            raise
+        raise StoreNotMigrated(schema, str(error)) from error
+
+
+async def run_unprepared(
+    connection: asyncpg.Connection, sql: str, args: tuple[Any, ...], deadline: float, status: bool, explicit: bool
+) -> Any:
+    """A statement by its text (asyncpg's statement cache, if any, prepares it), in a READ COMMITTED transaction of
+    its own when ``explicit``: its first row, or with ``status`` its status; ``deadline``: seconds it may take."""
+    if explicit:
+        async with connection.transaction(isolation="read_committed"):
+            return await run_unprepared(connection, sql, args, deadline, status, False)
+    if status:
+        return await connection.execute(sql, *args, timeout=deadline)
+    return await connection.fetchrow(sql, *args, timeout=deadline)
+
+
+class Records:
+    """The records of one store: its statements, its cipher, and its claims until they settle."""
+
+    def __init__(self, schema: str, *, timeout: float, cipher: ResponseCipher | None) -> None:
+        self.schema = schema
+        self.timeout = timeout
+        self.cipher = cipher
+        self.sql = queries(schema)
+        self.waiters = Waiters()  # requests waiting for a claim of another's to settle (on_conflict="wait")
+        self.closing = False  # the store is closing: no new claims
+        self._unsettled: set[tuple[str, str, int]] = set()
+        self._all_settled: asyncio.Event | None = None  # set when the last one settles while the store closes
+
+    async def claim(
+        self, run: Run, tenant: str, key: str, fingerprints: tuple[bytes, ...], *, lease: float, ttl: float, flush: bool
+    ) -> Claim:
+        """The claim of ``(tenant, key)`` by ``run`` (``sql/queries.sql``: ``claim``, then ``claim_or_take_over``
+        when it answers nothing, then ``claim_locked`` after a race). Without ``flush`` (a transactional request's)
+        it commits without waiting for its WAL flush, which the handler's COMMIT does for it: never for a claim whose
+        effect is outside the database, which a crash could then lose after the effect ran."""
+        if self.closing:
+            raise StoreUnavailable("the idempotency store is closing: it takes no new claims")
+        # max: a record never expires under a live lease (sql/queries.sql, renew)
+        args = (tenant, key, fingerprints, float(lease), float(max(ttl, lease)), new_fence(), None if flush else "off")
+        row = await run("claim", args)  # a fresh key, a replay, a 409 or a 422
+        if row is None:  # an expired record or a lapsed lease to take over, or a race
+            row = await run("claim_or_take_over", args)
+        if row is None:  # lost a race with a concurrent claim of the key: lock and look again
+            row = await run("claim_locked", args)
+            assert row is not None  # INSERT … ON CONFLICT DO UPDATE … RETURNING always returns the row
+        claim = claim_from_row(row, tenant, key, self.cipher)
+        if claim.outcome is ClaimOutcome.OWNED:
+            self._unsettled.add((tenant, key, claim.fence))
+        return claim
+
+    def completion(self, tenant: str, key: str, fence: int, response: StoredResponse) -> tuple[Any, ...]:
+        """The arguments of ``complete`` and ``complete_in_transaction``: the response plain, or sealed by the
+        cipher (then nothing of it is readable in the row but its body's size)."""
+        if self.cipher is None:
+            headers = encode_headers(response.headers)
+            return (tenant, key, fence, response.status, headers, response.body, response.body_size, None, None)
+        sealed = self.cipher.seal(tenant, key, response)
+        return (tenant, key, fence, None, None, None, response.body_size, sealed.sealed, sealed.key_id)
+
+    def settled(self, tenant: str, key: str, fence: int) -> None:
+        """A claim of this store was completed or released (or fenced out, or its attempt failed): the store's close
+        waits no longer on its behalf, and the requests in this process that wait for it are woken."""
+        self._unsettled.discard((tenant, key, fence))
+        if not self._unsettled and self._all_settled is not None:
+            self._all_settled.set()
+        if self.waiters.events:  # someone waits in this process
+            self.waiters.wake(fence)
+
+    async def all_settled(self, grace: float) -> None:
+        """Return once every claim handed out has settled, or after ``grace`` seconds."""
+        if self._unsettled:
+            self._all_settled = asyncio.Event()
+            try:
+                async with asyncio.timeout(grace):
+                    await self._all_settled.wait()
+            except TimeoutError:
+                pass
+
+    def reopened(self) -> None:
+        """A closed store opens again: on new connections, without the claims of before the close (they had their
+        grace then)."""
+        self.closing = False
+        self._unsettled.clear()
+        self._all_settled = None
+
+    def notice(self, tenant: str, key: str, fence: int) -> str:
+        """The SQL that tells the waiters of a record in other processes that its claim under ``fence`` settled, if
+        it had duplicates, with its values written in (``notify_waiters``): for after a COMMIT, in the round trip of
+        the reset of the connection that committed."""
+        return (
+            self.sql["notify_waiters"]
+            .replace("{tenant_hex}", tenant.encode().hex())
+            .replace("{key_hex}", key.encode().hex())
+            .replace("{fence}", str(int(fence)))
+        )
+
+
+def new_fence() -> int:
+    """A claim's fence: a random positive 63-bit token. Only equality is ever asked of fences, so what they need is
+    to be unique per claim of a key, also across a restore or a failover, which a sequence cannot promise."""
+    return int.from_bytes(os.urandom(8)) >> 1 or 1
+
+
+def claim_from_row(row: asyncpg.Record, tenant: str, key: str, cipher: ResponseCipher | None = None) -> Claim:
+    """The answer of the claim statements for ``(tenant, key)``."""
+    attempts = row["attempts"]
+    if row["owned"]:
+        return Claim(ClaimOutcome.OWNED, fence=row["fence"], attempts=attempts)
+    if not row["same_request"]:
+        unkeyed = row["unkeyed"]
+        return Claim(ClaimOutcome.MISMATCH, attempts=attempts, unkeyed=None if unkeyed is None else bytes(unkeyed))
+    if not row["completed"]:
+        return Claim(ClaimOutcome.IN_PROGRESS, fence=row["fence"], attempts=attempts)
+    response = response_from_row(row, tenant, key, cipher)
+    return Claim(ClaimOutcome.COMPLETED, response=response, attempts=attempts)
+
+
+def response_from_row(
+    row: asyncpg.Record, tenant: str, key: str, cipher: ResponseCipher | None, *, resealing: bool = False
+) -> StoredResponse:
+    """The stored response of a row that has one: as stored, or opened by ``cipher``. A sealed one without a cipher
+    that has its key raises :class:`UnknownKeyId`, naming the key; a plain one under a cipher that does not allow
+    plain responses raises :class:`PlainResponseRefused` (unless ``resealing``: reencrypt reads it to seal it)."""
+    sealed = row["sealed"]
+    if sealed is None:
+        if cipher is not None and not cipher.allow_plain and not resealing:
+            raise PlainResponseRefused()
+        return StoredResponse(row["status"], decode_headers(row["headers"]), row["body"], row["body_size"])
+    stored = SealedResponse(row["sealed_with"], bytes(sealed), row["body_size"])
+    if cipher is None:
+        raise UnknownKeyId(stored.key_id, ())
+    return cipher.open(tenant, key, stored)
+
+
+def record_from_row(row: asyncpg.Record, cipher: ResponseCipher | None = None) -> RecordInfo:
+    """The answer of the ``inspect`` statement."""
+    response = None
+    if row["state"] == "completed":
+        response = response_from_row(row, row["tenant"], row["key"], cipher)
+    return RecordInfo(
+        tenant=row["tenant"],
+        key=row["key"],
+        state=row["state"],
+        fence=row["fence"],
+        fingerprint=bytes(row["fingerprint"]),
+        attempts=row["attempts"],
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+        lease_expires_at=row["lease_expires_at"],
+        response=response,
+        sealed_with=row["sealed_with"],
+    )
+
+
+def reseal_rows(
+    rows: list[asyncpg.Record], cipher: ResponseCipher
+) -> tuple[tuple[list[str], list[str], list[bytes]], list[tuple[str, str, str]]]:
+    """The ``reseal_batch`` rows sealed again under the cipher's current key, as the ``reseal`` statement's three
+    arrays (tenants, keys, sealed), and those that do not open: ``(tenant, key, why)``."""
+    resealed: tuple[list[str], list[str], list[bytes]] = ([], [], [])
+    unreadable: list[tuple[str, str, str]] = []
+    for row in rows:
+        tenant, key = row["tenant"], row["key"]
+        try:
+            response = response_from_row(row, tenant, key, cipher, resealing=True)
+        except SealedResponseError as error:
+            unreadable.append((tenant, key, str(error)))
+            continue
+        resealed[0].append(tenant)
+        resealed[1].append(key)
+        resealed[2].append(cipher.seal(tenant, key, response).sealed)
+    return resealed, unreadable

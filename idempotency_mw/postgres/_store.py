@@ -1,0 +1,289 @@
+"""The PostgreSQL store: the records of ``sql/queries.sql`` (``_records.py``), on the connections of a connector.
+
+Each operation on the request path is one statement and one round trip (asyncpg prepares each statement once per
+connection), with the store's deadline, so a dead server turns into :class:`StoreUnavailable` (and a 503) instead of
+a hung request. Where the connections come from, the store's own pool or the app's, is the connector's business
+(``_connector.py``); what the records look like, ``_records.py``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Self
+
+import asyncpg
+
+from idempotency_mw.postgres._apppool import AppPool, Unbound
+from idempotency_mw.postgres._connector import Connector, postgres_url
+from idempotency_mw.postgres._listener import SettlementListener
+from idempotency_mw.postgres._pool import OwnPool
+from idempotency_mw.postgres._records import Records, reachable, record_from_row, reseal_rows
+from idempotency_mw.postgres._sql import check_schema, migrate
+from idempotency_mw.store import (
+    Claim,
+    RecordInfo,
+    ResealedBatch,
+    StoredResponse,
+    StoreNotMigrated,
+    Subscription,
+    Transaction,
+)
+
+if TYPE_CHECKING:
+    from idempotency_mw.encryption import ResponseCipher
+
+
+class PostgresStore:
+    """Records in PostgreSQL (see ``sql/migrations``).
+
+    ``PostgresStore("postgresql://…")`` opens its own connections on first use, at most ``max_size`` (``_pool.py``
+    says why they are not an asyncpg pool); SQLAlchemy's spelling of the URL (``postgresql+asyncpg://…``) is taken
+    too, and a URL of another database is a ``ValueError``. ``PostgresStore(pool)`` uses an asyncpg pool the app
+    already has and leaves closing it to the app; ``PostgresStore()`` waits for one, made in the app's lifespan
+    (:meth:`bind`). ``timeout`` bounds every database call in seconds, connecting and waiting for a free connection
+    included. ``schema`` is where the tables live; every statement names it, so a handler that changes
+    ``search_path`` on a connection the store then uses changes nothing.
+
+    ``prepared_statements=False`` is for a transaction-pooling proxy (PgBouncer's ``pool_mode = transaction`` before
+    1.21, or without ``max_prepared_statements``): the store's connections then keep no named prepared statements,
+    which such a proxy would send to a server connection that never saw them (see docs/operations.md). It costs a
+    round trip per statement. A pool passed in has its own setting: create it with ``statement_cache_size=0``.
+
+    The store's own statements run under READ COMMITTED whatever the database's default isolation level; the
+    transactions it lends to handlers keep the database's default.
+
+    ``cipher`` (an :class:`~idempotency_mw.encryption.ResponseCipher`) seals every response it stores, in its own
+    completions and in handlers' transactions alike, and opens them for replays and ``inspect``; a response stored
+    plain is refused unless the cipher allows it. See docs/configuration.md, "Encrypting stored responses".
+    """
+
+    def __init__(
+        self,
+        dsn_or_pool: str | asyncpg.Pool | None = None,
+        *,
+        timeout: float = 5.0,
+        min_size: int = 2,
+        max_size: int = 20,
+        schema: str = "public",
+        prepared_statements: bool = True,
+        cipher: ResponseCipher | None = None,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError("PostgresStore timeout must be positive")
+        self.timeout = timeout
+        self.schema = check_schema(schema)
+        self._records = Records(self.schema, timeout=timeout, cipher=cipher)
+        self._bindable = dsn_or_pool is None
+        if isinstance(dsn_or_pool, str):
+            url = postgres_url(dsn_or_pool)
+            sql = self._records.sql
+            self._connect(OwnPool(url, sql, self.schema, timeout=timeout, min_size=min_size, max_size=max_size,
+                                  prepared_statements=prepared_statements))  # fmt: skip
+        elif not prepared_statements:
+            raise ValueError(
+                "prepared_statements=False applies to the connections a DSN-built PostgresStore opens; an asyncpg "
+                "pool passed in keeps its own setting: create it with asyncpg.create_pool(..., statement_cache_size=0)"
+            )
+        elif dsn_or_pool is None:
+            self._connect(Unbound(timeout))  # until bind(): the app's pool, made in its lifespan
+        else:
+            self._connect(AppPool(dsn_or_pool, self._records.sql, self.schema, timeout=timeout))
+
+    def _connect(self, connector: Connector) -> None:
+        """Take connections from ``connector`` from now on (at construction, at :meth:`bind`, or when SQLAlchemy
+        lends the handlers' transactions: ``idempotency_mw.sqlalchemy``)."""
+        self._connector = connector
+        self._listener = SettlementListener(connector, self.schema, self._records.waiters)
+
+    @property
+    def cipher(self) -> ResponseCipher | None:
+        return self._records.cipher
+
+    @cipher.setter
+    def cipher(self, cipher: ResponseCipher | None) -> None:
+        self._records.cipher = cipher
+
+    @property
+    def connector(self) -> Connector:
+        """Where the store's connections come from (``_connector.py``)."""
+        return self._connector
+
+    def bind(self, pool: asyncpg.Pool) -> Self:
+        """Use the app's asyncpg ``pool``, made in its lifespan (a pool is bound to the event loop it was made on,
+        which at import is not the server's): for a store built as ``PostgresStore()``, before it opens::
+
+            async with asyncpg.create_pool(dsn) as pool, store.bind(pool):
+                yield
+
+        Each lifespan binds its own pool; the pool stays the app's to close. Returns the store, to open."""
+        if not self._bindable:
+            raise ValueError(
+                "bind() is for a PostgresStore built without a database URL or pool (PostgresStore()); this one has "
+                "its connections"
+            )
+        if not isinstance(pool, asyncpg.Pool):
+            raise TypeError(f"bind() takes an asyncpg pool (asyncpg.create_pool), not {type(pool).__name__}")
+        self._connect(AppPool(pool, self._records.sql, self.schema, timeout=self.timeout))
+        return self
+
+    @property
+    def database_isolation(self) -> str | None:
+        """The default isolation level of the database's sessions, once a connection has told it."""
+        return self._connector.database_isolation
+
+    async def open(self) -> None:
+        """Connect now (``min_size`` connections) and check that the tables exist, so that a database that cannot
+        be reached, or was never migrated, fails at startup: :class:`StoreNotMigrated` names the command to run.
+
+        :meth:`migrate` needs no ``open()`` first (it would refuse a database that is not migrated yet). A closed
+        store opens again (a lifespan run once per test): on new connections, and without the claims of before the
+        close, which had their grace then.
+        """
+        if self._records.closing:
+            self._records.reopened()
+        await self._connector.open()
+        row = await self._connector.run("migrated", ())
+        if row is None or not row[0]:
+            raise StoreNotMigrated(self.schema)
+
+    async def close(self, *, grace: float | None = None) -> None:
+        """Refuse new claims, give the claims still being settled up to ``grace`` seconds (default: ``timeout``) to
+        complete or release, then close the connections the store opened, those still in use as they come back (a
+        pool passed in is the app's to close). A closed store answers every call with :class:`StoreUnavailable`,
+        until :meth:`open` opens it again.
+
+        The grace is for a server's graceful shutdown: it cancels the requests still running and then runs the
+        app's shutdown at once; each cancelled request releases its key on its way out, and needs a connection for
+        that. Without the grace the key would stay in progress for a whole lease, and the client's retry after the
+        restart would get 409 until then.
+        """
+        self._records.closing = True
+        await self._listener.stop(self.timeout)
+        await self._records.all_settled(self.timeout if grace is None else grace)
+        await self._connector.close()
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def connection(self) -> contextlib.AbstractAsyncContextManager[asyncpg.Connection]:
+        """A connection for code other than ours (the resource-deleted race in the guide), waited for no longer than
+        ``timeout``. It comes back as its pool gave it, whatever the code did to it, and refuses use once the block
+        has ended."""
+        return self._connector.connection()
+
+    def transaction(self) -> contextlib.AbstractAsyncContextManager[Transaction]:
+        """A connection for one transactional request: the claim is taken on it, then the transaction begins on
+        it; committed or rolled back by the caller. It comes back with a clean session."""
+        return self._connector.transaction(self._records)
+
+    # -- the Store protocol: the request path ----------------------------------------------------------------
+
+    async def claim(
+        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+    ) -> Claim:
+        run, fingerprints = self._connector.run, (fingerprint, *matching)
+        return await self._records.claim(run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=True)
+
+    async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
+        status = await self._connector.run("renew", (tenant, key, fence, float(lease)), urgent=True, status=True)
+        return bool(status == "UPDATE 1")
+
+    async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
+        try:
+            args = self._records.completion(tenant, key, fence, response)
+            status = await self._connector.run("complete", args, urgent=True, status=True)
+        finally:
+            self._records.settled(tenant, key, fence)
+        return bool(status == "INSERT 0 1")
+
+    async def release(self, tenant: str, key: str, fence: int) -> bool:
+        try:
+            row = await self._connector.run("release", (tenant, key, fence), urgent=True)
+        except asyncpg.ForeignKeyViolationError:
+            return False  # its response committed while the release ran: completed, not released
+        finally:
+            self._records.settled(tenant, key, fence)
+        return bool(row is not None and row["released"] == 1)
+
+    @contextlib.asynccontextmanager
+    async def watch(self, fence: int) -> AsyncIterator[Subscription]:
+        """See :meth:`Store.watch`: woken by this store's settlements, and by other processes' through LISTEN on one
+        connection of its own beside the pool (opened for the first waiter, which waits until it listens; none
+        behind a transaction-pooling proxy, where waiters in other processes wake at their deadline)."""
+        async with self._records.waiters.watch(fence) as settled:
+            if not self._records.closing:
+                await self._listener.listen(self.timeout)
+            yield settled
+
+    # -- operators' commands ---------------------------------------------------------------------------------
+
+    async def forget(self, tenant: str, key: str, *, connection: asyncpg.Connection | None = None) -> bool:
+        """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names."""
+        if connection is None:
+            status = await self._connector.run("forget", (tenant, key), status=True)
+        else:
+            with reachable(self.schema):
+                status = await connection.execute(self._records.sql["forget"], tenant, key, timeout=self.timeout)
+        return bool(status == "DELETE 1")
+
+    async def inspect(self, tenant: str, key: str) -> RecordInfo | None:
+        row = await self._connector.run("inspect", (tenant, key))
+        return None if row is None else record_from_row(row, self.cipher)
+
+    async def purge_expired(self, *, batch_size: int = 1000) -> int:
+        status = await self._connector.run("purge_expired", (batch_size,), status=True)
+        return int(status.split()[-1])
+
+    async def count_expired(self) -> int:
+        row = await self._connector.run("count_expired", ())
+        assert row is not None
+        return int(row[0])
+
+    async def stats(self) -> dict[str, Any]:
+        row = await self._connector.run("stats", ())
+        assert row is not None
+        return dict(row)
+
+    async def reencrypt(
+        self, *, batch_size: int = 1000, seal_plain: bool = False, after: tuple[str, str] | None = None
+    ) -> ResealedBatch:
+        """Re-seal under the cipher's current key up to ``batch_size`` responses sealed under its other keys (and
+        with ``seal_plain`` those stored plain), starting after ``after`` (the ``after`` of the previous batch; None
+        for the first). One transaction: the rows are locked (``FOR UPDATE SKIP LOCKED``, ``sql/queries.sql``,
+        reseal_batch), opened and sealed here, and written back before the locks go; so it is safe beside live
+        traffic and other runs, and a batch that fails leaves every response as it was. A response that does not
+        open is left as it is and reported."""
+        cipher, sql = self.cipher, self._records.sql
+        if cipher is None:
+            raise ValueError("reencrypt needs a PostgresStore with a cipher: PostgresStore(..., cipher=...)")
+        older = [key_id for key_id in cipher.key_ids if key_id != cipher.current]
+        start, first = after or ("", ""), after is None
+        async with self._connector.session() as connection:
+            with reachable(self.schema):
+                async with connection.transaction(isolation="read_committed"):
+                    rows = await connection.fetch(
+                        sql["reseal_batch"], *start, first, older, seal_plain, batch_size, timeout=self.timeout
+                    )
+                    resealed, unreadable = reseal_rows(rows, cipher)
+                    if resealed[0]:
+                        await connection.execute(sql["reseal"], cipher.current, *resealed, timeout=self.timeout)
+        last = (rows[-1]["tenant"], rows[-1]["key"]) if len(rows) == batch_size else None
+        return ResealedBatch(len(resealed[0]), unreadable, last)
+
+    async def responses_by_key(self) -> dict[str | None, int]:
+        """How many stored responses are sealed under each key id (None: stored plain); one scan of the table."""
+        async with self._connector.session() as connection:
+            with reachable(self.schema):
+                rows = await connection.fetch(self._records.sql["responses_by_key"], timeout=self.timeout)
+        return {row["sealed_with"]: row["responses"] for row in rows}
+
+    async def migrate(self) -> list[str]:
+        """Create the schema if it is missing and apply the migrations it lacks, in order; return their names. Safe
+        to run repeatedly and from several processes at once (``_sql.migrate``)."""
+        async with self._connector.session() as connection:
+            return await migrate(connection, self.schema)

@@ -1,0 +1,379 @@
+-- Every statement the PostgreSQL store runs for requests and operators, loaded by name (the "-- name:" lines);
+-- migrate() runs migrate.sql and migrations/. Parameters are numbered; each statement is one round trip and is
+-- prepared once per connection. {schema} is the store's schema (PostgresStore(schema=...)), so no statement
+-- depends on the session's search_path; {schema_name} is its plain name, inside a string.
+
+-- name: claim
+-- The claim of a key, in every case but a takeover: insert a fresh record; or, for a record that exists, read a
+-- completed one of the same request and its response (a replay writes nothing: no new row version, no WAL, no
+-- transaction id, so a storm of retries stays a storm of reads), or count the attempt of a request still running
+-- under a live lease (409) or of a different request (422). Anything else returns no row, and the store runs
+-- claim_or_take_over, which answers every case: an expired record or a lapsed lease to take over, or a race with a
+-- concurrent claim or completion. PostgreSQL sets up every part of a statement at each execution, so the common
+-- answers go through this one, without the takeover's parts.
+-- ON CONFLICT DO NOTHING sees a row committed after this statement's snapshot (it waits for a concurrent insert to
+-- commit), but the rest of the statement sees only the snapshot (e): such a row, or a response committed after
+-- the snapshot, is not counted nor replayed here. The conditions that a concurrent write can change are written on
+-- the row being updated (r), which the UPDATE re-reads after waiting for such a write: a record expired, or whose
+-- lease ended or lapsed meanwhile, is not counted.
+-- $6 is the fence of this claim: a random 63-bit token the store draws (see _records.py, new_fence), not a sequence
+-- value, because a sequence can hand out a value again after a restore or the promotion of a standby that missed
+-- its last values, and a stale worker's fence would then own the newer claim.
+-- $7 is synchronous_commit for this statement's own commit: NULL keeps the session's. A transactional request
+-- passes 'off': its claim is visible at once, and the handler's COMMIT, which waits for its flush, flushes the claim
+-- before it (WAL is flushed in order), so the claim is durable whenever the effect is, for one flush instead of two.
+-- A crash can only lose a claim whose effect never committed; the retry then runs afresh.
+-- $3 is the request's fingerprint under each fingerprint key, the current one first (fingerprint.py,
+-- FingerprintKeys): the first is written, and a record holding any of them is the same request, so a rotation of
+-- the keys turns no retry into a 422. A different request's answer carries the record's fingerprint when it is a
+-- bare SHA-256 (unkeyed, written before fingerprints were keyed), which the store compares with the request's own:
+-- only a digest already stored in the table is ever sent back to it.
+-- $1 tenant, $2 key, $3 fingerprints, $4 lease seconds, $5 ttl seconds (at least $4, see renew), $6 fence,
+-- $7 synchronous_commit
+WITH commit_setting AS MATERIALIZED (
+    SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
+), inserted AS (
+    INSERT INTO {schema}.idempotency_records AS r
+        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at)
+    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
+    FROM commit_setting
+    ON CONFLICT (tenant, key) DO NOTHING
+    RETURNING r.fence, r.attempts
+), existing AS (
+    SELECT r.fence, r.fingerprint, r.attempts, r.expires_at <= now() AS expired, s.key IS NOT NULL AS completed,
+           s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
+    FROM {schema}.idempotency_records AS r
+    LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
+    WHERE r.tenant = $1 AND r.key = $2 AND NOT EXISTS (SELECT FROM inserted)
+), counted AS (
+    UPDATE {schema}.idempotency_records AS r SET attempts = r.attempts + 1
+    FROM existing AS e
+    WHERE r.tenant = $1 AND r.key = $2 AND r.expires_at > now()
+      AND (r.fingerprint <> ALL ($3) OR (NOT e.completed AND r.lease_expires_at > now()))
+    RETURNING r.fence, r.fingerprint, r.attempts, e.completed
+)
+SELECT true AS owned, false AS completed, true AS same_request, i.attempts,
+       NULL::smallint AS status, NULL::jsonb AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
+       NULL::bytea AS sealed, NULL::text AS sealed_with, i.fence, NULL::bytea AS unkeyed
+FROM inserted AS i
+UNION ALL
+SELECT false, c.completed, c.fingerprint = ANY ($3), c.attempts, NULL, NULL, NULL, NULL, NULL, NULL, c.fence,
+       CASE WHEN length(c.fingerprint) = 32 AND c.fingerprint <> ALL ($3) THEN c.fingerprint END
+FROM counted AS c
+UNION ALL
+SELECT false, true, true, e.attempts, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with, e.fence,
+       NULL
+FROM existing AS e
+WHERE e.completed AND e.fingerprint = ANY ($3) AND NOT e.expired;
+
+-- name: claim_or_take_over
+-- The claim in every case, for when ``claim`` returned no row: insert a fresh record; or take over an expired
+-- record, or a lapsed lease of the same request; or count the attempt on a record that is still running or was made
+-- by a different request (409, 422); or, for a completed record of the same request, only read it and its response.
+-- A record is completed when its response exists (idempotency_responses): a transactional handler's transaction
+-- inserts it and never writes the record row, which renewals and duplicates update meanwhile (migrations/0002).
+-- As in ``claim``, ON CONFLICT DO NOTHING sees a row committed after this statement's snapshot but the rest of the
+-- statement sees only the snapshot. So in a race with a concurrent claim or a completion the statement can return
+-- no row: the store then runs claim_locked, which always answers (_records.py, Records.claim). A completion committed after
+-- the snapshot shows as a lease that ended (NULL) in the UPDATE, which re-reads the row it waited for; its response
+-- is not in the snapshot, so that case returns no row either.
+-- Every condition that a concurrent write can change is written on the row being updated (r), which the UPDATE
+-- re-reads after waiting for such a write; e is the snapshot's record and response.
+-- $1 to $7 as for claim
+WITH commit_setting AS MATERIALIZED (
+    SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
+), inserted AS (
+    INSERT INTO {schema}.idempotency_records AS r
+        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at)
+    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
+    FROM commit_setting
+    ON CONFLICT (tenant, key) DO NOTHING
+    RETURNING r.fence, r.fingerprint, r.attempts
+), existing AS (
+    SELECT r.fence, r.fingerprint, r.attempts, r.expires_at <= now() AS expired, s.key IS NOT NULL AS completed,
+           s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
+    FROM {schema}.idempotency_records AS r
+    LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
+    WHERE r.tenant = $1 AND r.key = $2 AND NOT EXISTS (SELECT FROM inserted)
+), cleared AS (
+    -- An expired record starts afresh, without the response of its earlier life.
+    DELETE FROM {schema}.idempotency_responses AS s
+    WHERE s.tenant = $1 AND s.key = $2 AND EXISTS (SELECT FROM existing AS e WHERE e.expired)
+), updated AS (
+    UPDATE {schema}.idempotency_records AS r SET
+        fingerprint      = CASE WHEN r.expires_at <= now() THEN ($3::bytea[])[1] ELSE r.fingerprint END,
+        fence            = CASE WHEN r.expires_at <= now() OR (NOT e.completed AND r.lease_expires_at <= now() AND r.fingerprint = ANY ($3)) THEN $6 ELSE r.fence END,
+        lease_expires_at = CASE WHEN r.expires_at <= now() OR (NOT e.completed AND r.lease_expires_at <= now() AND r.fingerprint = ANY ($3)) THEN now() + make_interval(secs => $4) ELSE r.lease_expires_at END,
+        created_at       = CASE WHEN r.expires_at <= now() THEN now() ELSE r.created_at END,
+        expires_at       = CASE WHEN r.expires_at <= now() THEN now() + make_interval(secs => $5)
+                                WHEN NOT e.completed AND r.lease_expires_at <= now() AND r.fingerprint = ANY ($3) THEN GREATEST(r.expires_at, now() + make_interval(secs => $4))
+                                ELSE r.expires_at END,
+        attempts         = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.attempts + 1 END
+    FROM existing AS e
+    WHERE r.tenant = $1 AND r.key = $2
+      AND NOT (e.completed AND r.fingerprint = ANY ($3) AND r.expires_at > now())
+    RETURNING r.fence, r.fingerprint, r.attempts, r.lease_expires_at IS NULL AS ended,
+              e.completed, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with,
+              e.fence AS previous_fence
+), woken AS (
+    -- A lapsed lease taken over: requests that wait for the claim that lapsed (on_conflict="wait", _waiting.py) are
+    -- told, and wait for this one instead. The attempts count this request: above 1, another one came.
+    SELECT pg_notify('idempotency_mw_settled', '{schema_name}:' || u.previous_fence)
+    FROM updated AS u
+    WHERE u.fence = $6 AND u.previous_fence <> $6 AND u.attempts > 1
+), found AS (
+    SELECT i.fence, i.fingerprint, i.attempts, false AS completed,
+           NULL::smallint AS status, NULL::jsonb AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
+           NULL::bytea AS sealed, NULL::text AS sealed_with
+    FROM inserted AS i
+    UNION ALL
+    SELECT u.fence, u.fingerprint, u.attempts, u.completed AND u.fence <> $6, u.status, u.headers, u.body, u.body_size,
+           u.sealed, u.sealed_with
+    FROM updated AS u
+    WHERE u.fence = $6 OR u.completed OR NOT u.ended  -- ended, but not completed in the snapshot: a race
+    UNION ALL
+    SELECT e.fence, e.fingerprint, e.attempts, true, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with
+    FROM existing AS e
+    WHERE NOT EXISTS (SELECT FROM updated) AND e.completed AND NOT e.expired AND e.fingerprint = ANY ($3)
+)
+SELECT
+    -- Ours if it carries the fence just drawn and has no response: a completed record whose fence equals the one
+    -- drawn (one chance in 2^63) must replay, never run again.
+    f.fence = $6 AND NOT f.completed AS owned,
+    f.completed,
+    f.fingerprint = ANY ($3) AS same_request,
+    f.attempts,
+    CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.status END AS status,
+    CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.headers END AS headers,
+    CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.body END AS body,
+    CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.body_size END AS body_size,
+    CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.sealed END AS sealed,
+    CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.sealed_with END AS sealed_with,
+    f.fence,
+    CASE WHEN length(f.fingerprint) = 32 AND f.fingerprint <> ALL ($3) THEN f.fingerprint END AS unkeyed
+FROM found AS f, (SELECT count(*) FROM woken) AS notified;  -- a SELECT in WITH runs only where it is read
+
+-- name: claim_locked
+-- The claim in one INSERT … ON CONFLICT DO UPDATE, for when ``claim_or_take_over`` returned nothing usable (a race
+-- with a concurrent claim or completion, see above): DO UPDATE locks and returns the current row even when it was
+-- committed after this statement's snapshot, so it always answers. It writes the record row in every case, a
+-- replay too (without counting it). A response is read from this statement's snapshot, taken after the others'.
+-- $1 tenant, $2 key, $3 fingerprints, $4 lease seconds, $5 ttl seconds, $6 fence, $7 synchronous_commit (see claim)
+WITH commit_setting AS MATERIALIZED (
+    SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
+), cleared AS (
+    DELETE FROM {schema}.idempotency_responses AS s
+    USING {schema}.idempotency_records AS r
+    WHERE s.tenant = $1 AND s.key = $2 AND r.tenant = $1 AND r.key = $2 AND r.expires_at <= now()
+), response AS (
+    SELECT s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
+    FROM {schema}.idempotency_responses AS s
+    WHERE s.tenant = $1 AND s.key = $2
+), claimed AS (
+    INSERT INTO {schema}.idempotency_records AS r
+        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at)
+    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
+    FROM commit_setting
+    ON CONFLICT (tenant, key) DO UPDATE SET
+        fingerprint      = CASE WHEN r.expires_at <= now() THEN excluded.fingerprint ELSE r.fingerprint END,
+        fence            = CASE WHEN r.expires_at <= now() OR (NOT EXISTS (SELECT FROM response) AND r.lease_expires_at <= now() AND r.fingerprint = ANY ($3)) THEN excluded.fence ELSE r.fence END,
+        lease_expires_at = CASE WHEN r.expires_at <= now() OR (NOT EXISTS (SELECT FROM response) AND r.lease_expires_at <= now() AND r.fingerprint = ANY ($3)) THEN excluded.lease_expires_at ELSE r.lease_expires_at END,
+        created_at       = CASE WHEN r.expires_at <= now() THEN excluded.created_at ELSE r.created_at END,
+        expires_at       = CASE WHEN r.expires_at <= now() THEN excluded.expires_at
+                                WHEN NOT EXISTS (SELECT FROM response) AND r.lease_expires_at <= now() AND r.fingerprint = ANY ($3) THEN GREATEST(r.expires_at, excluded.lease_expires_at)
+                                ELSE r.expires_at END,
+        attempts         = CASE WHEN r.expires_at <= now() THEN 0
+                                WHEN EXISTS (SELECT FROM response) AND r.fingerprint = ANY ($3) THEN r.attempts
+                                ELSE r.attempts + 1 END
+    RETURNING r.fence, r.fingerprint, r.attempts
+)
+SELECT
+    c.fence = $6 AS owned,
+    c.fence <> $6 AND s.body_size IS NOT NULL AS completed,  -- body_size: the column every stored response has
+    c.fingerprint = ANY ($3) AS same_request,
+    c.attempts,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN s.status END AS status,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN s.headers END AS headers,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN s.body END AS body,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN s.body_size END AS body_size,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN s.sealed END AS sealed,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN s.sealed_with END AS sealed_with,
+    c.fence,
+    CASE WHEN length(c.fingerprint) = 32 AND c.fingerprint <> ALL ($3) THEN c.fingerprint END AS unkeyed
+FROM claimed AS c LEFT JOIN response AS s ON true;
+
+-- name: renew
+-- A record never expires under a live lease: expires_at is moved to the new lease deadline when that is later
+-- (a handler running past its ttl), or the claim statement and the purge would treat a running request's record
+-- as expired, and a retry would run the handler a second time beside it. claim keeps the same rule ($5 is at
+-- least $4, and a takeover moves expires_at like this). Unchanged, the indexed column keeps the update HOT.
+-- A completion by the store ends the lease (NULL); one in a handler's transaction leaves it, and a renewal of a
+-- completed record changes nothing that matters.
+-- $1 tenant, $2 key, $3 fence, $4 lease seconds
+UPDATE {schema}.idempotency_records
+SET lease_expires_at = now() + make_interval(secs => $4),
+    expires_at = GREATEST(expires_at, now() + make_interval(secs => $4))
+WHERE tenant = $1 AND key = $2 AND fence = $3 AND lease_expires_at IS NOT NULL;
+
+-- name: complete
+-- The completion of a request whose effect is outside the database. It ends the lease on the record row in the
+-- same statement, so a concurrent claim that would take a lapsed lease over waits for it and then finds the lease
+-- ended; a response that exists already (a handler's transaction that completed the record first) is kept.
+-- A record that had duplicates (attempts) may have waiters in other processes (_waiting.py, _listener.py): it notifies them, as it
+-- commits, naming the claim by its fence, a random number that means nothing outside the store (LISTEN needs no
+-- privilege). One without costs nothing (a notification takes a lock as it commits).
+-- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size,
+-- $8 the sealed response and $9 the id of its key (a store with a cipher: then $4, $5 and $6 are NULL)
+WITH owned AS (
+    UPDATE {schema}.idempotency_records AS r
+    SET lease_expires_at = NULL
+    WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
+    RETURNING r.tenant, r.key, r.attempts
+)
+INSERT INTO {schema}.idempotency_responses
+    (tenant, key, fence, status, headers, body, body_size, sealed, sealed_with, completed_at)
+SELECT r.tenant, r.key, $3, $4, $5, $6, $7, $8, $9, now()
+FROM owned AS r, LATERAL (
+    SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || $3) END
+) AS notified
+ON CONFLICT (tenant, key) DO NOTHING;
+
+-- name: complete_in_transaction
+-- The completion in a transactional handler's transaction, which commits it with the handler's writes. It reads
+-- the record row and inserts the response, and writes nothing that renewals or duplicates write meanwhile, so it
+-- holds under any isolation level. Under READ COMMITTED a claim that took the key over is seen (no row: fenced
+-- out); under REPEATABLE READ and SERIALIZABLE the snapshot may predate the takeover, and then of the two claims
+-- the first to commit its response wins: the other's insert meets the primary key, or its foreign key check meets
+-- a record deleted meanwhile, and its whole transaction rolls back.
+-- It notifies no waiter: the attempts it could read are those of its snapshot, which under REPEATABLE READ predates
+-- every duplicate. The waiters hear of it after the COMMIT (notify_waiters).
+-- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size,
+-- $8 the sealed response and $9 the id of its key (see complete)
+INSERT INTO {schema}.idempotency_responses
+    (tenant, key, fence, status, headers, body, body_size, sealed, sealed_with, completed_at)
+SELECT r.tenant, r.key, $3, $4, $5, $6, $7, $8, $9, now()
+FROM {schema}.idempotency_records AS r
+WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
+ON CONFLICT (tenant, key) DO NOTHING;
+
+-- name: release
+-- A record with a response is never released: the foreign key refuses to delete one whose response committed
+-- while this statement ran (the store answers False). Waiters of a record that had duplicates are notified, as
+-- for a completion: one of them claims the key afresh.
+-- $1 tenant, $2 key, $3 fence
+WITH released AS (
+    DELETE FROM {schema}.idempotency_records AS r
+    WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
+      AND NOT EXISTS (SELECT FROM {schema}.idempotency_responses AS s WHERE s.tenant = $1 AND s.key = $2)
+    RETURNING r.tenant, r.key, r.attempts
+)
+SELECT count(*) AS released
+FROM released AS r, LATERAL (
+    SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || $3) END
+) AS notified;
+
+-- name: notify_waiters
+-- After a transactional request's COMMIT, the waiters of its record in other processes are told (_listener.py), if
+-- it had duplicates by then: read after the commit, whatever the isolation level, so that no duplicate counted
+-- before it is missed; one counted after it claims again after it and finds the completion. It runs with the
+-- reset of the connection the handler was lent, in one simple query, so its values are written in: {tenant_hex}
+-- and {key_hex} are the record's tenant and key as hex-encoded UTF-8, {fence} its fence, a number; none is text
+-- from a client. Decoded, they would carry the collation of convert_from's encoding name ("C"), which the primary
+-- key cannot serve: COLLATE "default", the columns' own, keeps this a look-up by the key, not a scan of the table.
+SELECT pg_notify('idempotency_mw_settled', '{schema_name}:{fence}')
+FROM {schema}.idempotency_records
+WHERE tenant = convert_from(decode('{tenant_hex}', 'hex'), 'UTF8') COLLATE "default"
+  AND key = convert_from(decode('{key_hex}', 'hex'), 'UTF8') COLLATE "default"
+  AND fence = {fence} AND attempts > 0;
+
+-- name: forget
+-- $1 tenant, $2 key
+WITH response AS (
+    DELETE FROM {schema}.idempotency_responses WHERE tenant = $1 AND key = $2
+)
+DELETE FROM {schema}.idempotency_records WHERE tenant = $1 AND key = $2;
+
+-- name: inspect
+-- A completed record has no lease, though one completed in a handler's transaction keeps its last value in the row.
+-- $1 tenant, $2 key
+SELECT r.tenant, r.key, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'completed' END AS state, r.fence,
+       r.fingerprint, r.attempts,
+       extract(epoch FROM r.created_at)::float8 AS created_at,
+       extract(epoch FROM r.expires_at)::float8 AS expires_at,
+       CASE WHEN s.key IS NULL THEN extract(epoch FROM r.lease_expires_at)::float8 END AS lease_expires_at,
+       s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
+FROM {schema}.idempotency_records AS r
+LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
+WHERE r.tenant = $1 AND r.key = $2;
+
+-- name: purge_expired
+-- Batched so that a large backlog never holds locks for long; the expires_at index finds the batch.
+-- $1 batch size
+WITH doomed AS MATERIALIZED (
+    SELECT ctid, tenant, key FROM {schema}.idempotency_records WHERE expires_at <= now()
+    ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED
+), responses AS (
+    DELETE FROM {schema}.idempotency_responses AS s
+    USING doomed AS d WHERE s.tenant = d.tenant AND s.key = d.key
+)
+DELETE FROM {schema}.idempotency_records
+WHERE ctid = ANY (ARRAY(SELECT ctid FROM doomed));
+
+-- name: count_expired
+SELECT count(*) FROM {schema}.idempotency_records WHERE expires_at <= now();
+
+-- name: reseal_batch
+-- The next responses to re-seal under the current key (idempotency-mw reencrypt): those sealed under another key
+-- the cipher has, and with $3 those stored plain, walked in primary-key order from where the last batch ended, so
+-- that a run reads the table once however many batches it takes. A response under a key the cipher does not have
+-- is passed over (it cannot be opened here). The rows are locked until the batch's transaction commits with their
+-- new form (reseal); SKIP LOCKED passes over those another run holds, as the purge does, and a completion or a
+-- replay never waits: responses are only ever inserted and read, and the claim, forget and purge that delete them
+-- wait for the batch at most. A row passed over stays as it was, for the next run.
+-- $1 tenant and $2 key to start from, $3 include that row itself (the first batch), $4 the ids of the cipher's
+-- older keys, $5 seal plain responses too, $6 batch size
+SELECT s.tenant, s.key, s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
+FROM {schema}.idempotency_responses AS s
+WHERE (s.tenant, s.key) >= ($1::text, $2::text)
+  AND ($3 OR (s.tenant, s.key) <> ($1::text, $2::text))
+  AND (s.sealed_with = ANY ($4::text[]) OR ($5 AND s.sealed IS NULL))
+ORDER BY s.tenant, s.key
+LIMIT $6
+FOR UPDATE SKIP LOCKED;
+
+-- name: reseal
+-- The batch's responses in their new form, in the transaction that locked them (reseal_batch).
+-- $1 the current key's id, $2 tenants, $3 keys, $4 the responses sealed under $1
+UPDATE {schema}.idempotency_responses AS s
+SET status = NULL, headers = NULL, body = NULL, sealed = u.sealed, sealed_with = $1
+FROM unnest($2::text[], $3::text[], $4::bytea[]) AS u (tenant, key, sealed)
+WHERE s.tenant = u.tenant AND s.key = u.key;
+
+-- name: responses_by_key
+-- How many responses are stored under each key (NULL: plain), for reencrypt to report what is left.
+SELECT s.sealed_with, count(*) AS responses
+FROM {schema}.idempotency_responses AS s
+GROUP BY s.sealed_with
+ORDER BY s.sealed_with NULLS FIRST;
+
+-- name: stats
+SELECT
+    count(*) FILTER (WHERE s.key IS NULL AND r.expires_at > now()) AS in_progress,
+    count(*) FILTER (WHERE s.key IS NOT NULL AND r.expires_at > now()) AS completed,
+    count(*) FILTER (WHERE r.expires_at <= now()) AS expired,
+    count(*) FILTER (WHERE s.key IS NULL AND r.lease_expires_at <= now() AND r.expires_at > now()) AS past_lease,
+    extract(epoch FROM now() - min(r.created_at) FILTER (WHERE s.key IS NULL AND r.expires_at > now()))::float8
+        AS oldest_in_progress_seconds,
+    coalesce(sum(r.attempts), 0)::bigint AS attempts
+FROM {schema}.idempotency_records AS r
+LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key;
+
+-- name: migrated
+-- open() runs this once: a database that was never migrated (or a store pointed at the wrong schema) fails at
+-- startup with the command that fixes it, instead of at every request.
+SELECT to_regclass('{schema}.idempotency_responses') IS NOT NULL;
+
+-- name: database_identity
+-- SQLAlchemyStore.open() compares this on the store's connection and on the app's engine: the handlers'
+-- transactions complete the records, so the engine must reach the store's database (same server, same database).
+SELECT current_database() AS database, pg_postmaster_start_time() AS server_started;
