@@ -5,7 +5,7 @@ at or delete one record, ``stats`` summarises the table, and ``reencrypt`` re-se
 current response key (``encryption.py``). Every expected failure (no database URL, a malformed one, a server that
 does not answer, a database not migrated yet, an unknown key) ends in one line on stderr and a non-zero exit
 status, never a traceback: 0 success, 1 no such record, 2 usage error (including no database URL), 3 database
-error, 130 interrupted.
+error, 130 interrupted, 141 standard output closed by its reader (``| head``: not a database error).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import getpass
 import json
 import os
@@ -24,11 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from idempotency_mw._fingerprint import DIGEST_BYTES, fingerprint_key_id
+from idempotency_mw import __version__
+from idempotency_mw._cli_display import by_key, duration, format_record, plural, record_to_dict
 from idempotency_mw._keys import PREFIX, SECRET_VARIABLE, AuthorizationTenant
 from idempotency_mw.postgres._sql import check_schema
 from idempotency_mw.postgres._store import PostgresStore
-from idempotency_mw.store import RecordInfo, SealedResponseError, StoreNotMigrated, StoreUnavailable
+from idempotency_mw.store import SealedResponseError, StoreNotMigrated, StoreUnavailable
 
 if TYPE_CHECKING:
     from idempotency_mw.encryption import ResponseCipher
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 PROG = "idempotency-mw"
 KEYS_VARIABLE = "IDEMPOTENCY_RESPONSE_KEYS"  # as idempotency_mw.encryption, which needs the encryption extra
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_DATABASE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-PREVIEW_BYTES = 200
+EXIT_OUTPUT_CLOSED = 141  # 128 + SIGPIPE: what a shell shows for a command whose reader went away (`| head`)
 
 
 class CommandError(Exception):
@@ -45,6 +45,18 @@ class CommandError(Exception):
     def __init__(self, message: str, code: int = EXIT_DATABASE) -> None:
         super().__init__(message)
         self.code = code
+
+
+class OutputClosed(Exception):
+    """Standard output was closed by its reader (``idempotency-mw stats | head``): not a database error."""
+
+
+def say(text: str) -> None:
+    """Print a result on standard output; a reader that went away ends the command quietly, not as an error."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        raise OutputClosed from None
 
 
 Command = Callable[[PostgresStore, argparse.Namespace], Awaitable[int]]
@@ -61,6 +73,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except OutputClosed:
+        _discard_stdout()
+        return EXIT_OUTPUT_CLOSED
+
+
+def _discard_stdout() -> None:
+    """Point standard output at /dev/null: Python flushes it at exit, which would fail on the closed pipe again
+    and print a warning (the recipe of the signal module's documentation)."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # not a real file (a test's capture)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 # -- arguments ------------------------------------------------------------------------------------------------
@@ -101,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Operate the idempotency_mw PostgreSQL store.",
         parents=[_global_options()],
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     after = [_global_options(after_command=True)]
 
@@ -260,7 +283,7 @@ async def _run(args: argparse.Namespace) -> int:
     async with _open_store(args) as store:
         try:
             return await handler(store, args)
-        except CommandError:
+        except (CommandError, OutputClosed):
             raise
         except Exception as error:
             raise _explain(error, args.timeout) from error
@@ -340,9 +363,9 @@ def _explain(error: BaseException, timeout: float) -> CommandError:
 async def cmd_migrate(store: PostgresStore, args: argparse.Namespace) -> int:
     applied = await store.migrate()
     for name in applied:
-        print(f"applied {name}")
+        say(f"applied {name}")
     if not applied:
-        print("up to date")
+        say("up to date")
     return EXIT_OK
 
 
@@ -351,7 +374,7 @@ async def cmd_gc(store: PostgresStore, args: argparse.Namespace) -> int:
         count = await store.count_expired()
         if args.max_batches is not None:
             count = min(count, args.max_batches * args.batch_size)
-        print(f"{count} expired record{_s(count)} would be deleted (dry run)")
+        say(f"{count} expired record{plural(count)} would be deleted (dry run)")
         return EXIT_OK
     total = batches = 0
     while args.max_batches is None or batches < args.max_batches:
@@ -363,7 +386,7 @@ async def cmd_gc(store: PostgresStore, args: argparse.Namespace) -> int:
             break
         if args.pause:
             await asyncio.sleep(args.pause)
-    print(f"deleted {total} expired record{_s(total)}")
+    say(f"deleted {total} expired record{plural(total)}")
     return EXIT_OK
 
 
@@ -377,9 +400,9 @@ async def cmd_inspect(store: PostgresStore, args: argparse.Namespace) -> int:
         raise _not_found(args, tenant, key)
     shown = record_to_dict(record, now=time.time())
     if args.json:
-        print(json.dumps(shown, indent=2))
+        say(json.dumps(shown, indent=2))
     else:
-        print(format_record(shown))
+        say(format_record(shown))
     return EXIT_OK
 
 
@@ -387,14 +410,14 @@ async def cmd_forget(store: PostgresStore, args: argparse.Namespace) -> int:
     tenant, key = _record_id(args)
     if not await store.forget(tenant, key):
         raise _not_found(args, tenant, key)
-    print(f"forgot key {key!r} of tenant {tenant!r}")
+    say(f"forgot key {key!r} of tenant {tenant!r}")
     return EXIT_OK
 
 
 async def cmd_stats(store: PostgresStore, args: argparse.Namespace) -> int:
     stats = await store.stats()
     if args.json:
-        print(json.dumps(stats, indent=2))
+        say(json.dumps(stats, indent=2))
         return EXIT_OK
     oldest = stats["oldest_in_progress_seconds"]
     rows = [
@@ -402,12 +425,12 @@ async def cmd_stats(store: PostgresStore, args: argparse.Namespace) -> int:
         ("completed", str(stats["completed"])),
         ("expired (awaiting gc)", str(stats["expired"])),
         ("past their lease", str(stats["past_lease"])),
-        ("oldest in progress", "-" if oldest is None else _duration(oldest)),
+        ("oldest in progress", "-" if oldest is None else duration(oldest)),
         ("attempts (all records)", str(stats["attempts"])),
     ]
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
-        print(f"{label:<{width}}  {value}")
+        say(f"{label:<{width}}  {value}")
     return EXIT_OK
 
 
@@ -415,7 +438,7 @@ async def cmd_reencrypt(store: PostgresStore, args: argparse.Namespace) -> int:
     cipher = store.cipher
     assert cipher is not None  # _cipher gives reencrypt one, or stops
     if args.dry_run:
-        print(_by_key(await store.responses_by_key(), cipher, args.seal_plain, dry_run=True))
+        say(by_key(await store.responses_by_key(), cipher, args.seal_plain, dry_run=True))
         return EXIT_OK
     total = batches = unreadable = 0
     after: tuple[str, str] | None = None
@@ -432,42 +455,22 @@ async def cmd_reencrypt(store: PostgresStore, args: argparse.Namespace) -> int:
             break
         if args.pause:
             await asyncio.sleep(args.pause)
-    print(f"re-sealed {total} response{_s(total)} under key {cipher.current!r}")
+    say(f"re-sealed {total} response{plural(total)} under key {cipher.current!r}")
     counts = await store.responses_by_key()
-    print(_by_key(counts, cipher, args.seal_plain, dry_run=False))
+    say(by_key(counts, cipher, args.seal_plain, dry_run=False))
     for key_id, count in counts.items():  # passed over: what they are sealed under was not given
         if key_id is not None and key_id not in cipher.key_ids:
             unreadable += count
             they, are = ("it", "is") if count == 1 else ("they", "are")
             print(
-                f"{PROG}: left {count} response{_s(count)} sealed under key {key_id!r} as {they} {are}: that key was "
-                f"not given, so {they} cannot be opened here (give it after the current key)",
+                f"{PROG}: left {count} response{plural(count)} sealed under key {key_id!r} as {they} {are}: that key "
+                f"was not given, so {they} cannot be opened here (give it after the current key)",
                 file=sys.stderr,
                 flush=True,
             )
     if unreadable:
-        raise CommandError(f"{unreadable} response{_s(unreadable)} could not be opened and were left as they are")
+        raise CommandError(f"{unreadable} response{plural(unreadable)} could not be opened and were left as they are")
     return EXIT_OK
-
-
-def _by_key(counts: dict[str | None, int], cipher: ResponseCipher, seal_plain: bool, *, dry_run: bool) -> str:
-    """What is stored under which key, and what a run does (or did not do) about it."""
-    lines = []
-    for key_id, count in counts.items():
-        if key_id is None:
-            if seal_plain:
-                what = "to seal" if dry_run else "plain (new ones stored by a store without a cipher)"
-            else:
-                what = "left plain (--seal-plain seals them)"
-            lines.append(f"plain: {count} response{_s(count)}, {what}")
-        elif key_id == cipher.current:
-            lines.append(f"under {key_id!r} (current): {count} response{_s(count)}")
-        elif key_id in cipher.key_ids:
-            what = "to re-seal" if dry_run else "not re-sealed yet (locked by another run? run again)"
-            lines.append(f"under {key_id!r}: {count} response{_s(count)}, {what}")
-        else:
-            lines.append(f"under {key_id!r}: {count} response{_s(count)}, a key not given: they cannot be opened here")
-    return "\n".join(lines) or "no stored responses"
 
 
 def _default_resolver() -> AuthorizationTenant:
@@ -494,104 +497,6 @@ def _not_found(args: argparse.Namespace, tenant: str, key: str) -> CommandError:
             "give the client's header with --authorization-from instead)"
         )
     return CommandError(message, EXIT_NOT_FOUND)
-
-
-# -- presentation ---------------------------------------------------------------------------------------------
-
-
-def record_to_dict(record: RecordInfo, *, now: float) -> dict[str, Any]:
-    """The record as plain JSON types; what ``inspect --json`` prints and the text view is made from."""
-    response = None
-    if record.response is not None:
-        stored = record.response
-        body_preview, encoding = (None, None) if stored.body is None else preview(stored.body)
-        response = {
-            "status": stored.status,
-            "headers": [[name.decode("latin-1"), value.decode("latin-1")] for name, value in stored.headers],
-            "body_size": stored.body_size,
-            "body_stored": stored.body is not None,
-            "body_preview": body_preview,
-            "body_preview_encoding": encoding,
-            "sealed_with": record.sealed_with,
-        }
-    return {
-        "tenant": record.tenant,
-        "key": record.key,
-        "state": record.state,
-        "expired": record.expires_at <= now,
-        "fence": record.fence,
-        "attempts": record.attempts,
-        "created_at": _iso(record.created_at),
-        "expires_at": _iso(record.expires_at),
-        "lease_expires_at": None if record.lease_expires_at is None else _iso(record.lease_expires_at),
-        "fingerprint": record.fingerprint[-DIGEST_BYTES:].hex(),
-        "fingerprint_key": fingerprint_key_id(record.fingerprint),  # None: unkeyed, written before keys existed
-        "response": response,
-    }
-
-
-def format_record(shown: dict[str, Any]) -> str:
-    state = shown["state"] + (" (expired: counts as absent, awaiting gc)" if shown["expired"] else "")
-    key_id = shown["fingerprint_key"]
-    keyed = "unkeyed: written before fingerprints were keyed" if key_id is None else f"key {key_id!r}"
-    rows: list[tuple[str, str]] = [
-        ("tenant", shown["tenant"] or "'' (empty)"),
-        ("key", shown["key"]),
-        ("state", state),
-        ("fence", str(shown["fence"])),
-        ("attempts", str(shown["attempts"])),
-        ("created", shown["created_at"]),
-        ("expires", shown["expires_at"]),
-        ("lease until", shown["lease_expires_at"] or "-"),
-        ("fingerprint", f"{shown['fingerprint']} ({keyed})"),
-    ]
-    response = shown["response"]
-    if response is not None:
-        rows.append(("status", str(response["status"])))
-        headers = [f"{name}: {value}" for name, value in response["headers"]] or ["-"]
-        rows.extend(("headers" if i == 0 else "", header) for i, header in enumerate(headers))
-        if response.get("sealed_with") is not None:
-            rows.append(("sealed with", f"key {response['sealed_with']!r}"))
-        rows.append(("body size", f"{response['body_size']} bytes"))
-        if not response["body_stored"]:
-            rows.append(("body", "not stored (over max_response_bytes, or cut short: replays answer 409)"))
-        else:
-            text = response["body_preview"].replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
-            more = "…" if response["body_size"] > PREVIEW_BYTES else ""
-            rows.append((f"body ({response['body_preview_encoding']})", text + more))
-    width = max(len(label) for label, _ in rows)
-    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
-
-
-def preview(body: bytes) -> tuple[str, str]:
-    """The first ``PREVIEW_BYTES`` of a body: as text when it is printable UTF-8, else as hex."""
-    head = body[:PREVIEW_BYTES]
-    for cut in range(4):  # the cut may split a multi-byte character: drop up to 3 trailing bytes
-        try:
-            text = head[: len(head) - cut].decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        if all(c.isprintable() or c in "\n\r\t" for c in text):
-            return text, "text"
-        break
-    return head.hex(), "hex"
-
-
-def _iso(epoch: float) -> str:
-    return datetime.datetime.fromtimestamp(epoch, tz=datetime.UTC).isoformat(timespec="milliseconds")
-
-
-def _duration(seconds: float) -> str:
-    whole = int(seconds)
-    if whole < 60:
-        return f"{seconds:.1f}s"
-    if whole < 3600:
-        return f"{whole // 60}m {whole % 60:02d}s"
-    return f"{whole // 3600}h {whole % 3600 // 60:02d}m"
-
-
-def _s(count: int) -> str:
-    return "" if count == 1 else "s"
 
 
 if __name__ == "__main__":  # python -m idempotency_mw.cli: the console script's twin

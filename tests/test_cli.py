@@ -24,8 +24,9 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
+import idempotency_mw
 from idempotency_mw import PostgresStore, StoredResponse
-from idempotency_mw.cli import EXIT_NOT_FOUND, build_parser, main
+from idempotency_mw.cli import EXIT_NOT_FOUND, EXIT_OUTPUT_CLOSED, build_parser, main
 from tests.apps import Probe, build_app
 from tests.conftest import client_for, tenant_of, with_database
 
@@ -539,6 +540,45 @@ def test_help_lists_the_operators_commands_only(capsys: pytest.CaptureFixture[st
         main(["demo"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'demo'" in capsys.readouterr().err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """What a support ticket asks first; the same version as the package's."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"idempotency-mw {idempotency_mw.__version__}\n"
+
+
+class ClosedPipe(io.StringIO):
+    """Standard output whose reader went away, as under ``idempotency-mw stats | head -0``."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_reader_that_goes_away_is_not_a_database_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, db: Database
+) -> None:
+    """``stats | head`` printed "cannot reach the database: Broken pipe" and exited 3, as for an outage."""
+    on_db(db, lambda store: completed(store, TENANT, "piped", b"{}"))
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    for argv in (["stats"], ["stats", "--json"], ["inspect", TENANT, "piped"], ["gc", "--dry-run"]):
+        assert main([*db.options, *argv]) == EXIT_OUTPUT_CLOSED == 141
+        assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+def test_a_closed_pipe_ends_the_process_quietly(db: Database) -> None:
+    """The same through a real pipe whose reader closed before the command wrote, as a shell runs ``| head -0``:
+    no message, no warning at exit (Python's flush of the closed stdout), status 141 as for SIGPIPE."""
+    command = [sys.executable, "-m", "idempotency_mw", *db.options, "stats"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        assert process.stdout is not None
+        assert process.stderr is not None
+        process.stdout.close()
+        err = process.stderr.read()
+        assert (process.wait(timeout=60), err) == (141, b"")
 
 
 # -- the entry points -------------------------------------------------------------------------------------------

@@ -63,6 +63,18 @@ def test_the_wheel_declares_the_command_line_and_the_pytest_plugin(wheel: zipfil
     assert "idempotency_mw = idempotency_mw.testing" in text
 
 
+@pytest.mark.slow
+def test_the_wheel_names_the_python_versions_it_supports(wheel: zipfile.ZipFile) -> None:
+    """Trove classifiers for each Python version from ``requires-python``'s up to the newest the suite runs on, so an
+    index and a dependency bot show what is supported."""
+    (metadata,) = [name for name in wheel.namelist() if name.endswith(".dist-info/METADATA")]
+    text = wheel.read(metadata).decode()
+    versions = re.findall(r"^Classifier: Programming Language :: Python :: (3\.\d+)$", text, re.MULTILINE)
+    assert versions == ["3.11", "3.12", "3.13"]
+    assert "Requires-Python: >=3.11" in text
+    assert "Classifier: Typing :: Typed" in text  # py.typed ships in the wheel
+
+
 def _names(requirements: list[str]) -> list[str]:
     return [re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0] for requirement in requirements]
 

@@ -1,0 +1,130 @@
+"""How the command line shows what it read: a record (as text or JSON), counts of sealed responses, durations."""
+
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING, Any
+
+from idempotency_mw._fingerprint import DIGEST_BYTES, fingerprint_key_id
+from idempotency_mw.store import RecordInfo
+
+if TYPE_CHECKING:
+    from idempotency_mw.encryption import ResponseCipher
+
+PREVIEW_BYTES = 200
+
+
+def record_to_dict(record: RecordInfo, *, now: float) -> dict[str, Any]:
+    """The record as plain JSON types; what ``inspect --json`` prints and the text view is made from."""
+    response = None
+    if record.response is not None:
+        stored = record.response
+        body_preview, encoding = (None, None) if stored.body is None else preview(stored.body)
+        response = {
+            "status": stored.status,
+            "headers": [[name.decode("latin-1"), value.decode("latin-1")] for name, value in stored.headers],
+            "body_size": stored.body_size,
+            "body_stored": stored.body is not None,
+            "body_preview": body_preview,
+            "body_preview_encoding": encoding,
+            "sealed_with": record.sealed_with,
+        }
+    return {
+        "tenant": record.tenant,
+        "key": record.key,
+        "state": record.state,
+        "expired": record.expires_at <= now,
+        "fence": record.fence,
+        "attempts": record.attempts,
+        "created_at": iso(record.created_at),
+        "expires_at": iso(record.expires_at),
+        "lease_expires_at": None if record.lease_expires_at is None else iso(record.lease_expires_at),
+        "fingerprint": record.fingerprint[-DIGEST_BYTES:].hex(),
+        "fingerprint_key": fingerprint_key_id(record.fingerprint),  # None: unkeyed, written before keys existed
+        "response": response,
+    }
+
+
+def format_record(shown: dict[str, Any]) -> str:
+    state = shown["state"] + (" (expired: counts as absent, awaiting gc)" if shown["expired"] else "")
+    key_id = shown["fingerprint_key"]
+    keyed = "unkeyed: written before fingerprints were keyed" if key_id is None else f"key {key_id!r}"
+    rows: list[tuple[str, str]] = [
+        ("tenant", shown["tenant"] or "'' (empty)"),
+        ("key", shown["key"]),
+        ("state", state),
+        ("fence", str(shown["fence"])),
+        ("attempts", str(shown["attempts"])),
+        ("created", shown["created_at"]),
+        ("expires", shown["expires_at"]),
+        ("lease until", shown["lease_expires_at"] or "-"),
+        ("fingerprint", f"{shown['fingerprint']} ({keyed})"),
+    ]
+    response = shown["response"]
+    if response is not None:
+        rows.append(("status", str(response["status"])))
+        headers = [f"{name}: {value}" for name, value in response["headers"]] or ["-"]
+        rows.extend(("headers" if i == 0 else "", header) for i, header in enumerate(headers))
+        if response.get("sealed_with") is not None:
+            rows.append(("sealed with", f"key {response['sealed_with']!r}"))
+        rows.append(("body size", f"{response['body_size']} bytes"))
+        if not response["body_stored"]:
+            rows.append(("body", "not stored (over max_response_bytes, or cut short: replays answer 409)"))
+        else:
+            text = response["body_preview"].replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+            more = "…" if response["body_size"] > PREVIEW_BYTES else ""
+            rows.append((f"body ({response['body_preview_encoding']})", text + more))
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def preview(body: bytes) -> tuple[str, str]:
+    """The first ``PREVIEW_BYTES`` of a body: as text when it is printable UTF-8, else as hex."""
+    head = body[:PREVIEW_BYTES]
+    for cut in range(4):  # the cut may split a multi-byte character: drop up to 3 trailing bytes
+        try:
+            text = head[: len(head) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if all(c.isprintable() or c in "\n\r\t" for c in text):
+            return text, "text"
+        break
+    return head.hex(), "hex"
+
+
+def iso(epoch: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch, tz=datetime.UTC).isoformat(timespec="milliseconds")
+
+
+def duration(seconds: float) -> str:
+    whole = int(seconds)
+    if whole < 60:
+        return f"{seconds:.1f}s"
+    if whole < 3600:
+        return f"{whole // 60}m {whole % 60:02d}s"
+    return f"{whole // 3600}h {whole % 3600 // 60:02d}m"
+
+
+def plural(count: int) -> str:
+    return "" if count == 1 else "s"
+
+
+def by_key(counts: dict[str | None, int], cipher: ResponseCipher, seal_plain: bool, *, dry_run: bool) -> str:
+    """What is stored under which key, and what a run does (or did not do) about it."""
+    lines = []
+    for key_id, count in counts.items():
+        if key_id is None:
+            if seal_plain:
+                what = "to seal" if dry_run else "plain (new ones stored by a store without a cipher)"
+            else:
+                what = "left plain (--seal-plain seals them)"
+            lines.append(f"plain: {count} response{plural(count)}, {what}")
+        elif key_id == cipher.current:
+            lines.append(f"under {key_id!r} (current): {count} response{plural(count)}")
+        elif key_id in cipher.key_ids:
+            what = "to re-seal" if dry_run else "not re-sealed yet (locked by another run? run again)"
+            lines.append(f"under {key_id!r}: {count} response{plural(count)}, {what}")
+        else:
+            what = "a key not given: they cannot be opened here"
+            lines.append(f"under {key_id!r}: {count} response{plural(count)}, {what}")
+    return "\n".join(lines) or "no stored responses"
