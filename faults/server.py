@@ -51,6 +51,12 @@ SERVERS = ("uvicorn", "hypercorn", "granian")
 process the child starts."""
 
 
+CLIENT_KEEP_ALIVE = 2.0
+"""Seconds the scenarios' clients keep an idle connection for reuse: well under uvicorn's ``timeout_keep_alive``
+(5 s). With both at 5 s (httpx's default and uvicorn's), a client that reuses a connection after about 5 s idle can
+meet a busy server closing it in the same instant, and the request on it ends in a ReadError with no answer."""
+
+
 class ServerStartFailed(RuntimeError):
     """The child server exited or did not answer during startup; the message ends with its log."""
 
@@ -232,6 +238,11 @@ class ServerProcess:
         if self._has_workers:  # a worker that outlived its server (it exited on its own, or was killed alone)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
+
+    def note_log(self, error: BaseException, name: str = "server") -> None:
+        """Add the end of this server's log to ``error`` (a request to it that got no answer: did the server say
+        why?)."""
+        error.add_note(f"the {name}'s log ends with:\n{self.log_tail() or '(nothing)'}")
 
     def log_tail(self, lines: int = 40) -> str:
         self._log.flush()

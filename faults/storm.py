@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from faults.report import PeakRss, Result
+from faults.server import CLIENT_KEEP_ALIVE
 from faults.workers import charges_per_key, isolation_label, payments_worker, tally
 from idempotency_mw.client import AsyncIdempotentClient, Retry
 
@@ -59,7 +60,11 @@ async def run_storm(
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(first)  # one after the other: the first applies migrations and schema
         await stack.enter_async_context(second)
-        limits = httpx.Limits(max_connections=in_flight * copies, max_keepalive_connections=in_flight * copies)
+        limits = httpx.Limits(
+            max_connections=in_flight * copies,
+            max_keepalive_connections=in_flight * copies,
+            keepalive_expiry=CLIENT_KEEP_ALIVE,
+        )
         http = await stack.enter_async_context(httpx.AsyncClient(timeout=30, limits=limits, headers=auth))
         await stack.enter_async_context(rss.watching())
         # The account exists before the storm (the example creates it with its first write, in that request's
@@ -102,7 +107,12 @@ async def run_storm(
                 answers.payments_without_original += 1
                 unsettled.append(index)
 
-        await asyncio.gather(*(payment(i) for i in range(payments)))
+        try:
+            await asyncio.gather(*(payment(i) for i in range(payments)))
+        except httpx.TransportError as error:  # a copy got no answer at all: show what the workers logged
+            first.note_log(error, "first worker")
+            second.note_log(error, "second worker")
+            raise
         # A payment whose copies all met another copy in progress, or failed, is finished by a retrying client.
         async with AsyncIdempotentClient(retry=Retry(attempts=20, deadline=60), headers=auth) as client:
             for index in unsettled:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from faults.report import PeakRss, Result
+from faults.server import CLIENT_KEEP_ALIVE
 from faults.workers import effects_per_key, isolation_label, ledger_worker, tally
 
 
@@ -59,7 +60,11 @@ async def run_waiting(
     async with contextlib.AsyncExitStack() as stack:
         for worker in workers:  # one after the other: the first applies migrations and schema
             await stack.enter_async_context(worker)
-        limits = httpx.Limits(max_connections=in_flight * copies, max_keepalive_connections=in_flight * copies)
+        limits = httpx.Limits(
+            max_connections=in_flight * copies,
+            max_keepalive_connections=in_flight * copies,
+            keepalive_expiry=CLIENT_KEEP_ALIVE,
+        )
         http = await stack.enter_async_context(httpx.AsyncClient(timeout=wait * 4, limits=limits))
         await stack.enter_async_context(rss.watching())
         gate = asyncio.Semaphore(in_flight)
@@ -89,7 +94,12 @@ async def run_waiting(
                 elif reply.status_code != 201:
                     findings.other[str(reply.status_code)] += 1
 
-        await asyncio.gather(*(operation(i) for i in range(operations)))
+        try:
+            await asyncio.gather(*(operation(i) for i in range(operations)))
+        except httpx.TransportError as error:  # a copy got no answer at all: show what the workers logged
+            for number, worker in enumerate(workers):
+                worker.note_log(error, f"worker {number}")
+            raise
     counts = await effects_per_key(dsn, keys)
     duplicates, lost = tally(counts, keys)
     pool = f"an app's pool of {app_pool}" if app_pool else "the store's own pool"

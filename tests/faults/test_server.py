@@ -39,6 +39,18 @@ async def test_server_process_survives_a_kill_on_the_same_port() -> None:
 
 
 @pytest.mark.slow
+async def test_a_request_that_got_no_answer_carries_the_servers_log() -> None:
+    """A scenario whose request ends without an answer (the server closed the connection) shows what the server
+    logged at that moment, so a failure seen once in CI can be told apart from a client-side race."""
+    async with ServerProcess("tests.faults.test_server:pid_app", log_level="info") as server:
+        error = httpx.ReadError("no answer")
+        server.note_log(error, "payments worker")
+    (note,) = error.__notes__
+    assert note.startswith("the payments worker's log ends with:\n")
+    assert "Uvicorn running" in note or "Application startup complete" in note
+
+
+@pytest.mark.slow
 async def test_server_process_reports_a_failed_start() -> None:
     with pytest.raises(ServerStartFailed, match="exited during startup"):
         async with ServerProcess("faults.proxy:no_such_app", ready_timeout=30):
