@@ -2,7 +2,11 @@
 
     metrics = PrometheusMetrics()
     app.add_middleware(IdempotencyMiddleware, store=store, on_event=metrics)
-    app.mount("/metrics", prometheus_client.make_asgi_app())
+    app.routes.append(metrics_route())
+
+``metrics_route()`` serves this process's metrics or, under prometheus_client's multiprocess mode
+(``PROMETHEUS_MULTIPROC_DIR`` set: gunicorn, ``uvicorn --workers``), every worker's; ``refresh_from_store(...,
+lock=path)`` keeps the table's gauges to one scan per period however many workers run it.
 
 Requests are labelled by route *template* (``/v1/charges/{id}``, ``Event.route``), never by raw path: a label per
 resource id, or per path a scanner invents, would grow without bound. The middleware finds the template by
@@ -16,22 +20,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 try:
-    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app, multiprocess
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "idempotency_mw.metrics needs prometheus-client: pip install 'idempotency-mw[metrics]'"
     ) from error
-from starlette.types import Scope
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from idempotency_mw._events import Event, Outcome
 from idempotency_mw._policy import UNMATCHED
 from idempotency_mw.store import StoreUnavailable
 
-__all__ = ["UNMATCHED", "PrometheusMetrics", "StatsSource"]
+__all__ = ["UNMATCHED", "PrometheusMetrics", "StatsSource", "metrics_route"]
+
+MULTIPROCESS_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 
 # Time spent waiting on the store: a claim, then a complete or release; one to a few round trips.
 STORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -128,6 +137,19 @@ class PrometheusMetrics:
             registry=registry,
             multiprocess_mode="mostrecent",
         )
+        self.store_up = Gauge(
+            f"{prefix}_store_up",
+            "1 when the last update_from_store() read the store's stats, 0 when the store could not be reached "
+            "(the table gauges then keep their last values).",
+            registry=registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.stats_updated = Gauge(
+            f"{prefix}_stats_updated_timestamp_seconds",
+            "Unix time of the last update_from_store() that read the store's stats: alert when it falls behind.",
+            registry=registry,
+            multiprocess_mode="mostrecent",
+        )
         self._seen_routes: set[tuple[str, str]] = set()  # bounded: methods the middleware covers x routes
 
     def started(self, scope: Scope) -> None:
@@ -160,23 +182,79 @@ class PrometheusMetrics:
                 f"update_from_store needs a store that can summarise its table (a PostgresStore or SQLAlchemyStore), "
                 f"not {type(store).__name__}"
             )
-        stats = await store.stats()
+        try:
+            stats = await store.stats()
+        except StoreUnavailable:
+            self.store_up.set(0)
+            raise
         for state in ("in_progress", "completed", "expired"):
             self.records.labels(state).set(stats[state])
         self.records_past_lease.set(stats["past_lease"])
         self.oldest_in_progress.set(stats["oldest_in_progress_seconds"] or 0.0)
         self.record_attempts.set(stats["attempts"])
+        self.store_up.set(1)
+        self.stats_updated.set(time.time())
 
-    async def refresh_from_store(self, store: StatsSource, *, every: float = 60.0) -> None:
+    async def refresh_from_store(
+        self, store: StatsSource, *, every: float = 60.0, lock: str | os.PathLike[str] | None = None
+    ) -> None:
         """Run :meth:`update_from_store` every ``every`` seconds until cancelled: start it as a task from the
-        lifespan of one process. A store that cannot be reached is logged as a warning, in one line; any other
-        error (a bug, a store without ``stats()``) with its traceback, each time, so that gauges that stopped
-        moving always say why. The loop goes on after both."""
-        while True:
-            try:
-                await self.update_from_store(store)
-            except StoreUnavailable as error:
-                logger.warning("idempotency: the metrics could not read the store's stats: %s", error)
-            except Exception:
-                logger.exception("idempotency: refreshing the metrics from the store failed")
-            await asyncio.sleep(every)
+        lifespan. A store that cannot be reached is logged as a warning, in one line; any other error (a bug, a
+        store without ``stats()``) with its traceback, each time, so that gauges that stopped moving always say why.
+        The loop goes on after both.
+
+        ``lock``: a file that the workers of one host share (in ``PROMETHEUS_MULTIPROC_DIR``, say). Only the process
+        holding an exclusive lock on it refreshes; the others try to take it each period, so one that exits (or is
+        killed: the kernel releases its lock) is replaced within a period, and N workers scan the table once per
+        period, not N times."""
+        held: IO[bytes] | None = None
+        try:
+            while True:
+                if lock is None or held is not None or (held := _try_lock(lock)) is not None:
+                    try:
+                        await self.update_from_store(store)
+                    except StoreUnavailable as error:
+                        logger.warning("idempotency: the metrics could not read the store's stats: %s", error)
+                    except Exception:
+                        logger.exception("idempotency: refreshing the metrics from the store failed")
+                await asyncio.sleep(every)
+        finally:
+            if held is not None:
+                held.close()  # releases the lock: another worker takes over within a period
+
+
+def _try_lock(path: str | os.PathLike[str]) -> IO[bytes] | None:
+    """The file at ``path``, opened and exclusively locked by this process; None when another holds it."""
+    import fcntl  # POSIX: the lock is for workers of one host (gunicorn, uvicorn --workers)
+
+    file = open(path, "ab")  # noqa: SIM115 - held open for as long as the lock is
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.close()
+        return None
+    return file
+
+
+class _MetricsApp:
+    """prometheus_client's ASGI exposition as an object, so that a ``Route`` serves it at the path itself (a plain
+    function would be taken for a request handler, and ``mount("/metrics", ...)`` answers ``/metrics`` with a 307
+    to ``/metrics/``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._app = make_asgi_app(registry)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._app(scope, receive, send)
+
+
+def metrics_route(path: str = "/metrics", registry: CollectorRegistry | None = None) -> Route:
+    """The metrics endpoint as a route: ``app.routes.append(metrics_route())``, or in ``routes=[...]``.
+
+    Serves ``registry`` (default: the global one); under prometheus_client's multiprocess mode
+    (``PROMETHEUS_MULTIPROC_DIR`` set, as gunicorn or ``uvicorn --workers`` need), with no registry given, every
+    worker's metrics combined, whichever worker the scrape reaches."""
+    if registry is None and os.environ.get(MULTIPROCESS_VARIABLE):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    return Route(path, _MetricsApp(REGISTRY if registry is None else registry), methods=["GET"])

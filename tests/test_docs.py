@@ -243,17 +243,24 @@ def guide_testing_files() -> dict[str, str]:
     return files
 
 
+def guide_pytest_configuration() -> str:
+    """The guide's ``# pyproject.toml`` block (its pytest configuration)."""
+    (block,) = [code for _, code in blocks("toml") if code.startswith("# pyproject.toml")]
+    return block
+
+
 @pytest.mark.slow
 def test_the_testing_guides_examples_run(tmp_path: Path, idempotency_database_url: str) -> None:
-    """The guide's tests, its conftest.py and an app of the shape they expect, in a project of their own: its own
-    pytest.ini (pytest-asyncio's default strict mode), the plugin as installed. The snippet once used httpx
-    without importing it."""
+    """The guide's tests, its conftest.py and an app of the shape they expect, in a project of their own with the
+    guide's pytest configuration (pytest-asyncio's default strict mode), the plugin as installed, deprecation
+    warnings as errors. The snippet once used httpx without importing it; the configuration once left out the
+    fixtures' loop scope, which pytest-asyncio warns about at every run."""
     files = guide_testing_files()
     assert {"conftest.py", "test_charges.py", "test_lifespan.py", "test_transfers.py"} <= set(files)
     for name, code in {**MYAPP, **files}.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(code)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    (tmp_path / "pyproject.toml").write_text(guide_pytest_configuration())  # without it pytest-asyncio warns
     env = {**os.environ, "DATABASE_URL": idempotency_database_url, "PYTHONPATH": str(tmp_path)}
     del env["IDEMPOTENCY_TENANT_SECRET"]  # the guide's conftest.py sets it
     done = subprocess.run(
