@@ -1,11 +1,12 @@
 """The ``idempotency-mw`` command line: operate the PostgreSQL store from a shell.
 
-``migrate`` creates or upgrades the table, ``gc`` purges expired records in batches, ``inspect`` and ``forget`` look
-at or delete one record, ``stats`` summarises the table, and ``reencrypt`` re-seals stored responses under the
-current response key (``encryption.py``). Every expected failure (no database URL, a malformed one, a server that
-does not answer, a database not migrated yet, an unknown key) ends in one line on stderr and a non-zero exit
-status, never a traceback: 0 success, 1 no such record, 2 usage error (including no database URL), 3 database
-error, 130 interrupted, 141 standard output closed by its reader (``| head``: not a database error).
+``migrate`` creates or upgrades the tables (``--check`` and ``--sql`` only look), ``gc`` purges expired records in
+batches, ``inspect`` and ``forget`` look at or delete one record, ``stats`` summarises the table, and ``reencrypt``
+re-seals stored responses under the current response key (``encryption.py``). Every expected failure (no database
+URL, a malformed one, a server that does not answer, a database not migrated yet, an unknown key) ends in one line
+on stderr and a non-zero exit status, never a traceback: 0 success, 1 no such record, 2 usage error (including no
+database URL), 3 database error, 4 migrations pending (``migrate --check``), 130 interrupted, 141 standard output
+closed by its reader (``| head``: not a database error).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import asyncpg
 from idempotency_mw import __version__
 from idempotency_mw._cli_display import by_key, duration, format_record, plural, record_to_dict
 from idempotency_mw._keys import PREFIX, SECRET_VARIABLE, AuthorizationTenant
-from idempotency_mw.postgres._sql import check_schema
+from idempotency_mw.postgres._sql import check_schema, migration_statements, migrations
 from idempotency_mw.postgres._store import PostgresStore
 from idempotency_mw.store import SealedResponseError, StoreNotMigrated, StoreUnavailable
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 PROG = "idempotency-mw"
 KEYS_VARIABLE = "IDEMPOTENCY_RESPONSE_KEYS"  # as idempotency_mw.encryption, which needs the encryption extra
-EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_DATABASE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_DATABASE, EXIT_PENDING, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 EXIT_OUTPUT_CLOSED = 141  # 128 + SIGPIPE: what a shell shows for a command whose reader went away (`| head`)
 
 
@@ -129,6 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     migrate = commands.add_parser("migrate", parents=after, help="create or upgrade the tables (safe to repeat)")
     migrate.set_defaults(handler=cmd_migrate)
+    instead = migrate.add_mutually_exclusive_group()
+    instead.add_argument(
+        "--check", action="store_true", help="change nothing; exit 4 and name them when migrations are pending"
+    )
+    instead.add_argument(
+        "--sql", action="store_true", help="change nothing; print the SQL migrate would run here, for review"
+    )
+    instead.add_argument(
+        "--stamp",
+        action="store_true",
+        help="record the migrations as applied without running them (tables another tool created from them)",
+    )
 
     gc = commands.add_parser("gc", parents=after, help="delete expired records in batches")
     gc.add_argument("--batch-size", type=_positive(int), default=1000, help="records per batch (default: 1000)")
@@ -361,11 +374,57 @@ def _explain(error: BaseException, timeout: float) -> CommandError:
 
 
 async def cmd_migrate(store: PostgresStore, args: argparse.Namespace) -> int:
-    applied = await store.migrate()
+    if args.check or args.sql:
+        return await _pending(store, args)
+    if args.stamp:
+        try:
+            recorded = await store.stamp_migrations()
+        except ValueError as error:
+            raise CommandError(str(error)) from None
+        for name in recorded:
+            say(f"recorded {name} as applied")
+        if not recorded:
+            say("up to date")
+        return EXIT_OK
+    try:
+        applied = await store.migrate()
+    except asyncpg.exceptions.InsufficientPrivilegeError as error:
+        raise CommandError(
+            f"{error}: migrate creates tables, so it needs the CREATE privilege on schema {args.schema} (and on the "
+            "database, to create a schema that does not exist): run it as the schema's owner; the app's runtime "
+            "role needs only SELECT, INSERT, UPDATE and DELETE on the tables (docs/operations.md)"
+        ) from None
+    except (asyncpg.exceptions.DuplicateTableError, asyncpg.exceptions.DuplicateObjectError) as error:
+        raise CommandError(
+            f"{error}: the tables exist, but schema {args.schema}'s idempotency_schema_migrations does not record "
+            f"them (created by another tool?). If they are this version's, record them with `{PROG} --schema "
+            f"{args.schema} migrate --stamp`"
+        ) from None
     for name in applied:
         say(f"applied {name}")
     if not applied:
         say("up to date")
+    return EXIT_OK
+
+
+async def _pending(store: PostgresStore, args: argparse.Namespace) -> int:
+    """``migrate --check`` and ``migrate --sql``: what this database lacks, read only."""
+    pending = await store.pending_migrations()
+    if args.sql:
+        applied = {version for version, name, _ in migrations(args.schema) if name not in pending}
+        if not pending:
+            say(f'-- schema "{args.schema}" is up to date: nothing to run')
+            return EXIT_OK
+        statements = migration_statements(args.schema, applied=applied)
+        header = (
+            f'-- idempotency_mw {__version__}: what migrate would run on schema "{args.schema}" ({", ".join(pending)})'
+        )
+        say("\n".join([header, "BEGIN;", *(f"{statement};\n" for statement in statements), "COMMIT;"]))
+        return EXIT_OK
+    if pending:
+        say(f"pending: {', '.join(pending)}")
+        return EXIT_PENDING
+    say("up to date")
     return EXIT_OK
 
 

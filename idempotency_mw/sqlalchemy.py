@@ -13,13 +13,15 @@ middleware completes the idempotency record in and commits once the response is 
 record commit together, or neither does. Claims, lease renewals and releases still go through the PostgresStore's
 own connections. :class:`SQLAlchemyConnector` is the connector that lends the engine's connections
 (procrastinate's ``contrib/sqlalchemy`` is the model); :class:`SQLAlchemyStore` is a PostgresStore that uses it.
+With Alembic, :func:`alembic_include_name` keeps autogenerate away from the store's tables, and a migration runs
+``idempotency_mw.postgres.migration_statements()`` (docs/operations.md, "Alembic").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Self
 
 import asyncpg
@@ -36,6 +38,7 @@ from idempotency_mw._context import idempotency_context
 from idempotency_mw.postgres._connector import Connector, Listener, default_isolation
 from idempotency_mw.postgres._lending import FENCED_OUT, Settlement, remember, reset_sql
 from idempotency_mw.postgres._records import NOT_MIGRATED, UNAVAILABLE, Records, run_unprepared
+from idempotency_mw.postgres._sql import check_schema
 from idempotency_mw.postgres._store import PostgresStore
 from idempotency_mw.store import (
     Claim,
@@ -540,10 +543,36 @@ else:
     """The session of a transactional route: its writes commit with the idempotency record, or not at all."""
 
 
+# -- Alembic ------------------------------------------------------------------------------------------------------
+
+STORE_TABLES = frozenset(
+    {"idempotency_records", "idempotency_responses", "idempotency_schema_migrations", "idempotency_fence"}
+)
+"""What the store keeps in its schema (the sequence only in schemas migrated before 0002)."""
+
+NameFilter = Callable[[str | None, str, Mapping[str, str | None]], bool]
+
+
+def alembic_include_name(schema: str = "public", *, then: NameFilter | None = None) -> NameFilter:
+    """An ``include_name`` for Alembic's ``context.configure(...)``: ``alembic revision --autogenerate`` and
+    ``alembic check`` leave the store's tables in ``schema`` alone (without it they propose to drop them, as they
+    are in no model). ``then``: the app's own ``include_name``, asked about every other name."""
+    check_schema(schema)
+
+    def include_name(name: str | None, type_: str, parent_names: Mapping[str, str | None]) -> bool:
+        if type_ == "table" and name in STORE_TABLES and (parent_names.get("schema_name") or "public") == schema:
+            return False
+        return then(name, type_, parent_names) if then is not None else True
+
+    return include_name
+
+
 __all__ = [
+    "STORE_TABLES",
     "IdempotencySession",
     "SQLAlchemyConnector",
     "SQLAlchemyStore",
     "SQLAlchemyTransaction",
+    "alembic_include_name",
     "idempotency_session",
 ]

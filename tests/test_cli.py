@@ -27,6 +27,7 @@ import pytest
 import idempotency_mw
 from idempotency_mw import PostgresStore, StoredResponse
 from idempotency_mw.cli import EXIT_NOT_FOUND, EXIT_OUTPUT_CLOSED, build_parser, main
+from idempotency_mw.postgres import migration_statements
 from tests.apps import Probe, build_app
 from tests.conftest import client_for, tenant_of, with_database
 
@@ -150,6 +151,71 @@ def test_unmigrated_database_says_run_migrate(
         'idempotency-mw: the idempotency tables are missing from schema "public" of this database: '
         "run `idempotency-mw migrate` first\n"
     )
+
+
+def test_migrate_check_exits_4_and_names_what_is_pending(
+    capsys: pytest.CaptureFixture[str], empty_db: Database
+) -> None:
+    """A CI gate or an init container asks without changing anything: the schema is not even created."""
+    pending = "pending: 0001_initial.sql, 0002_responses.sql\n"
+    assert cli(capsys, *empty_db.options, "migrate", "--check") == (4, pending, "")
+    assert sql(empty_db.url, "SELECT to_regnamespace($1) IS NULL", empty_db.schema, fetch=True) == "True"
+    cli(capsys, *empty_db.options, "migrate")
+    assert cli(capsys, *empty_db.options, "migrate", "--check") == (0, "up to date\n", "")
+
+
+def test_migrate_sql_prints_what_migrate_would_run(capsys: pytest.CaptureFixture[str], empty_db: Database) -> None:
+    """For review, or for a migration tool of the app's: the script, run as it is, leaves the schema as migrate
+    would, bookkeeping included."""
+    code, script, _ = cli(capsys, *empty_db.options, "migrate", "--sql")
+    assert code == 0
+    lines = script.splitlines()
+    assert lines[0].startswith(f"-- idempotency_mw {idempotency_mw.__version__}: what migrate would run on schema")
+    assert (lines[1], lines[-1]) == ("BEGIN;", "COMMIT;")
+    assert sql(empty_db.url, "SELECT to_regnamespace($1) IS NULL", empty_db.schema, fetch=True) == "True"
+    sql(empty_db.url, script)  # one simple-protocol script, as psql would run it
+    assert cli(capsys, *empty_db.options, "migrate", "--check") == (0, "up to date\n", "")
+    assert cli(capsys, *empty_db.options, "migrate", "--sql") == (
+        0,
+        f'-- schema "{empty_db.schema}" is up to date: nothing to run\n',
+        "",
+    )
+
+
+def test_tables_another_tool_created_are_stamped_not_recreated(
+    capsys: pytest.CaptureFixture[str], empty_db: Database
+) -> None:
+    """Tables made from a copy of the DDL, without the bookkeeping: migrate said "relation ... already exists" and
+    nothing more. It names --stamp, which records the migrations without running them."""
+    code, _, err = cli(capsys, *empty_db.options, "migrate", "--stamp")
+    assert code == 3
+    assert "has no idempotency tables to record: run migrate instead" in err
+    by_hand = [s for s in migration_statements(empty_db.schema) if "idempotency_schema_migrations" not in s]
+    sql(empty_db.url, ";\n".join(by_hand))
+    code, _, err = cli(capsys, *empty_db.options, "migrate")
+    assert code == 3
+    assert "already exists: the tables exist, but schema" in err
+    assert f"record them with `idempotency-mw --schema {empty_db.schema} migrate --stamp`" in err
+    stamped = "recorded 0001_initial.sql as applied\nrecorded 0002_responses.sql as applied\n"
+    assert cli(capsys, *empty_db.options, "migrate", "--stamp") == (0, stamped, "")
+    assert cli(capsys, *empty_db.options, "migrate") == (0, "up to date\n", "")
+
+
+def test_migrate_without_the_create_privilege_names_it(
+    capsys: pytest.CaptureFixture[str], idempotency_database_url: str, empty_db: Database
+) -> None:
+    role = f"imw_dml_{uuid.uuid4().hex[:10]}"
+    sql(idempotency_database_url, f"CREATE ROLE {role} LOGIN PASSWORD 'pw'")
+    try:
+        parts = urlsplit(idempotency_database_url)
+        url = urlunsplit(parts._replace(netloc=f"{role}:pw@{parts.netloc.rsplit('@', 1)[-1]}"))
+        code, out, err = cli(capsys, "--database-url", url, "--schema", empty_db.schema, "migrate")
+    finally:
+        sql(idempotency_database_url, f"DROP ROLE {role}")
+    assert (code, out) == (3, "")
+    assert "permission denied for database" in err
+    assert f"needs the CREATE privilege on schema {empty_db.schema}" in err
+    assert "run it as the schema's owner" in err
 
 
 @pytest.mark.parametrize("schema", ["Billing", "a-b", "pg_idempotency"])

@@ -1,5 +1,6 @@
 """SQL kept in ``.sql`` files (``sql/``) and loaded by name, so every statement the store runs can be read in one
-place; and the migrations applied in order (:func:`migrate`).
+place; the migrations applied in order (:func:`migrate`), or written out as statements for another tool to run
+(:func:`migration_statements`, :func:`removal_statements`).
 
 Every table and sequence in them is written ``{schema}.name``, and the loader puts the store's schema there as a
 quoted identifier. Fully qualified names keep the statements independent of the session's ``search_path``, which
@@ -9,6 +10,7 @@ a transactional handler may change (schema-per-tenant apps do) on the very conne
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING
@@ -18,6 +20,8 @@ if TYPE_CHECKING:
 
 _SQL = resources.files("idempotency_mw.postgres").joinpath("sql")  # every statement, in .sql files
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+_COMMENT = re.compile(r"--[^\n]*")  # our files hold no "--" inside a string literal
+_STATEMENT_END = re.compile(r";\s*$", re.MULTILINE)
 _SCHEMA = re.compile(r"[a-z_][a-z0-9_]*")
 PLACEHOLDER = "{schema}"
 MAX_IDENTIFIER_BYTES = 63  # PostgreSQL's NAMEDATALEN - 1: a longer name would be truncated, not refused
@@ -85,6 +89,40 @@ def session() -> dict[str, str]:
     return _split(_SQL.joinpath("session.sql").read_text())
 
 
+def statements(script: str) -> list[str]:
+    """A migration file as its statements, comments dropped: each ends with a semicolon at the end of a line."""
+    return [part.strip() for part in _STATEMENT_END.split(_COMMENT.sub("", script)) if part.strip()]
+
+
+def migration_statements(schema: str = "public", *, applied: Collection[int] = ()) -> list[str]:
+    """What :func:`migrate` runs, as statements for another tool to run in one transaction (Alembic's
+    ``op.execute``, a reviewed script): the lock, the schema and the bookkeeping table, then each migration not in
+    ``applied`` (versions) with its record, so that the store and ``idempotency-mw migrate`` see it as applied."""
+    sql = {name: statements(text)[0] for name, text in bookkeeping(schema).items()}  # without their comments
+    found = [sql["lock"]]
+    if schema != "public":
+        found.append(sql["create_schema_if_missing"])
+    found.append(sql["create_table"])
+    for version, name, migration in migrations(schema):
+        if version not in applied:
+            found += statements(migration)
+            found.append(sql["record_in_script"].replace("{version}", str(version)).replace("{name}", name))
+    return found
+
+
+def removal_statements(schema: str = "public") -> list[str]:
+    """The statements that remove the store's tables from ``schema``, in the order their keys allow."""
+    return statements(_load("remove.sql", schema))
+
+
+async def applied_versions(connection: asyncpg.Connection, schema: str) -> list[int]:
+    """The migrations ``schema`` has, read only (a schema never migrated has none)."""
+    sql = bookkeeping(schema)
+    if not await connection.fetchval(sql["bookkeeping_exists"]):
+        return []
+    return [row["version"] for row in await connection.fetch(sql["applied_versions"])]
+
+
 async def migrate(connection: asyncpg.Connection, schema: str) -> list[str]:
     """Create ``schema`` if it is missing and apply the migrations it lacks, in order, each in its own transaction;
     return their names.
@@ -109,3 +147,21 @@ async def migrate(connection: asyncpg.Connection, schema: str) -> list[str]:
             await connection.execute(sql["record"], version, name)
             applied.append(name)
     return applied
+
+
+async def stamp(connection: asyncpg.Connection, schema: str) -> list[str]:
+    """Record every migration as applied without running it, for tables that another tool created from them (a
+    copy of the DDL made before :func:`migration_statements` recorded its work); return the names recorded. Refuses
+    a schema without the store's tables: stamping is for tables that exist."""
+    sql = bookkeeping(schema)
+    recorded: list[str] = []
+    async with connection.transaction():
+        await connection.execute(sql["lock"])
+        if not await connection.fetchval(queries(schema)["migrated"]):
+            raise ValueError(f'schema "{schema}" has no idempotency tables to record: run migrate instead')
+        await connection.execute(sql["create_table"])
+        for version, name, _ in migrations(schema):
+            if not await connection.fetchval(sql["is_applied"], version):
+                await connection.execute(sql["record"], version, name)
+                recorded.append(name)
+    return recorded

@@ -19,7 +19,7 @@ from idempotency_mw.postgres._connector import Connector, postgres_url
 from idempotency_mw.postgres._listener import SettlementListener
 from idempotency_mw.postgres._pool import OwnPool
 from idempotency_mw.postgres._records import Records, reachable, record_from_row, reseal_rows
-from idempotency_mw.postgres._sql import check_schema, migrate
+from idempotency_mw.postgres._sql import applied_versions, check_schema, migrate, migrations, stamp
 from idempotency_mw.store import (
     Claim,
     RecordInfo,
@@ -287,3 +287,15 @@ class PostgresStore:
         to run repeatedly and from several processes at once (``_sql.migrate``)."""
         async with self._connector.session() as connection:
             return await migrate(connection, self.schema)
+
+    async def pending_migrations(self) -> list[str]:
+        """The migrations :meth:`migrate` would apply here, by name; read only (``idempotency-mw migrate --check``)."""
+        async with self._connector.session() as connection:
+            applied = set(await applied_versions(connection, self.schema))
+        return [name for version, name, _ in migrations(self.schema) if version not in applied]
+
+    async def stamp_migrations(self) -> list[str]:
+        """Record every migration as applied without running it: for tables another tool created from them
+        (``idempotency-mw migrate --stamp``). A schema without the tables is a ValueError."""
+        async with self._connector.session() as connection:
+            return await stamp(connection, self.schema)

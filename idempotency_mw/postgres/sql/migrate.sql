@@ -33,3 +33,18 @@ SELECT EXISTS (SELECT FROM {schema}.idempotency_schema_migrations WHERE version 
 -- name: record
 -- $1 version, $2 file name
 INSERT INTO {schema}.idempotency_schema_migrations (version, name) VALUES ($1, $2);
+
+-- name: bookkeeping_exists
+-- migrate --check reads, and never creates: a database never migrated has no bookkeeping table yet.
+SELECT to_regclass('{schema}.idempotency_schema_migrations') IS NOT NULL;
+
+-- name: applied_versions
+SELECT version FROM {schema}.idempotency_schema_migrations ORDER BY version;
+
+-- name: create_schema_if_missing
+-- In a script (migrate --sql, migration_statements()): for a schema other than public, which always exists.
+CREATE SCHEMA IF NOT EXISTS {schema};
+
+-- name: record_in_script
+-- record, in a script: the version and the file name are written in (ours: digits, and a file name).
+INSERT INTO {schema}.idempotency_schema_migrations (version, name) VALUES ({version}, '{name}');
