@@ -9,6 +9,7 @@ a hung request. Where the connections come from, the store's own pool or the app
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Self
 
@@ -243,6 +244,16 @@ class PostgresStore:
         row = await self._connector.run("count_expired", ())
         assert row is not None
         return int(row[0])
+
+    async def ping(self) -> float:
+        """One round trip that asks whether the tables are there: the seconds it took, or :class:`StoreUnavailable`
+        (:class:`StoreNotMigrated` when they are not), within the store's ``timeout``. For a readiness probe: it
+        takes a connection as a claim would, so a full pool or a dead server fails it."""
+        started = time.perf_counter()
+        row = await self._connector.run("migrated", ())
+        if row is None or not row[0]:
+            raise StoreNotMigrated(self.schema)
+        return time.perf_counter() - started
 
     async def stats(self) -> dict[str, Any]:
         row = await self._connector.run("stats", ())
