@@ -91,16 +91,28 @@ def log_event(event: Event) -> None:
     """The default hook: a debug line per request, a warning for the outcomes an operator should see."""
     level = LOG_LEVELS[event.outcome]
     if logger.isEnabledFor(level):
+        tag = tenant_tag(event.tenant)
         logger.log(
             level,
             "idempotency %s %s %s tenant=%s key=%s status=%s %.1fms",
             event.outcome.value,
             event.method,
             event.path,
-            tenant_tag(event.tenant),
+            tag,
             event.key_hash,
             event.status,
             event.duration * 1000,
+            extra={  # the same as fields, for JSON logging (python-json-logger, structlog's stdlib bridge)
+                "idempotency_outcome": event.outcome.value,
+                "idempotency_method": event.method,
+                "idempotency_route": event.route,
+                "idempotency_path": event.path,
+                "idempotency_tenant_tag": tag,
+                "idempotency_key_hash": event.key_hash,
+                "idempotency_status": event.status,
+                "idempotency_duration_ms": round(event.duration * 1000, 3),
+                "idempotency_attempts": event.attempts,
+            },
         )
 
 

@@ -20,7 +20,7 @@ from starlette.routing import Route
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, StoreUnavailable
 from idempotency_mw._events import Event, FailureLog, Outcome, tenant_tag
 from tests.apps import Probe, build_app
-from tests.conftest import client_for
+from tests.conftest import client_for, tenant_of
 
 
 async def test_log_lines_tell_the_tenants_of_one_key_apart(caplog: pytest.LogCaptureFixture) -> None:
@@ -35,6 +35,31 @@ async def test_log_lines_tell_the_tenants_of_one_key_apart(caplog: pytest.LogCap
     assert len(lines) == 2
     assert lines[0] != lines[1]
     assert all(" tenant=" in line for line in lines)
+
+
+async def test_log_records_carry_their_fields_for_json_logging(caplog: pytest.LogCaptureFixture) -> None:
+    """A JSON formatter (python-json-logger, structlog's bridge) writes a record's extra attributes as fields: the
+    outcome, route, status, tenant tag and key hash are there without parsing the message."""
+    app = build_app(MemoryStore(), Probe())
+    with caplog.at_level(logging.DEBUG, logger="idempotency_mw"):
+        for _ in range(2):
+            await client_for(app, token="sk_alice").post("/status/201", headers={"Idempotency-Key": "k-json"})
+    executed, replayed = [r for r in caplog.records if hasattr(r, "idempotency_outcome")]
+    fields = {name: value for name, value in vars(replayed).items() if name.startswith("idempotency_")}
+    duration = fields.pop("idempotency_duration_ms")
+    assert fields == {
+        "idempotency_outcome": "replayed",
+        "idempotency_method": "POST",
+        "idempotency_route": "/status/{code}",
+        "idempotency_path": "/status/201",
+        "idempotency_tenant_tag": tenant_tag(tenant_of("sk_alice")),
+        "idempotency_key_hash": vars(executed)["idempotency_key_hash"],
+        "idempotency_status": 201,
+        "idempotency_attempts": 0,
+    }
+    assert isinstance(duration, float)
+    assert vars(executed)["idempotency_outcome"] == "executed"
+    assert len(vars(executed)["idempotency_key_hash"]) == 12
 
 
 def test_a_tenant_tag_is_short_stable_and_not_the_tenant() -> None:
