@@ -13,6 +13,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from idempotency_mw import _environment as environment
 from idempotency_mw._channels import ReplayHook
 from idempotency_mw._claim import LeaseKeeper
 from idempotency_mw._events import EventHook, FailureLog, Notices, log_event, logger
@@ -46,6 +47,8 @@ class IdempotencyMiddleware:
       a warning as the middleware is built, and from then on answers nothing itself and claims and records nothing:
       every request runs as its handler would without the middleware, except that a transactional route still gets
       its transaction, and a handler's context (its tenant, key and ``downstream_key``) is still there.
+    - ``ttl`` and ``lease``, when not given, come from ``IDEMPOTENCY_TTL`` and ``IDEMPOTENCY_LEASE`` (seconds), else
+      24 hours and 30 seconds.
     - ``fingerprint_keys``: the keys a request's fingerprint is stored under (``FingerprintKeys``, or its text
       ``id:key,id:key``); by default from ``IDEMPOTENCY_FINGERPRINT_KEYS``, else derived from the tenant secret, else
       from the store's response keys; with none the middleware is not built.
@@ -59,8 +62,8 @@ class IdempotencyMiddleware:
         tenant: TenantResolver | TenantFromApp | None = None,
         methods: tuple[str, ...] | frozenset[str] = ("POST", "PATCH"),
         required: bool = False,
-        ttl: float = DAY,
-        lease: float = 30.0,
+        ttl: float | None = None,
+        lease: float | None = None,
         transactional: bool = False,
         fail_open: bool = False,
         max_request_bytes: int = MiB,
@@ -86,8 +89,8 @@ class IdempotencyMiddleware:
             raise ValueError("retry_after must be a whole number of seconds >= 0")
         default = Policy(
             required=required,
-            ttl=ttl,
-            lease=lease,
+            ttl=environment.seconds(environment.TTL, ttl, DAY),
+            lease=environment.seconds(environment.LEASE, lease, 30.0),
             transactional=transactional,
             fail_open=fail_open,
             max_request_bytes=max_request_bytes,

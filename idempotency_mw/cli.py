@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from idempotency_mw import __version__
+from idempotency_mw import _environment as environment
 from idempotency_mw._cli_display import by_key, duration, format_record, plural, record_to_dict
 from idempotency_mw._keys import PREFIX, SECRET_VARIABLE, AuthorizationTenant
 from idempotency_mw.postgres._sql import check_schema, migration_statements, migrations
@@ -67,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; return the exit status (the console script passes it to ``sys.exit``)."""
     try:
         args = build_parser().parse_args(argv)
+        _defaults_from_environment(args)
         return asyncio.run(_run(args))
     except CommandError as error:
         print(f"{PROG}: {error}", file=sys.stderr)
@@ -103,19 +105,29 @@ def _global_options(*, after_command: bool = False) -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout",
         type=_positive(float),
-        default=argparse.SUPPRESS if after_command else 5.0,
+        default=argparse.SUPPRESS if after_command else None,
         metavar="SECONDS",
-        help="give up on connecting or on any one statement after this long (default: 5)",
+        help=f"give up on connecting or on any one statement after this long (default: ${environment.STORE_TIMEOUT}, "
+        "else 5)",
     )
     parser.add_argument(
         "--schema",
         type=_schema_name,
-        default=argparse.SUPPRESS if after_command else "public",
+        default=argparse.SUPPRESS if after_command else None,
         metavar="NAME",
         help="the PostgreSQL schema of the store's tables, as in PostgresStore(schema=...); migrate creates it "
-        "(default: public)",
+        f"(default: ${environment.SCHEMA}, else public)",
     )
     return parser
+
+
+def _defaults_from_environment(args: argparse.Namespace) -> None:
+    """``--timeout`` and ``--schema`` when not given: from the environment the app reads too, else 5 and public."""
+    try:
+        args.timeout = environment.seconds(environment.STORE_TIMEOUT, args.timeout, 5.0)
+        args.schema = check_schema(environment.text(environment.SCHEMA, args.schema, "public"))
+    except ValueError as error:
+        raise CommandError(str(error), EXIT_USAGE) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

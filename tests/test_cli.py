@@ -576,11 +576,37 @@ def test_global_options_before_or_after_the_command(
 
 def test_global_option_defaults_and_precedence() -> None:
     args = build_parser().parse_args(["stats"])
-    assert (args.database_url, args.timeout, args.schema) == (None, 5.0, "public")
+    assert (args.database_url, args.timeout, args.schema) == (None, None, None)  # not given: see below
     args = build_parser().parse_args(["--schema", "billing", "stats"])
     assert args.schema == "billing"  # not reset by the command's own copy of the option
     args = build_parser().parse_args(["--timeout", "2", "gc", "--timeout", "3"])
     assert args.timeout == 3.0  # the later one wins, as with any repeated option
+
+
+def test_schema_and_timeout_come_from_the_environment_the_app_reads(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, db: Database
+) -> None:
+    """IDEMPOTENCY_SCHEMA and IDEMPOTENCY_STORE_TIMEOUT set the app's store and this command alike; an option given
+    on the command line wins, and a bad value is a usage error naming the variable."""
+    monkeypatch.setenv("IDEMPOTENCY_SCHEMA", db.schema)
+    monkeypatch.setenv("IDEMPOTENCY_STORE_TIMEOUT", "2.5")
+    assert cli(capsys, "--database-url", db.url, "migrate") == (0, "up to date\n", "")
+    store = PostgresStore(db.url)
+    assert (store.schema, store.timeout) == (db.schema, 2.5)
+    assert PostgresStore(db.url, schema="public", timeout=1).schema == "public"
+    code, _, err = cli(capsys, "--database-url", db.url, "--schema", "public", "--timeout", "9", "migrate", "--check")
+    assert code in (0, 4)  # the suite's public schema, whatever state it is in: the option won
+    monkeypatch.setenv("IDEMPOTENCY_STORE_TIMEOUT", "soon")
+    code, _, err = cli(capsys, "--database-url", db.url, "stats")
+    assert (code, err) == (
+        2,
+        "idempotency-mw: IDEMPOTENCY_STORE_TIMEOUT='soon': expected a positive number of seconds\n",
+    )
+    monkeypatch.setenv("IDEMPOTENCY_STORE_TIMEOUT", "1")
+    monkeypatch.setenv("IDEMPOTENCY_SCHEMA", "Billing")
+    code, _, err = cli(capsys, "--database-url", db.url, "stats")
+    assert code == 2
+    assert "plain lower-case identifier" in err
 
 
 def test_a_bad_global_option_after_the_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

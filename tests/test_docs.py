@@ -21,11 +21,13 @@ import shlex
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 import pytest
 
@@ -458,3 +460,40 @@ async def test_operations_a_pool_made_in_the_lifespan(
                 again = await client.post("/charges", json={}, headers=headers)
                 assert first.status_code == 201  # run in the first lifespan, replayed in the second
                 assert again.headers.get("idempotent-replayed") == "true"
+
+
+async def test_operations_extending_live_records_to_a_raised_ttl(idempotency_database_url: str) -> None:
+    """operations.md, "Retention sizing": the statement that gives live records a raised ttl, run as it is on a
+    schema of its own (search_path), beside an expired record it must leave to gc."""
+    (statement,) = [code for _, code in blocks("sql") if code.startswith("-- extend the live records")]
+    schema = f"imw_ttl_{uuid.uuid4().hex[:10]}"
+    store = PostgresStore(idempotency_database_url, min_size=1, max_size=1, schema=schema)
+    await store.migrate()
+    try:
+        async with store:
+            for key in ("live", "expired"):
+                claim = await store.claim("t", key, b"\x00" * 32, lease=5, ttl=60)
+                assert claim.fence is not None
+            connection = await asyncpg.connect(idempotency_database_url)
+            try:
+                await connection.execute(
+                    f"UPDATE {schema}.idempotency_records SET created_at = now() - interval '2 hours', "
+                    "expires_at = now() - interval '1 hour', lease_expires_at = NULL WHERE key = 'expired'"
+                )
+                await connection.execute(f"SET search_path = {schema}")
+                assert await connection.execute(statement) == "UPDATE 1"
+                assert await connection.execute(statement) == "UPDATE 0"  # once is enough
+            finally:
+                await connection.close()
+            live = await store.inspect("t", "live")
+            assert live is not None
+            assert live.expires_at - live.created_at == pytest.approx(48 * 3600, abs=1)
+            expired = await store.inspect("t", "expired")
+            assert expired is not None
+            assert expired.expires_at < time.time()  # still expired: left to gc
+    finally:
+        admin = await asyncpg.connect(idempotency_database_url)
+        try:
+            await admin.execute(f"DROP SCHEMA {schema} CASCADE")
+        finally:
+            await admin.close()

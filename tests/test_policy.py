@@ -50,6 +50,28 @@ def test_bad_configuration_fails_at_startup(options: dict[str, object], message:
         IdempotencyMiddleware(Starlette(), MemoryStore(), **options)  # type: ignore[arg-type]
 
 
+def test_ttl_and_lease_come_from_the_environment_unless_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deploy tunes them without a release; an argument in code wins; a bad value stops the app at startup,
+    naming the variable."""
+    monkeypatch.setenv("IDEMPOTENCY_TTL", "7200")
+    monkeypatch.setenv("IDEMPOTENCY_LEASE", "12.5")
+    middleware = IdempotencyMiddleware(Starlette(), MemoryStore())
+    assert (middleware.routes.default.ttl, middleware.routes.default.lease) == (7200, 12.5)
+    given = IdempotencyMiddleware(Starlette(), MemoryStore(), ttl=600, lease=20)
+    assert (given.routes.default.ttl, given.routes.default.lease) == (600, 20)
+    monkeypatch.setenv("IDEMPOTENCY_TTL", "1d")
+    with pytest.raises(ValueError, match=r"IDEMPOTENCY_TTL='1d': expected a positive number of seconds"):
+        IdempotencyMiddleware(Starlette(), MemoryStore())
+    monkeypatch.setenv("IDEMPOTENCY_TTL", "60")
+    with pytest.raises(ValueError, match="shorter than ttl"):
+        IdempotencyMiddleware(
+            Starlette(), MemoryStore(), lease=90
+        )  # a lease given in code, against the ttl of the environment
+    monkeypatch.setenv("IDEMPOTENCY_LEASE", "-3")
+    with pytest.raises(ValueError, match="IDEMPOTENCY_LEASE='-3'"):
+        IdempotencyMiddleware(Starlette(), MemoryStore())
+
+
 def test_decorator_validates_at_import() -> None:
     with pytest.raises(TypeError, match="unknown idempotency setting"):
         idempotent(requird=True)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import asyncpg
 
+from idempotency_mw import _environment as environment
 from idempotency_mw.postgres._apppool import AppPool, Unbound
 from idempotency_mw.postgres._connector import Connector, postgres_url
 from idempotency_mw.postgres._listener import SettlementListener
@@ -43,8 +44,9 @@ class PostgresStore:
     too, and a URL of another database is a ``ValueError``. ``PostgresStore(pool)`` uses an asyncpg pool the app
     already has and leaves closing it to the app; ``PostgresStore()`` waits for one, made in the app's lifespan
     (:meth:`bind`). ``timeout`` bounds every database call in seconds, connecting and waiting for a free connection
-    included. ``schema`` is where the tables live; every statement names it, so a handler that changes
-    ``search_path`` on a connection the store then uses changes nothing.
+    included (default: ``IDEMPOTENCY_STORE_TIMEOUT``, else 5). ``schema`` is where the tables live (default:
+    ``IDEMPOTENCY_SCHEMA``, else ``public``); every statement names it, so a handler that changes ``search_path`` on
+    a connection the store then uses changes nothing.
 
     ``prepared_statements=False`` is for a transaction-pooling proxy (PgBouncer's ``pool_mode = transaction`` before
     1.21, or without ``max_prepared_statements``): the store's connections then keep no named prepared statements,
@@ -63,17 +65,18 @@ class PostgresStore:
         self,
         dsn_or_pool: str | asyncpg.Pool | None = None,
         *,
-        timeout: float = 5.0,
+        timeout: float | None = None,
         min_size: int = 2,
         max_size: int = 20,
-        schema: str = "public",
+        schema: str | None = None,
         prepared_statements: bool = True,
         cipher: ResponseCipher | None = None,
     ) -> None:
+        timeout = environment.seconds(environment.STORE_TIMEOUT, timeout, 5.0)
         if timeout <= 0:
             raise ValueError("PostgresStore timeout must be positive")
         self.timeout = timeout
-        self.schema = check_schema(schema)
+        self.schema = check_schema(environment.text(environment.SCHEMA, schema, "public"))
         self._records = Records(self.schema, timeout=timeout, cipher=cipher)
         self._bindable = dsn_or_pool is None
         if isinstance(dsn_or_pool, str):
