@@ -25,9 +25,10 @@ import asyncpg
 import pytest
 
 import idempotency_mw
-from idempotency_mw import PostgresStore, StoredResponse
+from idempotency_mw import PostgresStore, StoredResponse, StoreUnavailable
 from idempotency_mw.cli import EXIT_NOT_FOUND, EXIT_OUTPUT_CLOSED, build_parser, main
 from idempotency_mw.postgres import migration_statements
+from idempotency_mw.postgres._connector import address_of
 from tests.apps import Probe, build_app
 from tests.conftest import client_for, tenant_of, with_database
 
@@ -522,6 +523,41 @@ def test_connection_refused(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(capsys, "--database-url", f"postgresql://u@127.0.0.1:{port}/db", "stats")
     assert (code, out) == (3, "")
     assert err == f"idempotency-mw: cannot reach the database: Connect call failed ('127.0.0.1', {port})\n"
+
+
+def test_a_missing_unix_socket_is_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """asyncpg said only "No such file or directory": which file, the operator had to guess."""
+    url = f"postgresql://app:s3cret@/db?host={tmp_path}&port=6543"
+    code, out, err = cli(capsys, "--database-url", url, "stats")
+    assert (code, out) == (3, "")
+    assert err == (
+        "idempotency-mw: cannot reach the database: No such file or directory "
+        f"(connecting to {tmp_path}/.s.PGSQL.6543)\n"
+    )
+
+
+async def test_the_stores_unreachable_error_names_the_address_and_never_the_password(tmp_path: Path) -> None:
+    store = PostgresStore(f"postgresql://app:s3cret@/db?host={tmp_path}", min_size=1, max_size=1, timeout=2)
+    with pytest.raises(StoreUnavailable) as raised:
+        await store.open()
+    await store.close()
+    assert f"(connecting to {tmp_path}/.s.PGSQL.5432)" in str(raised.value)
+    assert "s3cret" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "where"),
+    [
+        ("postgresql://u:p@db.internal:6432/app", "db.internal:6432"),
+        ("postgresql://u@[::1]/app", "[::1]:5432"),
+        ("postgresql://u@/app?host=/run/postgresql", "/run/postgresql/.s.PGSQL.5432"),
+        ("postgresql:///app", "the default local socket or localhost:5432"),
+    ],
+)
+def test_addresses_as_errors_name_them(url: str, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PGHOST", raising=False)
+    monkeypatch.delenv("PGPORT", raising=False)
+    assert address_of(url) == where
 
 
 def test_server_that_never_answers_times_out(capsys: pytest.CaptureFixture[str]) -> None:

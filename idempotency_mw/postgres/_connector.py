@@ -18,9 +18,11 @@ Also here: PostgreSQL URLs as a deploy spells them (one ``DATABASE_URL`` often s
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
 
@@ -101,3 +103,33 @@ def postgres_url(url: str) -> str:
         got = f"scheme {scheme!r}" if separator else "no scheme"
         raise ValueError(f"not a PostgreSQL URL ({got}): expected {EXPECTED}")
     return f"{match['base'].lower()}://{rest}"
+
+
+def address_of(url: str) -> str:
+    """Where a connection to ``url`` goes, for error messages: ``host:port``, or a Unix socket's path; never the
+    user or the password. What the URL leaves out is what libpq (and asyncpg) default to: ``PGHOST`` and ``PGPORT``,
+    else the local sockets and then localhost, on 5432."""
+    parts = urlsplit(url)
+    query = parse_qs(parts.query)
+    try:
+        port = str(parts.port or query.get("port", [""])[0] or os.environ.get("PGPORT") or 5432)
+    except ValueError:  # not a number: asyncpg says so itself
+        port = "5432"
+    host = parts.hostname or query.get("host", [""])[0] or os.environ.get("PGHOST", "")
+    if not host:
+        return f"the default local socket or localhost:{port}"
+    if host.startswith("/"):
+        return f"{host.rstrip('/')}/.s.PGSQL.{port}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def naming_address(error: OSError, url: str) -> OSError:
+    """``error`` (of the same class, so callers catch it as before), with the address it failed to reach when its
+    message does not name one: a missing Unix socket says only "No such file or directory"."""
+    where = address_of(url)
+    message = error.strerror or str(error)
+    if isinstance(error, TimeoutError) or where.split(":")[0].strip("[]") in message:
+        return error
+    named = type(error)(error.errno, f"{message} (connecting to {where})")
+    named.__cause__ = error
+    return named

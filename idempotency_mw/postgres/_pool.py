@@ -23,7 +23,7 @@ from typing import Any
 
 import asyncpg
 
-from idempotency_mw.postgres._connector import ASYNCPG_ISOLATION, Listener
+from idempotency_mw.postgres._connector import ASYNCPG_ISOLATION, Listener, naming_address
 from idempotency_mw.postgres._lending import (
     Lender,
     reset_sql,
@@ -322,13 +322,16 @@ class ConnectionPool:
         # Without prepared statements asyncpg's statement cache is off and every statement is unnamed: one round
         # trip parses and describes it (ending in Flush, not Sync, so a transaction-pooling proxy keeps the same
         # server connection), a second parses it again and runs it. Nothing outlives the statement's Sync.
-        connection: asyncpg.Connection = await asyncpg.connect(
-            self.dsn,
-            timeout=self.timeout,
-            command_timeout=self.timeout,
-            connection_class=self.connection_class,
-            statement_cache_size=STATEMENT_CACHE_SIZE if self.prepared_statements else 0,
-        )
+        try:
+            connection: asyncpg.Connection = await asyncpg.connect(
+                self.dsn,
+                timeout=self.timeout,
+                command_timeout=self.timeout,
+                connection_class=self.connection_class,
+                statement_cache_size=STATEMENT_CACHE_SIZE if self.prepared_statements else 0,
+            )
+        except OSError as error:
+            raise naming_address(error, self.dsn) from error
         if self.setup is not None:
             try:
                 await self.setup(connection)
