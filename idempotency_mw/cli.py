@@ -20,46 +20,37 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import asyncpg
 
 from idempotency_mw import __version__
 from idempotency_mw import _environment as environment
+from idempotency_mw._cli_arguments import non_negative, positive, schema_name
 from idempotency_mw._cli_display import by_key, duration, format_record, plural, record_to_dict
+from idempotency_mw._cli_errors import (
+    EXIT_DATABASE,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_OUTPUT_CLOSED,
+    EXIT_PENDING,
+    EXIT_USAGE,
+    PROG,
+    CommandError,
+    OutputClosed,
+    explain,
+    say,
+)
 from idempotency_mw._keys import PREFIX, SECRET_VARIABLE, AuthorizationTenant
 from idempotency_mw.postgres._sql import check_schema, migration_statements, migrations
 from idempotency_mw.postgres._store import PostgresStore
-from idempotency_mw.store import SealedResponseError, StoreNotMigrated, StoreUnavailable
+from idempotency_mw.store import SealedResponseError, StoreNotMigrated
 
 if TYPE_CHECKING:
     from idempotency_mw.encryption import ResponseCipher
 
-PROG = "idempotency-mw"
 KEYS_VARIABLE = "IDEMPOTENCY_RESPONSE_KEYS"  # as idempotency_mw.encryption, which needs the encryption extra
-EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_DATABASE, EXIT_PENDING, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
-EXIT_OUTPUT_CLOSED = 141  # 128 + SIGPIPE: what a shell shows for a command whose reader went away (`| head`)
-
-
-class CommandError(Exception):
-    """An expected failure: printed as one line on stderr, and the process exits with ``code``."""
-
-    def __init__(self, message: str, code: int = EXIT_DATABASE) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class OutputClosed(Exception):
-    """Standard output was closed by its reader (``idempotency-mw stats | head``): not a database error."""
-
-
-def say(text: str) -> None:
-    """Print a result on standard output; a reader that went away ends the command quietly, not as an error."""
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:
-        raise OutputClosed from None
-
 
 Command = Callable[[PostgresStore, argparse.Namespace], Awaitable[int]]
 
@@ -104,7 +95,7 @@ def _global_options(*, after_command: bool = False) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--timeout",
-        type=_positive(float),
+        type=positive(float),
         default=argparse.SUPPRESS if after_command else None,
         metavar="SECONDS",
         help=f"give up on connecting or on any one statement after this long (default: ${environment.STORE_TIMEOUT}, "
@@ -112,7 +103,7 @@ def _global_options(*, after_command: bool = False) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--schema",
-        type=_schema_name,
+        type=schema_name,
         default=argparse.SUPPRESS if after_command else None,
         metavar="NAME",
         help="the PostgreSQL schema of the store's tables, as in PostgresStore(schema=...); migrate creates it "
@@ -156,9 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     gc = commands.add_parser("gc", parents=after, help="delete expired records in batches")
-    gc.add_argument("--batch-size", type=_positive(int), default=1000, help="records per batch (default: 1000)")
-    gc.add_argument("--max-batches", type=_positive(int), help="stop after this many batches (default: no limit)")
-    gc.add_argument("--pause", type=_non_negative(float), default=0.0, metavar="SECONDS", help="sleep between batches")
+    gc.add_argument("--batch-size", type=positive(int), default=1000, help="records per batch (default: 1000)")
+    gc.add_argument("--max-batches", type=positive(int), help="stop after this many batches (default: no limit)")
+    gc.add_argument("--pause", type=non_negative(float), default=0.0, metavar="SECONDS", help="sleep between batches")
     gc.add_argument("--dry-run", action="store_true", help="count the expired records, delete nothing")
     gc.set_defaults(handler=cmd_gc)
 
@@ -205,12 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(the first one), and with --seal-plain those stored plain too; in batches, safe beside live traffic and "
         "beside another run. Responses under keys that are not given are left as they are, and counted.",
     )
-    reencrypt.add_argument("--batch-size", type=_positive(int), default=500, help="responses per batch (default: 500)")
+    reencrypt.add_argument("--batch-size", type=positive(int), default=500, help="responses per batch (default: 500)")
+    reencrypt.add_argument("--max-batches", type=positive(int), help="stop after this many batches (default: no limit)")
     reencrypt.add_argument(
-        "--max-batches", type=_positive(int), help="stop after this many batches (default: no limit)"
-    )
-    reencrypt.add_argument(
-        "--pause", type=_non_negative(float), default=0.0, metavar="SECONDS", help="sleep between batches"
+        "--pause", type=non_negative(float), default=0.0, metavar="SECONDS", help="sleep between batches"
     )
     reencrypt.add_argument("--seal-plain", action="store_true", help="seal the responses stored plain as well")
     reencrypt.add_argument("--dry-run", action="store_true", help="count the responses by key, change nothing")
@@ -228,32 +217,6 @@ def _keys_option(parser: argparse.ArgumentParser, summary: str) -> None:
         help=f"{summary}; the environment variable that holds them, id:key,id:key as the app's. Never the keys "
         "themselves on the command line, where the shell's history and ps would show them",
     )
-
-
-def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    return _at_least(kind, zero=False)
-
-
-def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    return _at_least(kind, zero=True)
-
-
-def _at_least(kind: Callable[[str], Any], *, zero: bool) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if value < 0 or (value == 0 and not zero):
-            raise argparse.ArgumentTypeError(f"must {'not be negative' if zero else 'be positive'}, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
-    return parse
-
-
-def _schema_name(text: str) -> str:
-    try:
-        return check_schema(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _record_id(args: argparse.Namespace) -> tuple[str, str]:
@@ -311,7 +274,7 @@ async def _run(args: argparse.Namespace) -> int:
         except (CommandError, OutputClosed):
             raise
         except Exception as error:
-            raise _explain(error, args.timeout) from error
+            raise explain(error, args.timeout) from error
 
 
 @contextlib.asynccontextmanager
@@ -329,11 +292,11 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
             await store.open()
         except StoreNotMigrated as error:
             if args.handler is not cmd_migrate:  # migrate creates the tables (open() connected before it checked)
-                raise _explain(error, args.timeout) from error
+                raise explain(error, args.timeout) from error
         except (ValueError, OverflowError) as error:  # asyncpg's DSN parser, a malformed or out-of-range port
             raise CommandError(f"invalid database URL: {error}") from error
         except Exception as error:
-            raise _explain(error, args.timeout) from error
+            raise explain(error, args.timeout) from error
         yield store
     finally:
         await store.close()
@@ -353,33 +316,6 @@ def _cipher(args: argparse.Namespace) -> ResponseCipher | None:
         return ResponseCipher.from_env(variable)
     except ValueError as error:
         raise CommandError(str(error), EXIT_USAGE) from None
-
-
-def _explain(error: BaseException, timeout: float) -> CommandError:
-    """Turn what asyncpg and the store raise into one line a person can act on."""
-    if isinstance(error, StoreNotMigrated):
-        option = "" if error.schema == "public" else f" --schema {error.schema}"
-        return CommandError(
-            f'the idempotency tables are missing from schema "{error.schema}" of this database: '
-            f"run `{PROG}{option} migrate` first"
-        )
-    cause = error.__cause__ if isinstance(error, StoreUnavailable) and error.__cause__ else error
-    if isinstance(cause, asyncpg.exceptions.ClientConfigurationError):
-        return CommandError(f"invalid database URL: {cause}")
-    if isinstance(cause, TimeoutError):
-        return CommandError(f"the database did not answer within {timeout:g}s (is it up? see --timeout)")
-    if isinstance(cause, OSError):
-        return CommandError(f"cannot reach the database: {cause.strerror or cause}")
-    if isinstance(
-        cause,
-        asyncpg.exceptions.InvalidCatalogNameError
-        | asyncpg.exceptions.InvalidAuthorizationSpecificationError
-        | asyncpg.exceptions.InvalidPasswordError,
-    ):
-        return CommandError(f"the database refused the connection: {cause}")
-    if isinstance(cause, asyncpg.exceptions.PostgresError | asyncpg.exceptions.InterfaceError | StoreUnavailable):
-        return CommandError(f"database error: {cause}")
-    raise error  # not an expected failure: let the traceback show
 
 
 # -- commands -------------------------------------------------------------------------------------------------
@@ -569,6 +505,19 @@ def _not_found(args: argparse.Namespace, tenant: str, key: str) -> CommandError:
         )
     return CommandError(message, EXIT_NOT_FOUND)
 
+
+__all__ = [
+    "EXIT_DATABASE",
+    "EXIT_INTERRUPTED",
+    "EXIT_NOT_FOUND",
+    "EXIT_OK",
+    "EXIT_OUTPUT_CLOSED",
+    "EXIT_PENDING",
+    "EXIT_USAGE",
+    "CommandError",
+    "build_parser",
+    "main",
+]
 
 if __name__ == "__main__":  # python -m idempotency_mw.cli: the console script's twin
     sys.exit(main())

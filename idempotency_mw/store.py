@@ -92,6 +92,21 @@ class RecordInfo:
     sealed_with: str | None = None  # the id of the key its response is sealed under; None when stored plain
 
 
+@dataclass(frozen=True)
+class RecordLine:
+    """One record as ``idempotency-mw list`` shows it: no fingerprint, no body, and the status only when the response
+    is stored plain (a sealed one shows ``sealed_with``)."""
+
+    key: str
+    state: str
+    attempts: int
+    created_at: float
+    expires_at: float
+    status: int | None
+    sealed_with: str | None
+    body_size: int | None
+
+
 class StoreUnavailable(Exception):
     """The store could not be reached or did not answer in time."""
 

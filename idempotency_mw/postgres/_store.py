@@ -25,6 +25,7 @@ from idempotency_mw.postgres._sql import applied_versions, check_schema, migrate
 from idempotency_mw.store import (
     Claim,
     RecordInfo,
+    RecordLine,
     ResealedBatch,
     StoredResponse,
     StoreNotMigrated,
@@ -238,6 +239,24 @@ class PostgresStore:
     async def inspect(self, tenant: str, key: str) -> RecordInfo | None:
         row = await self._connector.run("inspect", (tenant, key))
         return None if row is None else record_from_row(row, self.cipher)
+
+    async def tenants_between(self, since: float, until: float) -> list[str]:
+        """The tenants with records first claimed in ``[since, until)`` (epoch seconds). It reads every record of
+        that window: keep it short on a large table (or ask a replica)."""
+        async with self._connector.session() as connection:
+            with reachable(self.schema):
+                rows = await connection.fetch(self._records.sql["tenants_between"], since, until, timeout=self.timeout)
+        return [row["tenant"] for row in rows]
+
+    async def list_records(self, tenant: str, since: float, until: float, *, limit: int = 100) -> list[RecordLine]:
+        """``tenant``'s records first claimed in ``[since, until)`` (epoch seconds), oldest first, at most
+        ``limit``: for a support desk that knows the customer and roughly when."""
+        async with self._connector.session() as connection:
+            with reachable(self.schema):
+                rows = await connection.fetch(
+                    self._records.sql["list_records"], tenant, since, until, limit, timeout=self.timeout
+                )
+        return [RecordLine(**dict(row)) for row in rows]
 
     async def purge_expired(self, *, batch_size: int = 1000) -> int:
         status = await self._connector.run("purge_expired", (batch_size,), status=True)

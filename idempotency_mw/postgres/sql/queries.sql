@@ -306,6 +306,27 @@ FROM {schema}.idempotency_records AS r
 LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
 WHERE r.tenant = $1 AND r.key = $2;
 
+-- name: tenants_between
+-- The tenants with records first claimed in a window, for finding one by the tag the logs show (idempotency-mw
+-- list --tag): it reads every record of the window (no index leads with created_at), so keep the window short.
+-- $1 since, $2 until (epoch seconds)
+SELECT DISTINCT tenant FROM {schema}.idempotency_records
+WHERE created_at >= to_timestamp($1) AND created_at < to_timestamp($2);
+
+-- name: list_records
+-- One tenant's records first claimed in a window, oldest first, without their bodies (idempotency-mw list); the
+-- primary key leads with the tenant, so this reads that tenant's records only.
+-- $1 tenant, $2 since, $3 until (epoch seconds), $4 at most this many
+SELECT r.key, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'completed' END AS state, r.attempts,
+       extract(epoch FROM r.created_at)::float8 AS created_at,
+       extract(epoch FROM r.expires_at)::float8 AS expires_at,
+       s.status, s.sealed_with, s.body_size
+FROM {schema}.idempotency_records AS r
+LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
+WHERE r.tenant = $1 AND r.created_at >= to_timestamp($2) AND r.created_at < to_timestamp($3)
+ORDER BY r.created_at
+LIMIT $4;
+
 -- name: purge_expired
 -- Batched so that a large backlog never holds locks for long; the expires_at index finds the batch.
 -- $1 batch size
