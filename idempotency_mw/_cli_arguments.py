@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,3 +36,31 @@ def schema_name(text: str) -> str:
         return check_schema(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+_AGO = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def moment(text: str) -> float:
+    """A time as epoch seconds: ISO 8601 (``2026-11-28T06:00:00Z``; without a zone, UTC) or an age (``90s``, ``30m``,
+    ``2h``, ``7d``: that long before now)."""
+    ago = _AGO.fullmatch(text.strip())
+    if ago is not None:
+        return time.time() - float(ago[1]) * _UNIT_SECONDS[ago[2]]
+    try:
+        when = datetime.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an ISO 8601 time (2026-11-28T06:00:00Z) or an age (90s, 30m, 2h, 7d), got {text!r}"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return when.timestamp()
+
+
+def tenant_tag_text(text: str) -> str:
+    """A tenant's tag as the log lines show it: 8 hex digits."""
+    if not re.fullmatch(r"[0-9a-f]{8}", text):
+        raise argparse.ArgumentTypeError(f"a tenant tag is 8 hex digits, as the log lines show it; got {text!r}")
+    return text

@@ -5,8 +5,9 @@ from __future__ import annotations
 import datetime
 from typing import TYPE_CHECKING, Any
 
+from idempotency_mw._events import hash_key, tenant_tag
 from idempotency_mw._fingerprint import DIGEST_BYTES, fingerprint_key_id
-from idempotency_mw.store import RecordInfo
+from idempotency_mw.store import RecordInfo, RecordLine
 
 if TYPE_CHECKING:
     from idempotency_mw.encryption import ResponseCipher
@@ -128,3 +129,45 @@ def by_key(counts: dict[str | None, int], cipher: ResponseCipher, seal_plain: bo
             what = "a key not given: they cannot be opened here"
             lines.append(f"under {key_id!r}: {count} response{plural(count)}, {what}")
     return "\n".join(lines) or "no stored responses"
+
+
+def listing_to_dict(tenant: str, lines: list[RecordLine]) -> dict[str, Any]:
+    """One tenant's records as ``list --json`` prints them (and the text view is made from)."""
+    return {
+        "tenant": tenant,
+        "tag": tenant_tag(tenant),
+        "records": [
+            {
+                "key": line.key,
+                "key_hash": hash_key(line.key),
+                "state": line.state,
+                "status": line.status,
+                "sealed_with": line.sealed_with,
+                "body_size": line.body_size,
+                "attempts": line.attempts,
+                "created_at": iso(line.created_at),
+                "expires_at": iso(line.expires_at),
+            }
+            for line in lines
+        ],
+    }
+
+
+def format_listing(listed: list[dict[str, Any]], since: float, until: float) -> str:
+    blocks = []
+    for entry in listed:
+        records = entry["records"]
+        tenant = entry["tenant"] or "'' (empty)"
+        head = f"tenant {tenant}: {len(records)} record{plural(len(records))} first claimed "
+        head += f"between {iso(since)} and {iso(until)}"
+        rows = [("created", "key", "key hash", "state", "status", "attempts")]
+        for record in records:
+            status = "-" if record["status"] is None else str(record["status"])
+            if record["sealed_with"] is not None:
+                status = f"sealed ({record['sealed_with']})"
+            created, key, key_hash = record["created_at"], record["key"], record["key_hash"]
+            rows.append((created, key, key_hash, record["state"], status, str(record["attempts"])))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        table = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+        blocks.append("\n".join([head, *(table if records else [])]))
+    return "\n\n".join(blocks)

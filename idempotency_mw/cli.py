@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import getpass
 import json
 import os
 import sys
@@ -26,8 +25,16 @@ import asyncpg
 
 from idempotency_mw import __version__
 from idempotency_mw import _environment as environment
-from idempotency_mw._cli_arguments import non_negative, positive, schema_name
-from idempotency_mw._cli_display import by_key, duration, format_record, plural, record_to_dict
+from idempotency_mw._cli_arguments import moment, non_negative, positive, schema_name, tenant_tag_text
+from idempotency_mw._cli_display import (
+    by_key,
+    duration,
+    format_listing,
+    format_record,
+    listing_to_dict,
+    plural,
+    record_to_dict,
+)
 from idempotency_mw._cli_errors import (
     EXIT_DATABASE,
     EXIT_INTERRUPTED,
@@ -42,7 +49,8 @@ from idempotency_mw._cli_errors import (
     explain,
     say,
 )
-from idempotency_mw._keys import PREFIX, SECRET_VARIABLE, AuthorizationTenant
+from idempotency_mw._cli_tenants import record_id, tenants_to_list
+from idempotency_mw._keys import PREFIX, SECRET_VARIABLE
 from idempotency_mw.postgres._sql import check_schema, migration_statements, migrations
 from idempotency_mw.postgres._store import PostgresStore
 from idempotency_mw.store import SealedResponseError, StoreNotMigrated
@@ -184,6 +192,38 @@ def build_parser() -> argparse.ArgumentParser:
             _keys_option(sub, f"the response keys, to show a sealed response (when set; default: ${KEYS_VARIABLE})")
         sub.set_defaults(handler=handler)
 
+    listing = commands.add_parser(
+        "list",
+        parents=after,
+        help="a tenant's records first claimed in a time window",
+        usage=f"{PROG} list [-h] (TENANT | --tag TAG | --authorization-from VARIABLE|-) [--since WHEN] [--until WHEN] "
+        "[--limit N] [--json] [--database-url URL] [--timeout SECONDS] [--schema NAME]",
+        description="A tenant's records first claimed between --since and --until, oldest first, with each key's "
+        "hash as the logs show it: for a support desk that knows the customer, or has a log line, and roughly "
+        f"when. --tag finds the tenant by the tag the log lines show (it needs {SECRET_VARIABLE}, and reads every "
+        "record of the window: keep it short).",
+    )
+    listing.add_argument("tenant", nargs="?", metavar="TENANT", help="the tenant as stored")
+    listing.add_argument("--tag", type=tenant_tag_text, help="the tenant's tag in the log lines (8 hex digits)")
+    listing.add_argument(
+        "--authorization-from",
+        metavar="VARIABLE|-",
+        help="the client's Authorization header value, from an environment variable or standard input (-), as "
+        "for inspect",
+    )
+    listing.add_argument("--authorization", metavar="VALUE", help=argparse.SUPPRESS)  # refused, as for inspect
+    listing.add_argument(
+        "--since",
+        type=moment,
+        default="24h",
+        metavar="WHEN",
+        help="an ISO 8601 time, or 90s, 30m, 2h, 7d ago (default: 24h)",
+    )
+    listing.add_argument("--until", type=moment, default="0s", metavar="WHEN", help="the same (default: now)")
+    listing.add_argument("--limit", type=positive(int), default=100, help="records per tenant at most (default: 100)")
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    listing.set_defaults(handler=cmd_list)
+
     stats = commands.add_parser("stats", parents=after, help="records by state, expired, past their lease, attempts")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     stats.set_defaults(handler=cmd_stats)
@@ -219,55 +259,13 @@ def _keys_option(parser: argparse.ArgumentParser, summary: str) -> None:
     )
 
 
-def _record_id(args: argparse.Namespace) -> tuple[str, str]:
-    """``(tenant, key)`` from ``TENANT KEY`` or ``--authorization-from SOURCE KEY``."""
-    if args.authorization is not None:
-        raise CommandError(
-            "a client's credential is not taken on the command line, where ps and the shell's history would show "
-            "it: put it in an environment variable and give --authorization-from VARIABLE, or give "
-            "--authorization-from - and type or pipe it on standard input",
-            EXIT_USAGE,
-        )
-    if args.authorization_from is not None:
-        if args.key is not None:
-            raise CommandError("give either TENANT or --authorization-from, not both", EXIT_USAGE)
-        if args.tenant is None:
-            raise CommandError("KEY is required", EXIT_USAGE)
-        if not hasattr(args, "authorization_value"):  # read once: stdin cannot be read twice
-            args.authorization_value = _authorization(args.authorization_from)
-        try:
-            value = args.authorization_value.encode("latin-1")
-        except UnicodeEncodeError:
-            raise CommandError("the Authorization value must be a latin-1 header value", EXIT_USAGE) from None
-        tenant = _default_resolver()({"headers": [(b"authorization", value)]})
-        if tenant is None:
-            raise CommandError("the Authorization value is empty: give the client's header value", EXIT_USAGE)
-        return tenant, args.tenant
-    if args.tenant is None or args.key is None:
-        raise CommandError("TENANT and KEY are required (or --authorization-from SOURCE and KEY)", EXIT_USAGE)
-    return args.tenant, args.key
-
-
-def _authorization(source: str) -> str:
-    """The client's Authorization header value: from standard input (``-``: typed without echo at a terminal, or
-    the first line of what is piped) or from the environment variable ``source``."""
-    if source == "-":
-        if sys.stdin.isatty():
-            return getpass.getpass("the client's Authorization header value: ")
-        return sys.stdin.readline().rstrip("\r\n")
-    value = os.environ.get(source)
-    if value is None:
-        raise CommandError(f"--authorization-from {source}: that environment variable is not set", EXIT_USAGE)
-    return value
-
-
 # -- the database ---------------------------------------------------------------------------------------------
 
 
 async def _run(args: argparse.Namespace) -> int:
     handler: Command = args.handler
     if handler in (cmd_inspect, cmd_forget):
-        _record_id(args)  # usage errors before any connection attempt
+        record_id(args)  # usage errors before any connection attempt
     async with _open_store(args) as store:
         try:
             return await handler(store, args)
@@ -398,7 +396,7 @@ async def cmd_gc(store: PostgresStore, args: argparse.Namespace) -> int:
 
 
 async def cmd_inspect(store: PostgresStore, args: argparse.Namespace) -> int:
-    tenant, key = _record_id(args)
+    tenant, key = record_id(args)
     try:
         record = await store.inspect(tenant, key)
     except SealedResponseError as error:
@@ -414,11 +412,23 @@ async def cmd_inspect(store: PostgresStore, args: argparse.Namespace) -> int:
 
 
 async def cmd_forget(store: PostgresStore, args: argparse.Namespace) -> int:
-    tenant, key = _record_id(args)
+    tenant, key = record_id(args)
     if not await store.forget(tenant, key):
         raise _not_found(args, tenant, key)
     say(f"forgot key {key!r} of tenant {tenant!r}")
     return EXIT_OK
+
+
+async def cmd_list(store: PostgresStore, args: argparse.Namespace) -> int:
+    if args.until <= args.since:
+        raise CommandError("--until must be later than --since", EXIT_USAGE)
+    tenants = await tenants_to_list(store, args)
+    listed = [
+        listing_to_dict(tenant, await store.list_records(tenant, args.since, args.until, limit=args.limit))
+        for tenant in tenants
+    ]
+    say(json.dumps(listed, indent=2) if args.json else format_listing(listed, args.since, args.until))
+    return EXIT_OK if any(entry["records"] for entry in listed) else EXIT_NOT_FOUND
 
 
 async def cmd_stats(store: PostgresStore, args: argparse.Namespace) -> int:
@@ -478,20 +488,6 @@ async def cmd_reencrypt(store: PostgresStore, args: argparse.Namespace) -> int:
     if unreadable:
         raise CommandError(f"{unreadable} response{plural(unreadable)} could not be opened and were left as they are")
     return EXIT_OK
-
-
-def _default_resolver() -> AuthorizationTenant:
-    """The default resolver with the servers' secret, which must be in this environment too."""
-    if not os.environ.get(SECRET_VARIABLE):
-        raise CommandError(
-            f"--authorization-from needs the secret the servers' default tenant resolver uses: set {SECRET_VARIABLE} "
-            "to the same value (or give TENANT as stored)",
-            EXIT_USAGE,
-        )
-    try:
-        return AuthorizationTenant()
-    except ValueError as error:
-        raise CommandError(str(error), EXIT_USAGE) from error
 
 
 def _not_found(args: argparse.Namespace, tenant: str, key: str) -> CommandError:

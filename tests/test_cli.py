@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
 import io
 import json
 import re
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ import pytest
 
 import idempotency_mw
 from idempotency_mw import PostgresStore, StoredResponse, StoreUnavailable
+from idempotency_mw._cli_arguments import moment
 from idempotency_mw.cli import EXIT_NOT_FOUND, EXIT_OUTPUT_CLOSED, build_parser, main
 from idempotency_mw.postgres import migration_statements
 from idempotency_mw.postgres._connector import address_of
@@ -394,6 +397,107 @@ def test_record_arguments_are_checked(capsys: pytest.CaptureFixture[str], db: Da
     assert err.count("\n") == 1
 
 
+# -- list: the support desk ----------------------------------------------------------------------------------
+
+
+def served(db: Database, token: str, *keys: str) -> None:
+    """Requests through the middleware, as a customer with this API key sends them."""
+
+    async def post() -> None:
+        async with PostgresStore(db.url, min_size=1, max_size=2, schema=db.schema) as store:
+            client = client_for(build_app(store, Probe()), token=token)
+            for key in keys:
+                await client.post("/charge", content=b'{"amount": 10}', headers={"Idempotency-Key": key})
+
+    asyncio.run(post())
+
+
+def test_list_finds_a_customer_by_the_tag_in_a_log_line(
+    capsys: pytest.CaptureFixture[str], db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Support staff hold a log line (tenant tag, key hash) and a rough time, never the customer's live key: the tag
+    leads to the customer's records of that window, each with the key hash the log showed."""
+    with caplog.at_level("DEBUG", logger="idempotency_mw"):
+        served(db, "sk_live_alice", "pay-1", "pay-2")
+    served(db, "sk_live_bob", "pay-1")
+    line = next(r for r in caplog.records if vars(r).get("idempotency_outcome") == "executed")
+    tag, key_hash = vars(line)["idempotency_tenant_tag"], vars(line)["idempotency_key_hash"]
+    sql(
+        db.url, f"UPDATE {db.schema}.idempotency_records SET created_at = now() - interval '3 days' WHERE key = 'pay-2'"
+    )
+    code, out, err = cli(capsys, *db.options, "list", "--tag", tag, "--since", "2h", "--json")
+    assert (code, err) == (0, "")
+    (listed,) = json.loads(out)
+    assert (listed["tenant"], listed["tag"]) == (tenant_of("sk_live_alice"), tag)
+    (record,) = listed["records"]  # pay-2 was first claimed before the window
+    assert (record["key"], record["key_hash"], record["state"], record["status"]) == (
+        "pay-1",
+        key_hash,
+        "completed",
+        201,
+    )
+    code, out, _ = cli(capsys, *db.options, "list", "--tag", tag, "--since", "7d")
+    assert code == 0
+    head, columns, first, second = out.splitlines()
+    assert head.startswith(f"tenant {tenant_of('sk_live_alice')}: 2 records first claimed between ")
+    assert columns.split() == ["created", "key", "key", "hash", "state", "status", "attempts"]
+    assert first.split()[1:] == ["pay-2", hashlib.sha256(b"pay-2").hexdigest()[:12], "completed", "201", "0"]
+    assert second.split()[1:3] == ["pay-1", key_hash]
+
+
+def test_list_by_tenant_or_by_the_clients_header(
+    capsys: pytest.CaptureFixture[str], db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served(db, "sk_test_carol", "order-1")
+    by_tenant = cli(capsys, *db.options, "list", tenant_of("sk_test_carol"), "--json")
+    monkeypatch.setenv("CLIENT_AUTHORIZATION", "Bearer sk_test_carol")
+    by_header = cli(capsys, *db.options, "list", "--authorization-from", "CLIENT_AUTHORIZATION", "--json")
+    assert by_tenant == by_header
+    assert [r["key"] for r in json.loads(by_tenant[1])[0]["records"]] == ["order-1"]
+    code, out, _ = cli(capsys, *db.options, "list", "nobody")
+    assert code == 1  # nothing in the window
+    assert out.startswith("tenant nobody: 0 records first claimed between")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["list"], "give one of TENANT, --tag or --authorization-from"),
+        (["list", "t", "--tag", "0123abcd"], "give one of TENANT, --tag or --authorization-from"),
+        (["list", "--authorization", "Bearer sk_live_x"], "a client's credential is not taken on the command line"),
+        (["list", "t", "--since", "1h", "--until", "2h"], "--until must be later than --since"),
+    ],
+)
+def test_list_arguments_are_checked(
+    capsys: pytest.CaptureFixture[str], db: Database, argv: list[str], message: str
+) -> None:
+    code, out, err = cli(capsys, *db.options, *argv)
+    assert (code, out) == (2, "")
+    assert message in err
+
+
+@pytest.mark.parametrize(("value", "message"), [("--tag=xyz", "8 hex digits"), ("--since=yesterday", "ISO 8601")])
+def test_list_values_are_checked(capsys: pytest.CaptureFixture[str], value: str, message: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["list", "t", value])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_tag_nobody_has_says_what_to_check(capsys: pytest.CaptureFixture[str], db: Database) -> None:
+    code, out, err = cli(capsys, *db.options, "list", "--tag", "00000000")
+    assert (code, out) == (1, "")
+    assert "no tenant tagged 00000000 has records first claimed between" in err
+    assert "IDEMPOTENCY_TENANT_SECRET is the servers' secret" in err
+
+
+def test_moments_are_iso_times_or_ages() -> None:
+    assert moment("2026-11-28T06:00:00Z") == datetime.datetime(2026, 11, 28, 6, tzinfo=datetime.UTC).timestamp()
+    assert moment("2026-11-28T06:00:00") == moment("2026-11-28T06:00:00+00:00")  # no zone: UTC
+    assert abs(moment("2h") - (time.time() - 7200)) < 5
+    assert abs(moment("1.5d") - (time.time() - 1.5 * 86400)) < 5
+
+
 # -- stats and gc ---------------------------------------------------------------------------------------------
 
 
@@ -661,7 +765,7 @@ def test_help_lists_the_operators_commands_only(capsys: pytest.CaptureFixture[st
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for command in ("migrate", "gc", "inspect", "forget", "stats"):
+    for command in ("migrate", "gc", "inspect", "forget", "list", "stats", "reencrypt"):
         assert f"    {command} " in out
     assert "demo" not in out
     with pytest.raises(SystemExit) as exit_info:
