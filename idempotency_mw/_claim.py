@@ -281,6 +281,9 @@ class Claimer(Protocol):
     ) -> Claim: ...
 
 
+MAX_MOVES = 3  # a fresh claim moved to another tenant's record this often answers 409 rather than guess
+
+
 @dataclass(eq=False, slots=True)
 class Ask:
     """What a request asks of the store: its key, under whose name, for which request; filled in as the request is
@@ -289,20 +292,23 @@ class Ask:
     key: str | None = None
     tenant: str = ""  # whose record: the tenant, or a route's own tenant in a namespace of its own
     owner: str = ""  # the tenant as resolved: what the handler's context and the event carry
-    legacy_tenant: str | None = None  # a route's tenant as stored before routes had a namespace
+    # Where the same request's record may be instead: a route's tenant as stored before routes had a namespace, or
+    # its tenant under the other secret of a rotation in progress. A fresh claim looks there before it runs.
+    others: tuple[str, ...] = ()
     digest: bytes = b""  # the request's fingerprint, unkeyed: never stored, nor sent to the store
     digests: tuple[bytes, ...] = ()  # as stored, under each fingerprint key, the current one first
 
-    def scope_to(self, tenant: str, *, route_owns_it: bool) -> bool:
-        """Scope the key by ``tenant``. A route's own tenant (a provider's webhooks) has a namespace of its own, its
-        records apart from every tenant of the resolver; False for a resolver's tenant in that namespace, which could
-        meet a route's records."""
+    def scope_to(self, tenant: str, *, route_owns_it: bool, alternates: tuple[str, ...] = ()) -> bool:
+        """Scope the key by ``tenant`` (``alternates``: the same tenant under the other secrets of a rotation). A
+        route's own tenant (a provider's webhooks) has a namespace of its own, its records apart from every tenant of
+        the resolver; False for a resolver's tenant in that namespace, which could meet a route's records."""
         if route_owns_it:
-            self.owner, self.tenant, self.legacy_tenant = tenant, ROUTE_TENANTS + tenant, tenant
+            self.owner, self.tenant, self.others = tenant, ROUTE_TENANTS + tenant, (tenant,)
         elif tenant.startswith(ROUTE_TENANTS):
             return False
         else:
             self.tenant = self.owner = tenant
+            self.others = alternates
         return True
 
     def fingerprint(
@@ -320,28 +326,35 @@ class Ask:
         )
         self.digests = keys.digests(self.digest)
 
-    async def claim(self, claimer: Claimer, store: Store, *, lease: float, ttl: float) -> Claim:
+    async def claim(self, claimer: Claimer, store: Store, *, lease: float, ttl: float, moves: int = 0) -> Claim:
         """The claim, by ``claimer``.
 
         A record whose fingerprint is a bare SHA-256 was written before fingerprints were keyed: when it is this
         request's own ``digest``, it is the same request after all (a retry in flight across the upgrade), and the
-        claim is taken again with it. For a route's own tenant, a fresh claim goes where a record written before
-        routes' tenants had a namespace of their own would be, if one is live there (an event delivered before the
-        upgrade, redelivered after): the fresh claim is released, and the request is claimed under the bare tenant,
-        so that it is still the same request."""
+        claim is taken again with it.
+
+        A fresh claim then looks under the request's ``others`` (a route's tenant as stored before routes had a
+        namespace; the tenant under the other secret of a rotation) and runs only if none holds a live record. If
+        one does, the fresh claim is released and the request is claimed there instead, so that it is still the same
+        request (a replay, a 409, a 422), and where that claim is fresh in turn, the tenant it left is looked at
+        again. Each side claims before it looks, so of two copies that race under two tenants at least one sees the
+        other's claim: never both run. Two that keep seeing each other give up after ``MAX_MOVES`` with a 409."""
         assert self.key is not None
         current, *previous = self.digests
         claim = await claimer.claim(self.tenant, self.key, current, lease=lease, ttl=ttl, matching=tuple(previous))
         if claim.outcome is ClaimOutcome.MISMATCH and claim.unkeyed is not None and claim.unkeyed == self.digest:
             matching = (*previous, self.digest)
-            return await claimer.claim(self.tenant, self.key, current, lease=lease, ttl=ttl, matching=matching)
-        legacy = self.legacy_tenant
-        if claim.outcome is ClaimOutcome.OWNED and not claim.attempts and legacy is not None:
-            found = await store.inspect(legacy, self.key)
+            claim = await claimer.claim(self.tenant, self.key, current, lease=lease, ttl=ttl, matching=matching)
+        if claim.outcome is not ClaimOutcome.OWNED or claim.attempts or not self.others:
+            return claim
+        for other in self.others:
+            found = await store.inspect(other, self.key)
             if found is not None and found.expires_at > time.time():
                 await store.release(self.tenant, self.key, claim.fence)
-                self.tenant, self.legacy_tenant = legacy, None
-                return await self.claim(claimer, store, lease=lease, ttl=ttl)
+                if moves == MAX_MOVES:
+                    return Claim(ClaimOutcome.IN_PROGRESS, fence=found.fence)
+                self.tenant, self.others = other, tuple(t for t in (self.tenant, *self.others) if t != other)
+                return await self.claim(claimer, store, lease=lease, ttl=ttl, moves=moves + 1)
         return claim
 
 

@@ -20,7 +20,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from starlette.types import Scope
@@ -211,6 +211,7 @@ class TenantFromApp:
 
 
 SECRET_VARIABLE = "IDEMPOTENCY_TENANT_SECRET"
+OTHER_SECRETS_VARIABLE = "IDEMPOTENCY_TENANT_OTHER_SECRETS"  # a rotation in progress: the secret(s) besides it
 # The records of a route that names its own tenant (``tenant=`` on a route: a provider's webhooks) are stored under
 # this prefix and that tenant, so that no tenant of the middleware's resolver meets them; a resolver that returns a
 # tenant with this prefix is refused.
@@ -234,20 +235,52 @@ class AuthorizationTenant:
     ``Bearer x`` and ``bearer  x`` are one tenant; the credentials themselves are compared as sent. A request
     without the header, with an empty one, or with several has no tenant (None), unless ``anonymous`` names the
     namespace that requests without credentials share.
+
+    ``others`` (else, with the secret from the environment, ``IDEMPOTENCY_TENANT_OTHER_SECRETS``, comma-separated)
+    are the secrets of a rotation in progress, the next one or the previous one: new records are claimed under
+    ``secret``, and a fresh claim also looks for a live record under each of the others (:meth:`alternates`), so a
+    retry across the rotation finds its record (docs/guide.md, "Rotating the tenant secret").
     """
 
     requirement = "exactly one Authorization header"  # what a client without a tenant lacks
 
-    def __init__(self, secret: str | bytes | None = None, *, anonymous: str | None = None) -> None:
-        self._keyed = hmac.new(_secret_bytes(secret), digestmod=hashlib.sha256)  # copied for each request
+    def __init__(
+        self,
+        secret: str | bytes | None = None,
+        *,
+        anonymous: str | None = None,
+        others: Sequence[str | bytes] | None = None,
+    ) -> None:
+        current = _secret_bytes(secret)
+        if others is None and secret is not None:
+            others = ()  # the environment's other secrets go with the environment's secret
+        self._keyed = hmac.new(current, digestmod=hashlib.sha256)  # copied for each request
+        self._others = [hmac.new(other, digestmod=hashlib.sha256) for other in _other_secrets(others, current)]
         self.anonymous = _anonymous(anonymous)
 
     def derive(self, label: bytes) -> list[bytes]:
-        """The HMAC-SHA256 of ``label`` under the secret, for a key derived from it (the fingerprint keys of
+        """The HMAC-SHA256 of ``label`` under each secret, for a key derived from them (the fingerprint keys of
         ``fingerprint.FingerprintKeys.derived``): a list, one per secret, the current one first."""
-        keyed = self._keyed.copy()
-        keyed.update(label)
-        return [keyed.digest()]
+        derived = []
+        for secret in (self._keyed, *self._others):
+            keyed = secret.copy()
+            keyed.update(label)
+            derived.append(keyed.digest())
+        return derived
+
+    def alternates(self, values: list[bytes]) -> tuple[str, ...]:
+        """The tenants of the same request under the other secrets of a rotation in progress (none without one)."""
+        if not self._others or len(values) != 1:
+            return ()
+        credentials = _canonical(values[0])
+        if credentials is None:
+            return ()  # the anonymous namespace does not depend on the secret
+        found = []
+        for secret in self._others:
+            keyed = secret.copy()
+            keyed.update(credentials)
+            found.append(PREFIX + keyed.hexdigest())
+        return tuple(found)
 
     def __call__(self, scope: Scope) -> str | None:
         return self.of(_values(scope, b"authorization"))
@@ -335,8 +368,22 @@ def _values(scope: Scope, name: bytes) -> list[bytes]:
     return [bytes(value) for key, value in scope["headers"] if key == name]
 
 
-def _secret_bytes(secret: str | bytes | None) -> bytes:
-    source = "the tenant secret"
+def _other_secrets(others: Sequence[str | bytes] | None, current: bytes) -> list[bytes]:
+    """The other secrets of a rotation: given, or from the environment; each as long as a secret must be, and none
+    the current one (a rotation from a secret to itself is a mistake worth saying)."""
+    source = "a secret of others="
+    if others is None:
+        others = [part.strip() for part in os.environ.get(OTHER_SECRETS_VARIABLE, "").split(",") if part.strip()]
+        source = f"a secret of {OTHER_SECRETS_VARIABLE}"
+    if isinstance(others, str | bytes):
+        raise TypeError("others must be a sequence of secrets, not one secret")
+    found = [_secret_bytes(other, source=source) for other in others]
+    if current in found:
+        raise ValueError(f"{source} is the current tenant secret: give the other secret of the rotation")
+    return found
+
+
+def _secret_bytes(secret: str | bytes | None, *, source: str = "the tenant secret") -> bytes:
     if secret is None:
         secret = os.environ.get(SECRET_VARIABLE) or None
         source = SECRET_VARIABLE

@@ -208,13 +208,15 @@ class IdempotentRequest:
         """The tenant of a keyed request (``Ask.scope_to``); False when the request was refused instead."""
         if self.refusal is None:
             resolver = self.policy.tenant or self.middleware.tenant
+            alternates: tuple[str, ...] = ()
             if isinstance(resolver, AuthorizationTenant):  # the default: its header values are picked out already
                 tenant = resolver.of(self.headers.authorization)
+                alternates = resolver.alternates(self.headers.authorization)  # a rotation of its secret
             else:
                 tenant = await resolve_tenant(resolver, self.scope)  # type: ignore[arg-type]  # not from the app
             if tenant is None:
                 self.refusal = problems.tenant_unknown_to(resolver, self.middleware.notices)
-            elif not self.ask.scope_to(tenant, route_owns_it=self.policy.tenant is not None):
+            elif not self.ask.scope_to(tenant, route_owns_it=self.policy.tenant is not None, alternates=alternates):
                 self.refusal = problems.tenant_reserved(resolver, self.middleware.notices)
         if self.refusal is not None:
             await self._refuse(*self.refusal)
