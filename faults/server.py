@@ -120,7 +120,8 @@ class ServerProcess:
     ``async with ServerProcess("examples.payments.app:app", env={"DATABASE_URL": dsn}) as server:``
     starts it and waits until it answers HTTP; ``server.base_url`` is where. ``kill()`` is a crash (SIGKILL, no
     cleanup); ``stop()`` a graceful shutdown; ``start()`` again brings it back on the same port. The child's
-    output goes to a log file, whose end ``log_tail()`` returns (errors quote it).
+    output goes to a log file, whose end ``log_tail()`` returns (errors quote it). ``library``: a directory holding
+    another copy of ``idempotency_mw`` (a previous release's) for the child to run instead of the working tree's.
     """
 
     def __init__(
@@ -134,11 +135,14 @@ class ServerProcess:
         log_level: str = "warning",
         ready_timeout: float = 60.0,
         server: str = "uvicorn",
+        library: str | os.PathLike[str] | None = None,
     ) -> None:
         if server not in SERVERS:
             raise ValueError(f"unknown server {server!r}: one of {', '.join(SERVERS)}")
         self.app = app
-        self.env = _with_repository_on_path({**os.environ, **(env or {})})
+        self.env = _with_repository_on_path({**os.environ, **(env or {})}, first=library)
+        # python -m puts its working directory first on sys.path: the repository's, if the child started there
+        self.cwd = os.fspath(library) if library is not None else None
         self.factory = factory
         self.log_level = log_level
         self.ready_timeout = ready_timeout
@@ -185,6 +189,7 @@ class ServerProcess:
         self.process = await asyncio.create_subprocess_exec(
             *command,
             env=self.env,
+            cwd=self.cwd,
             pass_fds=inherited,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=self._log,
@@ -272,9 +277,12 @@ class ServerProcess:
         await self.close()
 
 
-def _with_repository_on_path(env: dict[str, str]) -> dict[str, str]:
+def _with_repository_on_path(env: dict[str, str], *, first: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """``env`` with the repository on ``PYTHONPATH``, after ``first``: a directory holding another copy of
+    ``idempotency_mw`` (a previous release's), which the child then imports instead of the working tree's."""
     path = env.get("PYTHONPATH")
-    return {**env, "PYTHONPATH": REPOSITORY + (os.pathsep + path if path else "")}
+    front = [os.fspath(first)] if first is not None else []
+    return {**env, "PYTHONPATH": os.pathsep.join([*front, REPOSITORY, *([path] if path else [])])}
 
 
 async def answers_http(host: str, port: int, *, patience: float) -> bool:

@@ -1,0 +1,52 @@
+"""The app of tests/scenarios/test_rolling_deploy.py, served both by the previous release's library and by this
+one: only what both offer (the middleware, PostgresStore, the default tenant resolver). Each run of the handler
+writes one row, outside the store, so a request that ran twice shows as two."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import idempotency_mw
+from idempotency_mw import IdempotencyMiddleware, PostgresStore
+
+DSN = os.environ["ROLLING_DSN"]
+store = PostgresStore(DSN)
+
+
+async def charge(request: Request) -> Response:
+    key = request.headers["idempotency-key"]
+    await request.app.state.pool.execute("INSERT INTO rolling_effects (key) VALUES ($1)", key)
+    await asyncio.sleep(0.05)  # long enough for a copy on the other instance to meet it running
+    return JSONResponse({"id": f"ch_{uuid.uuid4().hex[:12]}", "key": key}, status_code=201)
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": idempotency_mw.__version__, "file": idempotency_mw.__file__})
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    await store.open()
+    app.state.pool = await asyncpg.create_pool(DSN, min_size=1, max_size=5)
+    try:
+        yield
+    finally:
+        await app.state.pool.close()
+        await store.close()
+
+
+app = Starlette(
+    routes=[Route("/charges", charge, methods=["POST"]), Route("/version", version)],
+    lifespan=lifespan,
+)
+app.add_middleware(IdempotencyMiddleware, store=store)
