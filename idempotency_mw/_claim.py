@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.types import Scope
 
@@ -47,6 +47,9 @@ from idempotency_mw.store import (
     StoreUnavailable,
     Subscription,
 )
+
+if TYPE_CHECKING:
+    from idempotency_mw.cutover import Earlier
 
 T = TypeVar("T")
 logger = logging.getLogger("idempotency_mw")
@@ -326,7 +329,16 @@ class Ask:
         )
         self.digests = keys.digests(self.digest)
 
-    async def claim(self, claimer: Claimer, store: Store, *, lease: float, ttl: float, moves: int = 0) -> Claim:
+    async def claim(
+        self,
+        claimer: Claimer,
+        store: Store,
+        *,
+        lease: float,
+        ttl: float,
+        moves: int = 0,
+        earlier: Callable[[str], Awaitable[Earlier | None]] | None = None,
+    ) -> Claim:
         """The claim, by ``claimer``.
 
         A record whose fingerprint is a bare SHA-256 was written before fingerprints were keyed: when it is this
@@ -345,7 +357,7 @@ class Ask:
         if claim.outcome is ClaimOutcome.MISMATCH and claim.unkeyed is not None and claim.unkeyed == self.digest:
             matching = (*previous, self.digest)
             claim = await claimer.claim(self.tenant, self.key, current, lease=lease, ttl=ttl, matching=matching)
-        if claim.outcome is not ClaimOutcome.OWNED or claim.attempts or not self.others:
+        if claim.outcome is not ClaimOutcome.OWNED or claim.attempts:
             return claim
         for other in self.others:
             found = await store.inspect(other, self.key)
@@ -354,8 +366,24 @@ class Ask:
                 if moves == MAX_MOVES:
                     return Claim(ClaimOutcome.IN_PROGRESS, fence=found.fence)
                 self.tenant, self.others = other, tuple(t for t in (self.tenant, *self.others) if t != other)
-                return await self.claim(claimer, store, lease=lease, ttl=ttl, moves=moves + 1)
+                return await self.claim(claimer, store, lease=lease, ttl=ttl, moves=moves + 1, earlier=earlier)
+        if earlier is not None:
+            return await self._as_earlier(claim, store, await earlier(self.key))
         return claim
+
+    async def _as_earlier(self, claim: Claim, store: Store, earlier: Earlier | None) -> Claim:
+        """A fresh claim, answered from what the package this app switched from recorded (``cutover.py``): its
+        response becomes this record's (then replayed, here and to every later retry), a request it still runs is a
+        409, another request a 422; where it recorded nothing, the claim stands."""
+        assert self.key is not None
+        if earlier is None:
+            return claim
+        response = earlier.response if earlier.same_request else None
+        if response is not None and await store.complete(self.tenant, self.key, claim.fence, response):
+            return Claim(ClaimOutcome.COMPLETED, fence=claim.fence, response=response)
+        await store.release(self.tenant, self.key, claim.fence)
+        outcome = ClaimOutcome.IN_PROGRESS if earlier.same_request else ClaimOutcome.MISMATCH
+        return Claim(outcome, fence=claim.fence)
 
 
 # -- waiting for the claim of another request -----------------------------------------------------------------------

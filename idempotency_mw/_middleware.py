@@ -21,6 +21,7 @@ from idempotency_mw._fingerprint import FingerprintKeys, choose_fingerprint_keys
 from idempotency_mw._keys import AuthorizationTenant, TenantFromApp, TenantResolver
 from idempotency_mw._policy import DAY, RELEASED_STATUSES, MiB, Policy, RouteMatch, RouteTable
 from idempotency_mw._request import IdempotentRequest, SwitchedOffRequest, TenantFromAppRequest
+from idempotency_mw.cutover import EarlierLookup
 from idempotency_mw.store import Store, TransactionalStore
 
 DISABLED_VARIABLE = "IDEMPOTENCY_MW_DISABLED"
@@ -43,6 +44,8 @@ class IdempotencyMiddleware:
     - ``retry_after``: the ``Retry-After`` seconds sent with 409 and 503.
     - ``on_replay``: called (sync or async) with the scope and the stored response before a replay goes out; it may
       return another response to send in its place (an extra header), or None to send it as stored.
+    - ``earlier``: for a switch from another idempotency package, what that package recorded for a request
+      (``idempotency_mw.cutover``): asked on each fresh claim, for as long as its records live.
     - ``enabled``: False (or ``IDEMPOTENCY_MW_DISABLED=1`` in the environment), for tests or an emergency, says so in
       a warning as the middleware is built, and from then on answers nothing itself and claims and records nothing:
       every request runs as its handler would without the middleware, except that a transactional route still gets
@@ -78,6 +81,7 @@ class IdempotencyMiddleware:
         on_conflict: str = "reject",
         wait: float = 5.0,
         on_replay: ReplayHook | None = None,
+        earlier: EarlierLookup | None = None,
         enabled: bool = True,
         fingerprint_keys: FingerprintKeys | str | None = None,
     ) -> None:
@@ -116,6 +120,7 @@ class IdempotencyMiddleware:
         self.on_started = getattr(on_event, "started", None)
         self.retry_after = retry_after
         self.on_replay = on_replay
+        self.earlier = earlier
         self._check_transactional(default, *(p for _, p in self.routes.patterns))
         self.enabled = enabled and os.environ.get(DISABLED_VARIABLE, "").strip().lower() not in ("1", "true", "yes")
         if not self.enabled:

@@ -13,6 +13,7 @@ import asyncio
 import enum
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -58,6 +59,7 @@ from idempotency_mw._keys import (
 from idempotency_mw._plain import PlainRun, Unprotected
 from idempotency_mw._policy import RouteMatch
 from idempotency_mw._transactional import DID_NOT_COMMIT, State, TransactionalRun, refusal
+from idempotency_mw.cutover import EarlierLookup
 from idempotency_mw.store import Claim, ClaimOutcome, Store, StoreUnavailable, Transaction, TransactionalStore
 
 OUTAGES = (StoreUnavailable, OSError)  # what fail_open fails open on: the store cannot be reached
@@ -76,6 +78,7 @@ class Middleware(Protocol):
     on_event: EventHook | None
     on_started: Callable[[Scope], Any] | None  # the hook's ``started``, if it has one
     on_replay: ReplayHook | None
+    earlier: EarlierLookup | None  # what the package the app switched from recorded (cutover.py)
     failures: FailureLog  # store failures: the first in full, then a summary now and then
     notices: Notices  # misconfigurations the operator hears of once
     leases: LeaseKeeper  # renews the lease of every handler still running
@@ -247,12 +250,9 @@ class IdempotentRequest:
         report.reach_store(middleware.on_started)
         claimer = self._transaction() if policy.transactional else middleware.store  # on its transaction's connection
         ask, store = self.ask, middleware.store
-        if policy.on_conflict == "wait":
-            claiming = claim_or_wait(
-                lambda: ask.claim(claimer, store, lease=policy.lease, ttl=policy.ttl), store.watch, policy.wait
-            )
-        else:
-            claiming = ask.claim(claimer, store, lease=policy.lease, ttl=policy.ttl)
+        earlier = middleware.earlier and partial(middleware.earlier, self.scope, self.body.body)  # a cutover
+        asking = partial(ask.claim, claimer, store, lease=policy.lease, ttl=policy.ttl, earlier=earlier)
+        claiming = claim_or_wait(asking, store.watch, policy.wait) if policy.on_conflict == "wait" else asking()
         task = start_eagerly(claiming, "idempotency claim")  # a cancellation must not lose a claim that landed
         started = time.perf_counter()
         try:
