@@ -280,7 +280,15 @@ class Claimer(Protocol):
     """What takes a claim: the store, or a transactional run (on the connection its transaction then uses)."""
 
     async def claim(
-        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+        self,
+        tenant: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        matching: tuple[bytes, ...] = (),
+        request: str | None = None,
     ) -> Claim: ...
 
 
@@ -298,6 +306,7 @@ class Ask:
     # Where the same request's record may be instead: a route's tenant as stored before routes had a namespace, or
     # its tenant under the other secret of a rotation in progress. A fresh claim looks there before it runs.
     others: tuple[str, ...] = ()
+    line: str | None = None  # its method and route template, which the record keeps for inspect
     digest: bytes = b""  # the request's fingerprint, unkeyed: never stored, nor sent to the store
     digests: tuple[bytes, ...] = ()  # as stored, under each fingerprint key, the current one first
 
@@ -353,10 +362,15 @@ class Ask:
         other's claim: never both run. Two that keep seeing each other give up after ``MAX_MOVES`` with a 409."""
         assert self.key is not None
         current, *previous = self.digests
-        claim = await claimer.claim(self.tenant, self.key, current, lease=lease, ttl=ttl, matching=tuple(previous))
+        line, matching = self.line, tuple(previous)
+        claim = await claimer.claim(
+            self.tenant, self.key, current, lease=lease, ttl=ttl, matching=matching, request=line
+        )
         if claim.outcome is ClaimOutcome.MISMATCH and claim.unkeyed is not None and claim.unkeyed == self.digest:
             matching = (*previous, self.digest)
-            claim = await claimer.claim(self.tenant, self.key, current, lease=lease, ttl=ttl, matching=matching)
+            claim = await claimer.claim(
+                self.tenant, self.key, current, lease=lease, ttl=ttl, matching=matching, request=line
+            )
         if claim.outcome is not ClaimOutcome.OWNED or claim.attempts:
             return claim
         for other in self.others:

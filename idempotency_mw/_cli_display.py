@@ -40,6 +40,9 @@ def record_to_dict(record: RecordInfo, *, now: float) -> dict[str, Any]:
         "created_at": iso(record.created_at),
         "expires_at": iso(record.expires_at),
         "lease_expires_at": None if record.lease_expires_at is None else iso(record.lease_expires_at),
+        "request": record.request,  # None: written before records kept it
+        "replays": record.replays,
+        "last_replayed_at": None if record.last_replayed_at is None else iso(record.last_replayed_at),
         "fingerprint": record.fingerprint[-DIGEST_BYTES:].hex(),
         "fingerprint_key": fingerprint_key_id(record.fingerprint),  # None: unkeyed, written before keys existed
         "response": response,
@@ -53,9 +56,11 @@ def format_record(shown: dict[str, Any]) -> str:
     rows: list[tuple[str, str]] = [
         ("tenant", shown["tenant"] or "'' (empty)"),
         ("key", shown["key"]),
+        ("request", shown["request"] or "-"),
         ("state", state),
         ("fence", str(shown["fence"])),
         ("attempts", str(shown["attempts"])),
+        ("replays", _replays(shown["replays"], shown["last_replayed_at"])),
         ("created", shown["created_at"]),
         ("expires", shown["expires_at"]),
         ("lease until", shown["lease_expires_at"] or "-"),
@@ -77,6 +82,11 @@ def format_record(shown: dict[str, Any]) -> str:
             rows.append((f"body ({response['body_preview_encoding']})", text + more))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _replays(count: int, last: str | None) -> str:
+    """How often the response was replayed, as written so far: the store writes its counts every few seconds."""
+    return f"{count} (last {last})" if last is not None else str(count)
 
 
 def preview(body: bytes) -> tuple[str, str]:
@@ -140,11 +150,13 @@ def listing_to_dict(tenant: str, lines: list[RecordLine]) -> dict[str, Any]:
             {
                 "key": line.key,
                 "key_hash": hash_key(line.key),
+                "request": line.request,
                 "state": line.state,
                 "status": line.status,
                 "sealed_with": line.sealed_with,
                 "body_size": line.body_size,
                 "attempts": line.attempts,
+                "replays": line.replays,
                 "created_at": iso(line.created_at),
                 "expires_at": iso(line.expires_at),
             }
@@ -160,13 +172,14 @@ def format_listing(listed: list[dict[str, Any]], since: float, until: float) -> 
         tenant = entry["tenant"] or "'' (empty)"
         head = f"tenant {tenant}: {len(records)} record{plural(len(records))} first claimed "
         head += f"between {iso(since)} and {iso(until)}"
-        rows = [("created", "key", "key hash", "state", "status", "attempts")]
+        rows = [("created", "key", "key hash", "request", "state", "status", "attempts", "replays")]
         for record in records:
             status = "-" if record["status"] is None else str(record["status"])
             if record["sealed_with"] is not None:
                 status = f"sealed ({record['sealed_with']})"
             created, key, key_hash = record["created_at"], record["key"], record["key_hash"]
-            rows.append((created, key, key_hash, record["state"], status, str(record["attempts"])))
+            request, attempts, replays = record["request"] or "-", str(record["attempts"]), str(record["replays"])
+            rows.append((created, key, key_hash, request, record["state"], status, attempts, replays))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         table = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
         blocks.append("\n".join([head, *(table if records else [])]))

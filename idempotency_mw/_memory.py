@@ -45,6 +45,9 @@ class _Record:
     lease_expires_at: float | None
     response: StoredResponse | SealedResponse | None = None
     attempts: int = 0
+    request: str | None = None
+    replays: int = 0
+    last_replayed_at: float | None = None
 
 
 class MemoryStore:
@@ -64,7 +67,15 @@ class MemoryStore:
         return len(self._records)
 
     async def claim(
-        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+        self,
+        tenant: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        matching: tuple[bytes, ...] = (),
+        request: str | None = None,
     ) -> Claim:
         now = self._clock()
         self._expire(now)
@@ -74,12 +85,14 @@ class MemoryStore:
             attempts = 0  # an expired record's attempts belong to the operation it recorded, not to this one
             # A record never expires under a live lease: renew and a takeover move expires_at past the lease.
             expires = now + max(ttl, lease)
-            self._records[(tenant, key)] = _Record(fingerprint, fence, now, expires, now + lease, attempts=attempts)
+            self._records[(tenant, key)] = _Record(fingerprint, fence, now, expires, now + lease, request=request)
             self._push(expires, (tenant, key))
             return Claim(ClaimOutcome.OWNED, fence=fence, attempts=attempts)
         same = record.fingerprint == fingerprint or record.fingerprint in matching
         if same and record.response is not None:
-            # A replay only reads the record (PostgreSQL: no write at all), so it is not counted.
+            # A replay is not an attempt; its count is inspect's (PostgreSQL writes it in batches, not per replay).
+            record.replays += 1
+            record.last_replayed_at = now
             response = self._opened(tenant, key, record.response)
             return Claim(ClaimOutcome.COMPLETED, response=response, attempts=record.attempts)
         record.attempts += 1
@@ -151,6 +164,9 @@ class MemoryStore:
             lease_expires_at=record.lease_expires_at,
             response=None if record.response is None else self._opened(tenant, key, record.response),
             sealed_with=record.response.key_id if isinstance(record.response, SealedResponse) else None,
+            request=record.request,
+            replays=record.replays,
+            last_replayed_at=record.last_replayed_at,
         )
 
     def _opened(self, tenant: str, key: str, response: StoredResponse | SealedResponse) -> StoredResponse:

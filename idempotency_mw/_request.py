@@ -154,7 +154,7 @@ class IdempotentRequest:
         self.headers = RequestHeaders(scope["headers"], header)
         self.body = BufferedBody(receive, policy.max_request_bytes)
         self.report = Report(middleware.on_event, scope, route.template)
-        self.ask = Ask()  # its key, its tenant, its fingerprint: as they are read
+        self.ask = Ask(line=f"{scope['method']} {route.template}")  # its key, tenant and fingerprint: as they are read
         self.refusal: problems.Refusal | None = None  # a bad key, answered once the tenant is known
         self.owned: OwnedClaim | None = None  # the claim, once it is this request's
         self.ran: PlainRun | TransactionalRun | None = None  # the handler's run, once there is one

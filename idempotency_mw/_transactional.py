@@ -109,13 +109,23 @@ class TransactionalRun:
             self._settled.set()
 
     async def claim(
-        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+        self,
+        tenant: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        matching: tuple[bytes, ...] = (),
+        request: str | None = None,
     ) -> Claim:
         """Take this request's connection and claim the key on it. A claim that is not ours gives the connection
         back at once: the middleware answers without a transaction."""
         transaction = self.transaction or await self._lend()
         try:
-            claim = await transaction.claim(tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching)
+            claim = await transaction.claim(
+                tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching, request=request
+            )
         except BaseException:
             await self.close()
             raise

@@ -236,7 +236,15 @@ class SQLAlchemyTransaction:
         self.settlement = Settlement(records)
 
     async def claim(
-        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+        self,
+        tenant: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        matching: tuple[bytes, ...] = (),
+        request: str | None = None,
     ) -> Claim:
         """The claim, on this connection's driver connection, before the transaction begins (SQLAlchemy's adapter
         has begun nothing yet: its BEGIN goes with the first statement)."""
@@ -250,7 +258,9 @@ class SQLAlchemyTransaction:
 
         try:
             fingerprints = (fingerprint, *matching)
-            return await self._records.claim(run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=False)
+            return await self._records.claim(
+                run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=False, request=request
+            )
         except StoreUnavailable as error:
             if not isinstance(error, StoreNotMigrated):
                 self.lost = True

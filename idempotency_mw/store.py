@@ -90,6 +90,9 @@ class RecordInfo:
     lease_expires_at: float | None
     response: StoredResponse | None
     sealed_with: str | None = None  # the id of the key its response is sealed under; None when stored plain
+    request: str | None = None  # the request's method and route template; None for a record written before 0003
+    replays: int = 0  # replays of its response written so far (counted in batches: the last seconds' may be missing)
+    last_replayed_at: float | None = None  # within the batch interval (PostgresStore: 5 s) of the last replay
 
 
 @dataclass(frozen=True)
@@ -98,8 +101,10 @@ class RecordLine:
     is stored plain (a sealed one shows ``sealed_with``)."""
 
     key: str
+    request: str | None
     state: str
     attempts: int
+    replays: int
     created_at: float
     expires_at: float
     status: int | None
@@ -216,7 +221,15 @@ class Subscription(Protocol):
 @runtime_checkable
 class Store(Protocol):
     async def claim(
-        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+        self,
+        tenant: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        matching: tuple[bytes, ...] = (),
+        request: str | None = None,
     ) -> Claim:
         """Insert an ``in_progress`` record or report the existing one, atomically, in one round trip.
         ``fingerprint`` is what a new record holds; a record holding it or any of ``matching`` (the request's
@@ -256,7 +269,15 @@ class Transaction(Protocol):
     and the record completes in it."""
 
     async def claim(
-        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+        self,
+        tenant: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        matching: tuple[bytes, ...] = (),
+        request: str | None = None,
     ) -> Claim:
         """:meth:`Store.claim`, on this connection, before the transaction begins."""
 

@@ -116,7 +116,7 @@ async def completed(store: PostgresStore, tenant: str, key: str, body: bytes, *,
 
 
 def test_migrate_creates_the_schema_then_is_up_to_date(capsys: pytest.CaptureFixture[str], empty_db: Database) -> None:
-    applied = "applied 0001_initial.sql\napplied 0002_responses.sql\n"
+    applied = "applied 0001_initial.sql\napplied 0002_responses.sql\napplied 0003_request_line.sql\n"
     assert cli(capsys, *empty_db.options, "migrate") == (0, applied, "")
     assert cli(capsys, *empty_db.options, "migrate") == (0, "up to date\n", "")
     tables = sql(
@@ -161,7 +161,7 @@ def test_migrate_check_exits_4_and_names_what_is_pending(
     capsys: pytest.CaptureFixture[str], empty_db: Database
 ) -> None:
     """A CI gate or an init container asks without changing anything: the schema is not even created."""
-    pending = "pending: 0001_initial.sql, 0002_responses.sql\n"
+    pending = "pending: 0001_initial.sql, 0002_responses.sql, 0003_request_line.sql\n"
     assert cli(capsys, *empty_db.options, "migrate", "--check") == (4, pending, "")
     assert sql(empty_db.url, "SELECT to_regnamespace($1) IS NULL", empty_db.schema, fetch=True) == "True"
     cli(capsys, *empty_db.options, "migrate")
@@ -193,14 +193,17 @@ def test_tables_another_tool_created_are_stamped_not_recreated(
     nothing more. It names --stamp, which records the migrations without running them."""
     code, _, err = cli(capsys, *empty_db.options, "migrate", "--stamp")
     assert code == 3
-    assert "has no idempotency tables to record: run migrate instead" in err
+    assert "has no idempotency tables of this version to record (none, or older ones): run migrate instead" in err
     by_hand = [s for s in migration_statements(empty_db.schema) if "idempotency_schema_migrations" not in s]
     sql(empty_db.url, ";\n".join(by_hand))
     code, _, err = cli(capsys, *empty_db.options, "migrate")
     assert code == 3
     assert "already exists: the tables exist, but schema" in err
     assert f"record them with `idempotency-mw --schema {empty_db.schema} migrate --stamp`" in err
-    stamped = "recorded 0001_initial.sql as applied\nrecorded 0002_responses.sql as applied\n"
+    stamped = (
+        "recorded 0001_initial.sql as applied\nrecorded 0002_responses.sql as applied\n"
+        "recorded 0003_request_line.sql as applied\n"
+    )
     assert cli(capsys, *empty_db.options, "migrate", "--stamp") == (0, stamped, "")
     assert cli(capsys, *empty_db.options, "migrate") == (0, "up to date\n", "")
 
@@ -248,9 +251,11 @@ def test_inspect_shows_a_completed_record(capsys: pytest.CaptureFixture[str], db
     assert out.splitlines() == [
         f"tenant       {TENANT}",
         "key          order-1",
+        "request      -",  # claimed by the store itself, not through the middleware
         "state        completed",
         f"fence        {info.fence}",
         "attempts     2",
+        f"replays      1 (last {iso(info.last_replayed_at or 0)})",  # completed() replays once
         f"created      {iso(info.created_at)}",
         f"expires      {iso(info.expires_at)}",
         "lease until  -",
@@ -262,6 +267,33 @@ def test_inspect_shows_a_completed_record(capsys: pytest.CaptureFixture[str], db
         "body size    28 bytes",
         'body (text)  {"id": "ch_1",\\n"amount": 10}',
     ]
+
+
+def test_inspect_shows_the_request_and_its_replays(
+    capsys: pytest.CaptureFixture[str], db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "Was the second charge a replay?" from the record: its method and route, and how often it was replayed
+    (written in batches, so a replay still writes nothing itself)."""
+
+    async def serve() -> None:
+        async with PostgresStore(db.url, min_size=1, max_size=2, schema=db.schema) as store:
+            client = client_for(build_app(store, Probe()), token="sk_test_dora")
+            for _ in range(3):
+                await client.post("/charge", content=b'{"amount": 10}', headers={"Idempotency-Key": "pay-r"})
+            await store.count_replays()  # what the store does every few seconds, and as it closes
+
+    asyncio.run(serve())
+    monkeypatch.setenv("CLIENT_AUTHORIZATION", "Bearer sk_test_dora")
+    code, out, _ = cli(capsys, *db.options, "inspect", "--authorization-from", "CLIENT_AUTHORIZATION", "pay-r")
+    assert code == 0
+    lines = dict(line.split(None, 1) for line in out.splitlines() if line[:1] != " ")
+    assert lines["request"] == "POST /charge"
+    assert lines["replays"].startswith("2 (last 20")
+    code, out, _ = cli(
+        capsys, *db.options, "inspect", "--authorization-from", "CLIENT_AUTHORIZATION", "pay-r", "--json"
+    )
+    shown = json.loads(out)
+    assert (shown["request"], shown["replays"], shown["attempts"]) == ("POST /charge", 2, 0)
 
 
 def test_inspect_json(capsys: pytest.CaptureFixture[str], db: Database) -> None:
@@ -440,8 +472,9 @@ def test_list_finds_a_customer_by_the_tag_in_a_log_line(
     assert code == 0
     head, columns, first, second = out.splitlines()
     assert head.startswith(f"tenant {tenant_of('sk_live_alice')}: 2 records first claimed between ")
-    assert columns.split() == ["created", "key", "key", "hash", "state", "status", "attempts"]
-    assert first.split()[1:] == ["pay-2", hashlib.sha256(b"pay-2").hexdigest()[:12], "completed", "201", "0"]
+    assert columns.split() == ["created", "key", "key", "hash", "request", "state", "status", "attempts", "replays"]
+    pay_2 = hashlib.sha256(b"pay-2").hexdigest()[:12]
+    assert first.split()[1:] == ["pay-2", pay_2, "POST", "/charge", "completed", "201", "0", "0"]
     assert second.split()[1:3] == ["pay-1", key_hash]
 
 

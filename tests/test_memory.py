@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from idempotency_mw import MemoryStore, StoredResponse
+from idempotency_mw.store import ClaimOutcome
 
 FP = b"f" * 32
 
@@ -77,3 +78,16 @@ async def test_keys_released_and_claimed_again_do_not_pile_up_expiries() -> None
     await store.claim("t", "live", FP, lease=5, ttl=86_400)
     assert len(store) == 1
     assert len(store._expiries) <= 2 * len(store) + MemoryStore.SPARE_EXPIRIES
+
+
+async def test_inspect_shows_the_request_and_counts_replays_at_once() -> None:
+    """MemoryStore counts each replay as it happens (PostgresStore writes them in batches)."""
+    store = MemoryStore()
+    claim = await store.claim("t", "k", b"f" * 32, lease=30, ttl=60, request="POST /v1/charges")
+    assert await store.complete("t", "k", claim.fence, StoredResponse(201, [], b"{}", 2))
+    for _ in range(2):
+        assert (await store.claim("t", "k", b"f" * 32, lease=30, ttl=60)).outcome is ClaimOutcome.COMPLETED
+    record = await store.inspect("t", "k")
+    assert record is not None
+    assert (record.request, record.replays, record.attempts) == ("POST /v1/charges", 2, 0)
+    assert record.last_replayed_at is not None

@@ -243,9 +243,17 @@ class SettlesAfterTheFirstClaim(PostgresStore):
         self.before_answer: Callable[[], Awaitable[None]] | None = None
 
     async def claim(
-        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+        self,
+        tenant: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        matching: tuple[bytes, ...] = (),
+        request: str | None = None,
     ) -> Claim:
-        claim = await super().claim(tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching)
+        claim = await super().claim(tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching, request=request)
         hook, self.before_answer = self.before_answer, None
         if hook is not None and claim.outcome is ClaimOutcome.IN_PROGRESS:
             await hook()

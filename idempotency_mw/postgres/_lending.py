@@ -236,11 +236,21 @@ class PostgresTransaction:
         self._transaction: asyncpg.transaction.Transaction | None = None
 
     async def claim(
-        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+        self,
+        tenant: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        matching: tuple[bytes, ...] = (),
+        request: str | None = None,
     ) -> Claim:
         fingerprints = (fingerprint, *matching)
         try:
-            return await self._records.claim(self._run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=False)
+            return await self._records.claim(
+                self._run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=False, request=request
+            )
         except StoreNotMigrated:
             raise
         except StoreUnavailable:

@@ -98,6 +98,33 @@ async def run_unprepared(
     return await connection.fetchrow(sql, *args, timeout=deadline)
 
 
+class Replays:
+    """The replays of a store's records since they were last written: a replay writes nothing, and the counts go to
+    the table in one statement now and then (``count_replays``, which also sets the time of the last replay, to
+    within that interval), so ``inspect`` can say how often, and about when last, a response was replayed. A crash
+    loses the counts not yet written."""
+
+    def __init__(self) -> None:
+        self._counted: dict[tuple[str, str], int] = {}
+
+    def count(self, tenant: str, key: str) -> None:
+        counted = self._counted
+        counted[tenant, key] = counted.get((tenant, key), 0) + 1
+
+    def __bool__(self) -> bool:
+        return bool(self._counted)
+
+    def take(self) -> tuple[list[str], list[str], list[int]]:
+        """The counts so far, as the three arrays of ``count_replays``; counting starts again from nothing."""
+        taken, self._counted = self._counted, {}
+        return [tenant for tenant, _ in taken], [key for _, key in taken], list(taken.values())
+
+    def give_back(self, taken: tuple[list[str], list[str], list[int]]) -> None:
+        """Counts whose batch failed: counted again, with whatever came since."""
+        for tenant, key, replays in zip(*taken, strict=True):
+            self._counted[tenant, key] = self._counted.get((tenant, key), 0) + replays
+
+
 class Records:
     """The records of one store: its statements, its cipher, and its claims until they settle."""
 
@@ -108,11 +135,21 @@ class Records:
         self.sql = queries(schema)
         self.waiters = Waiters()  # requests waiting for a claim of another's to settle (on_conflict="wait")
         self.closing = False  # the store is closing: no new claims
+        self.replays = Replays()  # counted here, written in batches (count_replays)
         self._unsettled: set[tuple[str, str, int]] = set()
         self._all_settled: asyncio.Event | None = None  # set when the last one settles while the store closes
 
     async def claim(
-        self, run: Run, tenant: str, key: str, fingerprints: tuple[bytes, ...], *, lease: float, ttl: float, flush: bool
+        self,
+        run: Run,
+        tenant: str,
+        key: str,
+        fingerprints: tuple[bytes, ...],
+        *,
+        lease: float,
+        ttl: float,
+        flush: bool,
+        request: str | None = None,
     ) -> Claim:
         """The claim of ``(tenant, key)`` by ``run`` (``sql/queries.sql``: ``claim``, then ``claim_or_take_over``
         when it answers nothing, then ``claim_locked`` after a race). Without ``flush`` (a transactional request's)
@@ -121,7 +158,8 @@ class Records:
         if self.closing:
             raise StoreUnavailable("the idempotency store is closing: it takes no new claims")
         # max: a record never expires under a live lease (sql/queries.sql, renew)
-        args = (tenant, key, fingerprints, float(lease), float(max(ttl, lease)), new_fence(), None if flush else "off")
+        lease, ttl, synchronous_commit = float(lease), float(max(ttl, lease)), None if flush else "off"
+        args = (tenant, key, fingerprints, lease, ttl, new_fence(), synchronous_commit, request)
         row = await run("claim", args)  # a fresh key, a replay, a 409 or a 422
         if row is None:  # an expired record or a lapsed lease to take over, or a race
             row = await run("claim_or_take_over", args)
@@ -131,6 +169,8 @@ class Records:
         claim = claim_from_row(row, tenant, key, self.cipher)
         if claim.outcome is ClaimOutcome.OWNED:
             self._unsettled.add((tenant, key, claim.fence))
+        elif claim.outcome is ClaimOutcome.COMPLETED:
+            self.replays.count(tenant, key)
         return claim
 
     def completion(self, tenant: str, key: str, fence: int, response: StoredResponse) -> tuple[Any, ...]:
@@ -234,6 +274,9 @@ def record_from_row(row: asyncpg.Record, cipher: ResponseCipher | None = None) -
         lease_expires_at=row["lease_expires_at"],
         response=response,
         sealed_with=row["sealed_with"],
+        request=row["request"],
+        replays=row["replays"],
+        last_replayed_at=row["last_replayed_at"],
     )
 
 

@@ -158,7 +158,10 @@ async def stamp(connection: asyncpg.Connection, schema: str) -> list[str]:
     async with connection.transaction():
         await connection.execute(sql["lock"])
         if not await connection.fetchval(queries(schema)["migrated"]):
-            raise ValueError(f'schema "{schema}" has no idempotency tables to record: run migrate instead')
+            raise ValueError(
+                f'schema "{schema}" has no idempotency tables of this version to record (none, or older ones): '
+                "run migrate instead"
+            )
         await connection.execute(sql["create_table"])
         for version, name, _ in migrations(schema):
             if not await connection.fetchval(sql["is_applied"], version):

@@ -8,6 +8,7 @@ a hung request. Where the connections come from, the store's own pool or the app
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -29,12 +30,15 @@ from idempotency_mw.store import (
     ResealedBatch,
     StoredResponse,
     StoreNotMigrated,
+    StoreUnavailable,
     Subscription,
     Transaction,
 )
 
 if TYPE_CHECKING:
     from idempotency_mw.encryption import ResponseCipher
+
+REPLAYS_EVERY = 5.0  # seconds between the batches that write the replays counted in memory (count_replays)
 
 
 class PostgresStore:
@@ -80,6 +84,7 @@ class PostgresStore:
         self.schema = check_schema(environment.text(environment.SCHEMA, schema, "public"))
         self._records = Records(self.schema, timeout=timeout, cipher=cipher)
         self._bindable = dsn_or_pool is None
+        self._counting: asyncio.Task[None] | None = None  # writes the replays counted in memory, once opened
         if isinstance(dsn_or_pool, str):
             url = postgres_url(dsn_or_pool)
             sql = self._records.sql
@@ -151,6 +156,8 @@ class PostgresStore:
         row = await self._connector.run("migrated", ())
         if row is None or not row[0]:
             raise StoreNotMigrated(self.schema)
+        if self._counting is None or self._counting.done():
+            self._counting = asyncio.create_task(self._count_replays_every(REPLAYS_EVERY), name="idempotency replays")
 
     async def close(self, *, grace: float | None = None) -> None:
         """Refuse new claims, give the claims still being settled up to ``grace`` seconds (default: ``timeout``) to
@@ -166,7 +173,34 @@ class PostgresStore:
         self._records.closing = True
         await self._listener.stop(self.timeout)
         await self._records.all_settled(self.timeout if grace is None else grace)
+        if self._counting is not None:
+            self._counting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._counting
+            self._counting = None
+        with contextlib.suppress(StoreUnavailable):  # a database gone at shutdown: those counts are lost
+            await self.count_replays()
         await self._connector.close()
+
+    async def count_replays(self) -> None:
+        """Write the replays counted since the last time (one statement; the store does it every
+        ``REPLAYS_EVERY`` seconds once opened, and as it closes). Counts whose statement fails are kept for the
+        next time."""
+        replays = self._records.replays
+        if not replays:
+            return
+        taken = replays.take()
+        try:
+            await self._connector.run("count_replays", taken, status=True)
+        except BaseException:
+            replays.give_back(taken)
+            raise
+
+    async def _count_replays_every(self, seconds: float) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            with contextlib.suppress(StoreUnavailable):  # an outage: counted again next time
+                await self.count_replays()
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -189,10 +223,20 @@ class PostgresStore:
     # -- the Store protocol: the request path ----------------------------------------------------------------
 
     async def claim(
-        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+        self,
+        tenant: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        matching: tuple[bytes, ...] = (),
+        request: str | None = None,
     ) -> Claim:
         run, fingerprints = self._connector.run, (fingerprint, *matching)
-        return await self._records.claim(run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=True)
+        return await self._records.claim(
+            run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=True, request=request
+        )
 
     async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
         status = await self._connector.run("renew", (tenant, key, fence, float(lease)), urgent=True, status=True)

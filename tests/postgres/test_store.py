@@ -351,6 +351,82 @@ async def test_a_replay_writes_nothing(migrated_url: str) -> None:
         assert statements["claim_locked"] == 0
 
 
+async def test_replays_are_counted_in_batches_for_inspect(migrated_url: str) -> None:
+    """A replay still writes nothing; the count reaches the record in one statement for many replays, with the
+    time of the last one, and a batch that fails is counted again the next time."""
+    async with PostgresStore(migrated_url, min_size=1, max_size=2) as store:
+        claim = await store.claim("t", "counted", FINGERPRINT, lease=30, ttl=60, request="POST /v1/charges")
+        assert await store.complete("t", "counted", claim.fence, RESPONSE)
+        before = await row_version(migrated_url, "t", "counted")
+        for _ in range(3):
+            await store.claim("t", "counted", FINGERPRINT, lease=30, ttl=60, request="POST /v1/charges")
+        assert await row_version(migrated_url, "t", "counted") == before  # no write per replay
+        await store.count_replays()
+        record = await store.inspect("t", "counted")
+        assert record is not None
+        assert (record.request, record.replays, record.attempts) == ("POST /v1/charges", 3, 0)
+        assert record.last_replayed_at is not None
+        assert abs(record.last_replayed_at - time.time()) < 60
+        await store.claim("t", "counted", FINGERPRINT, lease=30, ttl=60)
+    # close() wrote the last replay; a batch that cannot be written is kept for the next one.
+    async with PostgresStore(migrated_url, min_size=1, max_size=2) as store:
+        record = await store.inspect("t", "counted")
+        assert record is not None
+        assert record.replays == 4
+        await store.claim("t", "counted", FINGERPRINT, lease=30, ttl=60)
+        run = store._connector.run
+
+        async def outage(name: str, args: tuple[Any, ...], **options: bool) -> Any:
+            raise StoreUnavailable("the database went away")
+
+        store._connector.run = outage  # type: ignore[method-assign]
+        with pytest.raises(StoreUnavailable):
+            await store.count_replays()
+        store._connector.run = run  # type: ignore[method-assign]
+        await store.claim("t", "counted", FINGERPRINT, lease=30, ttl=60)
+        await store.count_replays()
+        record = await store.inspect("t", "counted")
+        assert record is not None
+        assert record.replays == 6  # the batch that failed, and the replay after it
+
+
+async def test_the_store_writes_its_replay_counts_on_its_own(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("idempotency_mw.postgres._store.REPLAYS_EVERY", 0.05)
+    async with PostgresStore(migrated_url, min_size=1, max_size=2) as store:
+        claim = await store.claim("t", "timer", FINGERPRINT, lease=30, ttl=60)
+        assert await store.complete("t", "timer", claim.fence, RESPONSE)
+        await store.claim("t", "timer", FINGERPRINT, lease=30, ttl=60)
+        for _ in range(100):
+            record = await store.inspect("t", "timer")
+            if record is not None and record.replays:
+                break
+            await asyncio.sleep(0.02)
+        assert record is not None
+        assert record.replays == 1
+
+
+async def test_a_record_that_starts_afresh_forgets_its_request_and_replays(migrated_url: str) -> None:
+    async with PostgresStore(migrated_url, min_size=1, max_size=2) as store:
+        claim = await store.claim("t", "afresh", FINGERPRINT, lease=30, ttl=60, request="POST /v1/old")
+        assert await store.complete("t", "afresh", claim.fence, RESPONSE)
+        await store.claim("t", "afresh", FINGERPRINT, lease=30, ttl=60)
+        await store.count_replays()
+        connection = await asyncpg.connect(migrated_url)
+        try:
+            await connection.execute(
+                "UPDATE idempotency_records SET expires_at = now() - interval '1 second' WHERE key = 'afresh'"
+            )
+        finally:
+            await connection.close()
+        fresh = await store.claim("t", "afresh", b"other" * 4, lease=30, ttl=60, request="PATCH /v1/new")
+        assert fresh.outcome is ClaimOutcome.OWNED
+        record = await store.inspect("t", "afresh")
+        assert record is not None
+        assert (record.request, record.replays, record.last_replayed_at) == ("PATCH /v1/new", 0, None)
+
+
 async def wait_for_lock_wait(connection: asyncpg.Connection) -> None:
     """Until a session of this database waits for another's transaction (a row it must wait for)."""
     for _ in range(100):

@@ -155,9 +155,17 @@ class ClaimLandsThenStallsStore(PostgresStore):
         self.reply = asyncio.Event()
 
     async def claim(
-        self, tenant: str, key: str, fingerprint: bytes, *, lease: float, ttl: float, matching: tuple[bytes, ...] = ()
+        self,
+        tenant: str,
+        key: str,
+        fingerprint: bytes,
+        *,
+        lease: float,
+        ttl: float,
+        matching: tuple[bytes, ...] = (),
+        request: str | None = None,
     ) -> Claim:
-        claim = await super().claim(tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching)
+        claim = await super().claim(tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching, request=request)
         self.landed.set()
         await self.reply.wait()  # the reply is still on its way when the request is cancelled
         return claim

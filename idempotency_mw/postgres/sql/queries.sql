@@ -29,13 +29,13 @@
 -- bare SHA-256 (unkeyed, written before fingerprints were keyed), which the store compares with the request's own:
 -- only a digest already stored in the table is ever sent back to it.
 -- $1 tenant, $2 key, $3 fingerprints, $4 lease seconds, $5 ttl seconds (at least $4, see renew), $6 fence,
--- $7 synchronous_commit
+-- $7 synchronous_commit, $8 the request (method and route template, for inspect)
 WITH commit_setting AS MATERIALIZED (
     SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
 ), inserted AS (
     INSERT INTO {schema}.idempotency_records AS r
-        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at)
-    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
+        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at, request)
+    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5), $8
     FROM commit_setting
     ON CONFLICT (tenant, key) DO NOTHING
     RETURNING r.fence, r.attempts
@@ -79,13 +79,13 @@ WHERE e.completed AND e.fingerprint = ANY ($3) AND NOT e.expired;
 -- is not in the snapshot, so that case returns no row either.
 -- Every condition that a concurrent write can change is written on the row being updated (r), which the UPDATE
 -- re-reads after waiting for such a write; e is the snapshot's record and response.
--- $1 to $7 as for claim
+-- $1 to $8 as for claim
 WITH commit_setting AS MATERIALIZED (
     SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
 ), inserted AS (
     INSERT INTO {schema}.idempotency_records AS r
-        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at)
-    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
+        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at, request)
+    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5), $8
     FROM commit_setting
     ON CONFLICT (tenant, key) DO NOTHING
     RETURNING r.fence, r.fingerprint, r.attempts
@@ -108,7 +108,10 @@ WITH commit_setting AS MATERIALIZED (
         expires_at       = CASE WHEN r.expires_at <= now() THEN now() + make_interval(secs => $5)
                                 WHEN NOT e.completed AND r.lease_expires_at <= now() AND r.fingerprint = ANY ($3) THEN GREATEST(r.expires_at, now() + make_interval(secs => $4))
                                 ELSE r.expires_at END,
-        attempts         = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.attempts + 1 END
+        attempts         = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.attempts + 1 END,
+        request          = CASE WHEN r.expires_at <= now() THEN $8 ELSE r.request END,
+        replays          = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.replays END,
+        last_replayed_at = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.last_replayed_at END
     FROM existing AS e
     WHERE r.tenant = $1 AND r.key = $2
       AND NOT (e.completed AND r.fingerprint = ANY ($3) AND r.expires_at > now())
@@ -171,8 +174,8 @@ WITH commit_setting AS MATERIALIZED (
     WHERE s.tenant = $1 AND s.key = $2
 ), claimed AS (
     INSERT INTO {schema}.idempotency_records AS r
-        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at)
-    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5)
+        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at, request)
+    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5), $8
     FROM commit_setting
     ON CONFLICT (tenant, key) DO UPDATE SET
         fingerprint      = CASE WHEN r.expires_at <= now() THEN excluded.fingerprint ELSE r.fingerprint END,
@@ -184,7 +187,10 @@ WITH commit_setting AS MATERIALIZED (
                                 ELSE r.expires_at END,
         attempts         = CASE WHEN r.expires_at <= now() THEN 0
                                 WHEN EXISTS (SELECT FROM response) AND r.fingerprint = ANY ($3) THEN r.attempts
-                                ELSE r.attempts + 1 END
+                                ELSE r.attempts + 1 END,
+        request          = CASE WHEN r.expires_at <= now() THEN excluded.request ELSE r.request END,
+        replays          = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.replays END,
+        last_replayed_at = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.last_replayed_at END
     RETURNING r.fence, r.fingerprint, r.attempts
 )
 SELECT
@@ -301,10 +307,21 @@ SELECT r.tenant, r.key, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'complet
        extract(epoch FROM r.created_at)::float8 AS created_at,
        extract(epoch FROM r.expires_at)::float8 AS expires_at,
        CASE WHEN s.key IS NULL THEN extract(epoch FROM r.lease_expires_at)::float8 END AS lease_expires_at,
-       s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
+       s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with,
+       r.request, r.replays, extract(epoch FROM r.last_replayed_at)::float8 AS last_replayed_at
 FROM {schema}.idempotency_records AS r
 LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
 WHERE r.tenant = $1 AND r.key = $2;
+
+-- name: count_replays
+-- The replays counted in memory since the last batch (_records.py, Replays), written in one statement: a replay
+-- itself writes nothing. The last replay's time is this batch's, within the store's interval (REPLAYS_EVERY) of it.
+-- Only a record still live gets them (one that expired and started afresh does not).
+-- $1 tenants, $2 keys, $3 counts, one element per record
+UPDATE {schema}.idempotency_records AS r
+SET replays = r.replays + c.replays, last_replayed_at = now()
+FROM unnest($1::text[], $2::text[], $3::int[]) AS c (tenant, key, replays)
+WHERE r.tenant = c.tenant AND r.key = c.key AND r.expires_at > now();
 
 -- name: tenants_between
 -- The tenants with records first claimed in a window, for finding one by the tag the logs show (idempotency-mw
@@ -317,7 +334,8 @@ WHERE created_at >= to_timestamp($1) AND created_at < to_timestamp($2);
 -- One tenant's records first claimed in a window, oldest first, without their bodies (idempotency-mw list); the
 -- primary key leads with the tenant, so this reads that tenant's records only.
 -- $1 tenant, $2 since, $3 until (epoch seconds), $4 at most this many
-SELECT r.key, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'completed' END AS state, r.attempts,
+SELECT r.key, r.request, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'completed' END AS state, r.attempts,
+       r.replays,
        extract(epoch FROM r.created_at)::float8 AS created_at,
        extract(epoch FROM r.expires_at)::float8 AS expires_at,
        s.status, s.sealed_with, s.body_size
@@ -392,7 +410,11 @@ LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key =
 -- name: migrated
 -- open() runs this once: a database that was never migrated (or a store pointed at the wrong schema) fails at
 -- startup with the command that fixes it, instead of at every request.
-SELECT to_regclass('{schema}.idempotency_responses') IS NOT NULL;
+-- The newest migration's column is the sign: a schema an older version migrated is refused until migrate runs.
+SELECT to_regclass('{schema}.idempotency_responses') IS NOT NULL AND EXISTS (
+    SELECT FROM pg_attribute
+    WHERE attrelid = to_regclass('{schema}.idempotency_records') AND attname = 'replays' AND NOT attisdropped
+);
 
 -- name: database_identity
 -- SQLAlchemyStore.open() compares this on the store's connection and on the app's engine: the handlers'
