@@ -4,16 +4,19 @@ A request first seen by the previous package and retried after the switch must f
 its response if it completed, or that it is still running. ``IdempotencyMiddleware(..., earlier=lookup)`` asks
 ``lookup`` on every fresh claim, for as long as the previous package's records live (its retention), and answers
 from what it finds, as from a record of its own. ``fastapi_idempotency(pool)`` reads the PostgreSQL table of
-``fastapi-idempotency`` (its Tortoise store). docs/migrating.md has the cutover, package by package.
+``fastapi-idempotency`` (its Tortoise store), ``asgi_idempotency_header(redis)`` the responses asgi-idempotency-header
+keeps in Redis. docs/migrating.md has the cutover, package by package.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import asyncpg
 import orjson
@@ -21,7 +24,7 @@ from starlette.types import Scope
 
 from idempotency_mw.store import StoredResponse
 
-__all__ = ["Earlier", "EarlierLookup", "fastapi_idempotency"]
+__all__ = ["Earlier", "EarlierLookup", "RedisLike", "asgi_idempotency_header", "fastapi_idempotency"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +92,45 @@ def fastapi_idempotency(
                 len(stored),
             )
         )
+
+    return lookup
+
+
+class RedisLike(Protocol):
+    """What the lookup asks of a Redis client (``redis.asyncio.Redis``, the one the old app used)."""
+
+    def get(self, name: str) -> Awaitable[bytes | str | None]: ...
+
+
+def asgi_idempotency_header(
+    redis: RedisLike, *, header: str = "Idempotency-Key", response_key: str = "idempotency-key-responses"
+) -> EarlierLookup:
+    """The responses asgi-idempotency-header 0.2's Redis store completed, for a cutover after a drain (stop its
+    instances first: what ran under it has then completed, or failed and left nothing).
+
+    That package keeps a completed response as its JSON value and status, under the key alone: it has no tenant and
+    no fingerprint, so what it would have replayed to any client that sent the key is what this lookup answers
+    (the JSON rendered as its replay rendered it), once, before this middleware keeps it under the client's tenant.
+    Its set of pending keys is not read: after the drain, a key there without a response failed (that package never
+    removes one whose request raised), and runs here. ``header`` and ``response_key`` as given to that package."""
+    wanted = header.lower().encode("latin-1")
+
+    async def lookup(asgi_scope: Scope, body: bytes, key: str) -> Earlier | None:
+        sent = [value for name, value in asgi_scope["headers"] if name == wanted]
+        if len(sent) != 1:
+            return None
+        stored_as = response_key + sent[0].decode("latin-1")
+        payload = await redis.get(stored_as)
+        if not payload:
+            return None
+        status = await redis.get(stored_as + "status-code")
+        if status is None:
+            return None  # expired between the two reads
+        rendered = json.dumps(
+            json.loads(payload), ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+        ).encode()  # as its replay, a Starlette JSONResponse, rendered it
+        headers = [(b"content-type", b"application/json")]
+        return Earlier(response=StoredResponse(int(status), headers, rendered, len(rendered)))
 
     return lookup
 

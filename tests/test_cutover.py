@@ -1,6 +1,8 @@
-"""Switching from fastapi-idempotency (docs/migrating.md): the real package, on its Tortoise store in PostgreSQL,
-serves first; then this middleware takes over the same database with ``earlier=fastapi_idempotency(pool)``. No key
-that the old package completed, or was still running, runs again."""
+"""Switching from another package (docs/migrating.md), with the real package serving first: fastapi-idempotency on
+its Tortoise store in PostgreSQL, then this middleware on the same database with
+``earlier=fastapi_idempotency(pool)``; asgi-idempotency-header on Redis, drained, then this middleware with
+``earlier=asgi_idempotency_header(redis)``. No key that the old package completed, or was still running, runs
+again."""
 
 from __future__ import annotations
 
@@ -14,16 +16,19 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
+import fakeredis
 import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi_idempotency import IdempotencyMiddleware as OldMiddleware
 from fastapi_idempotency.stores.tortoise import TortoiseStore
+from idempotency_header_middleware import IdempotencyHeaderMiddleware
+from idempotency_header_middleware.backends import RedisBackend
 from starlette.types import Scope
 from tortoise import Tortoise
 
 from idempotency_mw import IdempotencyMiddleware, PostgresStore
-from idempotency_mw.cutover import fastapi_idempotency
+from idempotency_mw.cutover import asgi_idempotency_header, fastapi_idempotency
 from idempotency_mw.testing import run_lifespan
 from tests.conftest import opened, tenant_of
 from tests.test_docs import recipe
@@ -69,6 +74,7 @@ class Charges:
         self.pool = pool
         self.hold = asyncio.Event()
         self.holding = asyncio.Event()  # a slow charge is running (its row written)
+        self.fail = True  # a charge of a "boom" amount raises (until a test says otherwise)
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -80,7 +86,10 @@ class Charges:
             if key.startswith("slow"):
                 self.holding.set()
                 await self.hold.wait()
-            return {"id": f"ch_{uuid.uuid4().hex[:12]}", "amount": (await request.json())["amount"]}
+            amount = (await request.json())["amount"]
+            if amount == "boom" and self.fail:
+                raise RuntimeError("the charge failed")
+            return {"id": f"ch_{uuid.uuid4().hex[:12]}", "amount": amount}
 
         return app
 
@@ -162,3 +171,32 @@ async def test_the_documented_switch_builds_and_serves(
             again = await http.post("/v1/charges", json={}, headers={"Idempotency-Key": "switch-1"})
     assert first.status_code == 201
     assert (again.content, again.headers["idempotent-replayed"]) == (first.content, "true")
+
+
+async def test_no_key_asgi_idempotency_header_completed_runs_again_after_a_drain(
+    database: tuple[str, asyncpg.Pool],
+) -> None:
+    url, pool = database
+    redis = fakeredis.FakeAsyncRedis()
+    charges = Charges(pool)
+    old_app = charges.app()
+    old_app.add_middleware(IdempotencyHeaderMiddleware, backend=RedisBackend(redis))  # type: ignore[arg-type]
+    async with client(old_app) as old:
+        done = await old.post("/v1/charges", json={"amount": 500}, headers={"Idempotency-Key": "order-1"})
+        assert done.status_code == 201
+        with pytest.raises(RuntimeError):  # a request that failed under it: its key stays pending there for ever
+            await old.post("/v1/charges", json={"amount": "boom"}, headers={"Idempotency-Key": "order-2"})
+    # The drain is over: nothing runs under the old package any more.
+    async with opened(PostgresStore(url)) as store:
+        new_app = charges.app()
+        new_app.add_middleware(IdempotencyMiddleware, store=store, earlier=asgi_idempotency_header(redis))
+        async with client(new_app) as new:
+            replayed = await new.post("/v1/charges", json={"amount": 500}, headers={"Idempotency-Key": "order-1"})
+            assert (replayed.status_code, replayed.content) == (201, done.content)
+            assert replayed.headers["idempotent-replayed"] == "true"
+            charges.fail = False
+            retried = await new.post("/v1/charges", json={"amount": 700}, headers={"Idempotency-Key": "order-2"})
+            assert retried.status_code == 201  # failed under the old package, never completed: it runs
+            assert "idempotent-replayed" not in retried.headers
+    runs = Counter(row["key"] for row in await pool.fetch("SELECT key FROM cutover_effects"))
+    assert runs == {"order-1": 1, "order-2": 2}  # order-2: the failed run under the old package, and this one
