@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 import uuid
 from pathlib import Path
@@ -14,17 +13,14 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from faults.server import ServerProcess
-from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore
-from idempotency_mw.metrics import PrometheusMetrics, metrics_route
+from idempotency_mw import PostgresStore
+from idempotency_mw.metrics import metrics_route
 from tests.apps import Registry
 from tests.test_cli import Database, db, empty_db  # noqa: F401  (fixtures: a store of our own)
+from tests.test_docs import page_snippets
 
 # -- /metrics at its own path ---------------------------------------------------------------------------------
 
@@ -112,34 +108,33 @@ async def test_one_worker_refreshes_the_gauges_and_another_takes_over(
 # -- every worker's counters in one scrape ----------------------------------------------------------------------
 
 
-async def _pid(request: Request) -> Response:
-    return JSONResponse({"pid": os.getpid()}, status_code=201)
-
-
-def worker_app() -> Starlette:
-    """A worker of a multi-process server (run by ServerProcess below, with PROMETHEUS_MULTIPROC_DIR set)."""
-    app = Starlette(routes=[Route("/pid", _pid, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), on_event=PrometheusMetrics(CollectorRegistry()))
-    app.routes.append(metrics_route())
-    return app
-
-
 @pytest.mark.slow
-async def test_a_scrape_of_any_worker_counts_every_workers_requests(tmp_path: Path) -> None:
-    """Under gunicorn or ``uvicorn --workers``, a scrape reaches one worker: with multiprocess mode and
-    ``metrics_route()``, it counts the requests that every worker served."""
-    env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+async def test_a_scrape_of_any_worker_counts_every_workers_requests(
+    tmp_path: Path, idempotency_database_url: str
+) -> None:
+    """docs/operations.md's multi-worker app, served by two worker processes on one PROMETHEUS_MULTIPROC_DIR (as
+    gunicorn or ``uvicorn --workers`` run it): a scrape reaches one worker, and counts the requests of both."""
+    shared = tmp_path / "multiproc"
+    shared.mkdir()
+    (tmp_path / "metrics_workers.py").write_text(page_snippets()["metrics_workers"])
+    env = {
+        "PROMETHEUS_MULTIPROC_DIR": str(shared),
+        "DATABASE_URL": idempotency_database_url,
+        "PYTHONPATH": str(tmp_path),
+    }
     async with (
-        ServerProcess("tests.test_metrics_workers:worker_app", factory=True, env=env) as first,
-        ServerProcess("tests.test_metrics_workers:worker_app", factory=True, env=env) as second,
+        ServerProcess("metrics_workers:app", env=env) as first,
+        ServerProcess("metrics_workers:app", env=env) as second,
         httpx.AsyncClient(timeout=30, headers={"Authorization": "Bearer sk_test_workers"}) as client,
     ):
-        pids = set()
         for server, requests in ((first, 3), (second, 2)):
             for _ in range(requests):
-                answer = await client.post(server.base_url + "/pid", headers={"Idempotency-Key": uuid.uuid4().hex})
-                pids.add(answer.json()["pid"])
+                answer = await client.post(
+                    server.base_url + "/v1/charges", headers={"Idempotency-Key": uuid.uuid4().hex}
+                )
+                assert answer.status_code == 201
         scrapes = [(await client.get(server.base_url + "/metrics")).text for server in (first, second)]
-    assert len(pids) == 2
     for scrape in scrapes:
-        assert 'idempotency_requests_total{method="POST",outcome="executed",route="/pid"} 5.0' in scrape
+        assert 'idempotency_requests_total{method="POST",outcome="executed",route="/v1/charges"} 5.0' in scrape
+        assert "idempotency_store_up 1.0" in scrape  # refreshed by whichever worker holds the lock
+    assert (shared / "idempotency-refresh.lock").exists()
