@@ -28,6 +28,7 @@ from idempotency_mw.store import (
     ClaimOutcome,
     PlainResponseRefused,
     RecordInfo,
+    ResealedBatch,
     SealedResponse,
     SealedResponseError,
     StoredResponse,
@@ -106,6 +107,7 @@ class Replays:
 
     def __init__(self) -> None:
         self._counted: dict[tuple[str, str], int] = {}
+        self._writing: asyncio.Task[None] | None = None  # writes them every few seconds, while the store is open
 
     def count(self, tenant: str, key: str) -> None:
         counted = self._counted
@@ -123,6 +125,38 @@ class Replays:
         """Counts whose batch failed: counted again, with whatever came since."""
         for tenant, key, replays in zip(*taken, strict=True):
             self._counted[tenant, key] = self._counted.get((tenant, key), 0) + replays
+
+    async def write(self, run: Run) -> None:
+        """The counts so far, in one ``count_replays`` statement; kept for the next time if it fails."""
+        if not self._counted:
+            return
+        taken = self.take()
+        try:
+            await run("count_replays", taken)
+        except BaseException:
+            self.give_back(taken)
+            raise
+
+    def start(self, run: Run, every: float) -> None:
+        """Write the counts every ``every`` seconds from now on (an outage: counted again next time)."""
+        if self._writing is None or self._writing.done():
+            self._writing = asyncio.create_task(self._keep_writing(run, every), name="idempotency replays")
+
+    async def stop(self, run: Run) -> None:
+        """No more writing every few seconds: write what is counted once more (lost if the database is gone)."""
+        if self._writing is not None:
+            self._writing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writing
+            self._writing = None
+        with contextlib.suppress(StoreUnavailable):
+            await self.write(run)
+
+    async def _keep_writing(self, run: Run, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            with contextlib.suppress(StoreUnavailable):
+                await self.write(run)
 
 
 class Records:
@@ -172,6 +206,25 @@ class Records:
         elif claim.outcome is ClaimOutcome.COMPLETED:
             self.replays.count(tenant, key)
         return claim
+
+    async def reseal(
+        self, connection: asyncpg.Connection, batch_size: int, seal_plain: bool, after: tuple[str, str] | None
+    ) -> ResealedBatch:
+        """One batch of ``PostgresStore.reencrypt`` on ``connection``, in one transaction: the rows locked
+        (``reseal_batch``), opened and sealed under the cipher's current key here, and written back (``reseal``)."""
+        cipher, sql, timeout = self.cipher, self.sql, self.timeout
+        assert cipher is not None
+        older = [key_id for key_id in cipher.key_ids if key_id != cipher.current]
+        start, first = after or ("", ""), after is None
+        async with connection.transaction(isolation="read_committed"):
+            rows = await connection.fetch(
+                sql["reseal_batch"], *start, first, older, seal_plain, batch_size, timeout=timeout
+            )
+            resealed, unreadable = reseal_rows(rows, cipher)
+            if resealed[0]:
+                await connection.execute(sql["reseal"], cipher.current, *resealed, timeout=timeout)
+        last = (rows[-1]["tenant"], rows[-1]["key"]) if len(rows) == batch_size else None
+        return ResealedBatch(len(resealed[0]), unreadable, last)
 
     def completion(self, tenant: str, key: str, fence: int, response: StoredResponse) -> tuple[Any, ...]:
         """The arguments of ``complete`` and ``complete_in_transaction``: the response plain, or sealed by the

@@ -8,7 +8,6 @@ a hung request. Where the connections come from, the store's own pool or the app
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -21,7 +20,7 @@ from idempotency_mw.postgres._apppool import AppPool, Unbound
 from idempotency_mw.postgres._connector import Connector, postgres_url
 from idempotency_mw.postgres._listener import SettlementListener
 from idempotency_mw.postgres._pool import OwnPool
-from idempotency_mw.postgres._records import Records, reachable, record_from_row, reseal_rows
+from idempotency_mw.postgres._records import Records, reachable, record_from_row
 from idempotency_mw.postgres._sql import applied_versions, check_schema, migrate, migrations, stamp
 from idempotency_mw.store import (
     Claim,
@@ -30,7 +29,6 @@ from idempotency_mw.store import (
     ResealedBatch,
     StoredResponse,
     StoreNotMigrated,
-    StoreUnavailable,
     Subscription,
     Transaction,
 )
@@ -84,7 +82,6 @@ class PostgresStore:
         self.schema = check_schema(environment.text(environment.SCHEMA, schema, "public"))
         self._records = Records(self.schema, timeout=timeout, cipher=cipher)
         self._bindable = dsn_or_pool is None
-        self._counting: asyncio.Task[None] | None = None  # writes the replays counted in memory, once opened
         if isinstance(dsn_or_pool, str):
             url = postgres_url(dsn_or_pool)
             sql = self._records.sql
@@ -156,8 +153,7 @@ class PostgresStore:
         row = await self._connector.run("migrated", ())
         if row is None or not row[0]:
             raise StoreNotMigrated(self.schema)
-        if self._counting is None or self._counting.done():
-            self._counting = asyncio.create_task(self._count_replays_every(REPLAYS_EVERY), name="idempotency replays")
+        self._records.replays.start(self._connector.run, REPLAYS_EVERY)
 
     async def close(self, *, grace: float | None = None) -> None:
         """Refuse new claims, give the claims still being settled up to ``grace`` seconds (default: ``timeout``) to
@@ -173,34 +169,13 @@ class PostgresStore:
         self._records.closing = True
         await self._listener.stop(self.timeout)
         await self._records.all_settled(self.timeout if grace is None else grace)
-        if self._counting is not None:
-            self._counting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._counting
-            self._counting = None
-        with contextlib.suppress(StoreUnavailable):  # a database gone at shutdown: those counts are lost
-            await self.count_replays()
+        await self._records.replays.stop(self._connector.run)
         await self._connector.close()
 
     async def count_replays(self) -> None:
-        """Write the replays counted since the last time (one statement; the store does it every
-        ``REPLAYS_EVERY`` seconds once opened, and as it closes). Counts whose statement fails are kept for the
-        next time."""
-        replays = self._records.replays
-        if not replays:
-            return
-        taken = replays.take()
-        try:
-            await self._connector.run("count_replays", taken, status=True)
-        except BaseException:
-            replays.give_back(taken)
-            raise
-
-    async def _count_replays_every(self, seconds: float) -> None:
-        while True:
-            await asyncio.sleep(seconds)
-            with contextlib.suppress(StoreUnavailable):  # an outage: counted again next time
-                await self.count_replays()
+        """Write the replays counted since the last time, in one statement (the store does it every
+        ``REPLAYS_EVERY`` seconds once opened, and as it closes); counts whose statement fails are kept."""
+        await self._records.replays.write(self._connector.run)
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -312,9 +287,8 @@ class PostgresStore:
         return int(row[0])
 
     async def ping(self) -> float:
-        """One round trip that asks whether the tables are there: the seconds it took, or :class:`StoreUnavailable`
-        (:class:`StoreNotMigrated` when they are not), within the store's ``timeout``. For a readiness probe: it
-        takes a connection as a claim would, so a full pool or a dead server fails it."""
+        """For a readiness probe: one round trip on a connection taken as a claim takes one, the seconds it took, or
+        :class:`StoreUnavailable` (:class:`StoreNotMigrated`: no tables) within the store's ``timeout``."""
         started = time.perf_counter()
         row = await self._connector.run("migrated", ())
         if row is None or not row[0]:
@@ -335,22 +309,11 @@ class PostgresStore:
         reseal_batch), opened and sealed here, and written back before the locks go; so it is safe beside live
         traffic and other runs, and a batch that fails leaves every response as it was. A response that does not
         open is left as it is and reported."""
-        cipher, sql = self.cipher, self._records.sql
-        if cipher is None:
+        if self.cipher is None:
             raise ValueError("reencrypt needs a PostgresStore with a cipher: PostgresStore(..., cipher=...)")
-        older = [key_id for key_id in cipher.key_ids if key_id != cipher.current]
-        start, first = after or ("", ""), after is None
         async with self._connector.session() as connection:
             with reachable(self.schema):
-                async with connection.transaction(isolation="read_committed"):
-                    rows = await connection.fetch(
-                        sql["reseal_batch"], *start, first, older, seal_plain, batch_size, timeout=self.timeout
-                    )
-                    resealed, unreadable = reseal_rows(rows, cipher)
-                    if resealed[0]:
-                        await connection.execute(sql["reseal"], cipher.current, *resealed, timeout=self.timeout)
-        last = (rows[-1]["tenant"], rows[-1]["key"]) if len(rows) == batch_size else None
-        return ResealedBatch(len(resealed[0]), unreadable, last)
+                return await self._records.reseal(connection, batch_size, seal_plain, after)
 
     async def responses_by_key(self) -> dict[str | None, int]:
         """How many stored responses are sealed under each key id (None: stored plain); one scan of the table."""
