@@ -71,6 +71,9 @@ class Policy:
     # For clients that ignore Retry-After (the official Stripe SDK does): they get their answer on the first retry.
     on_conflict: str = "reject"
     wait: float = 5.0
+    # The keys the route takes, beyond the header's own rules: a regular expression a key must match whole (a UUID, a
+    # minimum length), or a function of the key that says whether it is one. Any other key: 400 idempotency_key_invalid.
+    key_format: str | Callable[[str], bool] | None = None
     # Derived: the statuses whose responses are final, so stored and replayed (below 500, and not released); every
     # other answer releases the key.
     recorded: frozenset[int] = field(init=False, repr=False, compare=False)
@@ -129,7 +132,27 @@ class Policy:
             raise ValueError(
                 f"idempotency tenant must be a resolver (a callable taking the scope), got {self.tenant!r}"
             )
+        if isinstance(self.key_format, str):
+            try:
+                re.compile(self.key_format)
+            except re.error as error:
+                raise ValueError(
+                    f"idempotency key_format is not a regular expression ({error}): {self.key_format!r}"
+                ) from None
+        elif self.key_format is not None and not callable(self.key_format):
+            raise ValueError(
+                f"idempotency key_format must be a regular expression or a function, got {self.key_format!r}"
+            )
         object.__setattr__(self, "recorded", frozenset(range(100, 500)) - self.released_statuses)
+
+    def key_refusal(self, key: str) -> str | None:
+        """Why the route does not take ``key`` (its ``key_format``), or None when it does."""
+        check = self.key_format
+        if check is None:
+            return None
+        if isinstance(check, str):
+            return None if re.fullmatch(check, key) else f"this route's idempotency keys match the pattern '{check}'"
+        return None if check(key) else "the idempotency key is not in the format this route takes"
 
     def records(self, status: int) -> bool:
         """Whether a response with ``status`` is final, so stored and replayed (else: released)."""

@@ -204,8 +204,12 @@ class IdempotentRequest:
     def _key(self) -> str:
         key_from = self.policy.key_from
         if callable(key_from):
-            return key_from_body(key_from, self.body.payload(self.headers.content_type))
-        return key_from_values(self.headers.key)
+            key = key_from_body(key_from, self.body.payload(self.headers.content_type))
+        else:
+            key = key_from_values(self.headers.key)
+        if self.policy.key_format is not None and (why := self.policy.key_refusal(key)) is not None:
+            raise InvalidKey(why)
+        return key
 
     async def _scope_key(self) -> bool:
         """The tenant of a keyed request (``Ask.scope_to``); False when the request was refused instead."""

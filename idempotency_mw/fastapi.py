@@ -230,6 +230,23 @@ def document(schema: dict[str, Any], app: FastAPI) -> dict[str, Any]:
     return schema
 
 
+def _key_format(policy: Policy) -> str:
+    if isinstance(policy.key_format, str):
+        return f" This operation takes keys that match {policy.key_format} (sent bare)."
+    if policy.key_format is not None:
+        return " This operation takes keys of a format of its own: any other is answered 400."
+    return ""
+
+
+def _key_schema(policy: Policy) -> dict[str, Any]:
+    """The header's schema: any key the middleware parses, or, for a route with a ``key_format`` pattern, the keys
+    that match it, sent bare (the pattern is written for Python; keep it to what ECMA 262, JSON Schema's dialect,
+    reads alike)."""
+    if isinstance(policy.key_format, str):
+        return {**KEY_SCHEMA, "maxLength": MAX_KEY_LENGTH, "pattern": f"^(?:{policy.key_format})$"}
+    return dict(KEY_SCHEMA)
+
+
 def _document_operation(operation: dict[str, Any], policy: Policy) -> None:
     parameters = operation.setdefault("parameters", [])
     if not any(p.get("in") == "header" and p.get("name", "").lower() == "idempotency-key" for p in parameters):
@@ -241,8 +258,8 @@ def _document_operation(operation: dict[str, Any], policy: Policy) -> None:
                 "description": "A unique key per logical operation (a UUID). A retry with the same key and the same "
                 f"request gets the original response, replayed for {int(policy.ttl)} seconds. A key is 1 to "
                 f"{MAX_KEY_LENGTH} visible ASCII characters, sent bare (then without a comma) or as an RFC 9651 "
-                'string ("8e03978e-…"); both spellings name the same key.',
-                "schema": dict(KEY_SCHEMA),
+                'string ("8e03978e-…"); both spellings name the same key.' + _key_format(policy),
+                "schema": _key_schema(policy),
             }
         )
     responses = operation.setdefault("responses", {})

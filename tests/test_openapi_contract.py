@@ -14,6 +14,7 @@ they answer.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -37,6 +38,8 @@ from idempotency_mw import IdempotencyMiddleware, MemoryStore, idempotent  # noq
 from idempotency_mw._keys import InvalidKey, parse_key  # noqa: E402
 from idempotency_mw.fastapi import setup  # noqa: E402
 
+UUID_KEYS = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+KEY_FORMATS = {"/v1/payouts": UUID_KEYS}  # the bare app's routes with a key_format
 SEED = 1  # another seed draws other requests; the list below holds for seeds 1 to 5
 EXAMPLES = {"bare": 30, "payments": 15}  # per operation and phase: 4 and 14 documented operations
 TARGETS = ("bare", "payments")
@@ -67,8 +70,8 @@ class ChargeOut(BaseModel):
 
 
 def bare_app() -> FastAPI:
-    """What a user writes: a create (201, with Location, which schemathesis' stateful phase follows), its reads, and
-    a route whose key is required. GET and POST share a path, as FastAPI apps do."""
+    """What a user writes: a create (201, with Location, which schemathesis' stateful phase follows), its reads, a
+    route whose key is required, and one that takes UUID keys only. GET and POST share a path, as FastAPI apps do."""
     app = FastAPI(title="bare app behind the middleware")
     charges: dict[str, int] = {}
 
@@ -93,6 +96,11 @@ def bare_app() -> FastAPI:
     @idempotent(required=True)
     async def create_refund(body: Charge) -> ChargeOut:
         return ChargeOut(id="re_" + uuid.uuid4().hex, amount=body.amount)
+
+    @app.post("/v1/payouts", status_code=201)
+    @idempotent(required=True, key_format=UUID_KEYS)  # a route that takes UUIDs only: documented, and held to it
+    async def create_payout(body: Charge) -> ChargeOut:
+        return ChargeOut(id="po_" + uuid.uuid4().hex, amount=body.amount)
 
     app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
     setup(app)
@@ -136,7 +144,8 @@ def with_keys(app: ASGIApp, keys: str, answers: Counter[Answer]) -> ASGIApp:
             await app(scope, receive, send)
             return
         if keys == "fresh":
-            scope = {**scope, "headers": [_fresh(name, value) for name, value in scope["headers"]]}
+            taken = KEY_FORMATS.get(scope["path"])
+            scope = {**scope, "headers": [_fresh(name, value, taken) for name, value in scope["headers"]]}
         start: Message = {}
         body = bytearray()
 
@@ -157,12 +166,16 @@ def with_keys(app: ASGIApp, keys: str, answers: Counter[Answer]) -> ASGIApp:
     return keyed
 
 
-def _fresh(name: bytes, value: bytes) -> tuple[bytes, bytes]:
+def _fresh(name: bytes, value: bytes, taken: str | None) -> tuple[bytes, bytes]:
+    """A new UUID for a key the route takes (``taken``: the pattern of a route's ``key_format``); any other key as
+    drawn, so that it still gets its 400."""
     if name != b"idempotency-key":
         return name, value
     try:
-        parse_key(value)
+        key = parse_key(value)
     except InvalidKey:
+        return name, value
+    if taken is not None and not re.fullmatch(taken, key):
         return name, value
     return name, str(uuid.uuid4()).encode()
 
