@@ -12,7 +12,7 @@ store contract), ``cli`` and ``devdb``. Everything else (``_middleware`` and the
 from idempotency_mw._context import IdempotencyContext, claim, idempotency_context, mark_not_executed
 from idempotency_mw._events import Event, Outcome, log_event
 from idempotency_mw._fingerprint import FingerprintKeys
-from idempotency_mw._keys import AuthorizationTenant, header_tenant, legacy_sha256_fallback
+from idempotency_mw._keys import AuthorizationTenant, CookieTenant, header_tenant, legacy_sha256_fallback
 from idempotency_mw._memory import MemoryStore
 from idempotency_mw._middleware import IdempotencyMiddleware
 from idempotency_mw._policy import Policy, idempotent
@@ -23,6 +23,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "AuthorizationTenant",
+    "CookieTenant",
     "Event",
     "FingerprintKeys",
     "IdempotencyContext",

@@ -298,6 +298,52 @@ class AuthorizationTenant:
         return PREFIX + keyed.hexdigest()
 
 
+class CookieTenant:
+    """A resolver for apps that authenticate browsers by a session cookie: an HMAC-SHA256 of the cookie's value
+    (an opaque session id), keyed like :class:`AuthorizationTenant` (``secret``, else ``IDEMPOTENCY_TENANT_SECRET``),
+    so the table never holds a live session id.
+
+    A request without the cookie is not the middleware's to scope: it passes through untouched, as a request without
+    a key does (a browser may add an ``Idempotency-Key`` to every form it posts, a login form included, and the app
+    answers those as it would without the middleware); a route that ``required`` keys still refuses it (400).
+    ``anonymous`` names a namespace such requests share instead (their keys then meet one another's)."""
+
+    requirement = "the session cookie"
+
+    def __init__(self, name: str, secret: str | bytes | None = None, *, anonymous: str | None = None) -> None:
+        if not isinstance(name, str) or not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name):
+            raise ValueError(f"CookieTenant needs a cookie name, got {name!r}")
+        self.name = name
+        self.requirement = f"the {name} cookie"
+        self._keyed = hmac.new(_secret_bytes(secret), b"cookie:", hashlib.sha256)
+        self.anonymous = _anonymous(anonymous)
+        self.passes_unscoped = self.anonymous is None
+
+    def __call__(self, scope: Scope) -> str | None:
+        value = _cookie(scope, self.name)
+        if not value:
+            return self.anonymous
+        keyed = self._keyed.copy()
+        keyed.update(value.encode("latin-1"))
+        return PREFIX + keyed.hexdigest()
+
+
+def passes_unscoped(resolver: object) -> bool:
+    """Whether a keyed request that ``resolver`` finds no tenant for passes through untouched (:class:`CookieTenant`)
+    rather than being refused with 400."""
+    return getattr(resolver, "passes_unscoped", False) is True
+
+
+def _cookie(scope: Scope, name: str) -> str | None:
+    """The value of cookie ``name`` in the request's Cookie headers (the first, as browsers send one)."""
+    for value in _values(scope, b"cookie"):
+        for pair in value.decode("latin-1").split(";"):
+            key, separator, found = pair.strip().partition("=")
+            if separator and key == name:
+                return found.strip().strip('"')
+    return None
+
+
 def header_tenant(header: str, *, anonymous: str | None = None) -> TenantResolver:
     """A resolver that takes the tenant from a request header set by a trusted proxy (say ``x-account-id``).
 

@@ -54,6 +54,7 @@ from idempotency_mw._keys import (
     key_from_body,
     key_from_values,
     outlived,
+    passes_unscoped,
     resolve_tenant,
 )
 from idempotency_mw._plain import PlainRun, Unprotected
@@ -187,14 +188,10 @@ class IdempotentRequest:
         try:
             self.ask.key = self._key()
         except MissingKey:
-            if policy.required:
-                self.refusal = (problems.key_missing(), Outcome.KEY_MISSING)
-            elif policy.transactional:  # still gets its transaction, with no record in it
-                await self._keyless_transaction()
+            if not policy.required:
+                await self._keyless()
                 return False
-            else:  # not ours: untouched
-                await self.middleware.app(self.scope, self.body.receive, self.send)
-                return False
+            self.refusal = (problems.key_missing(), Outcome.KEY_MISSING)
         except KeyFunctionFailed as error:
             self.refusal = problems.key_function_failed(error, self.middleware.notices)
         except InvalidKey as error:
@@ -215,12 +212,14 @@ class IdempotentRequest:
         """The tenant of a keyed request (``Ask.scope_to``); False when the request was refused instead."""
         if self.refusal is None:
             resolver = self.policy.tenant or self.middleware.tenant
-            alternates: tuple[str, ...] = ()
             if isinstance(resolver, AuthorizationTenant):  # the default: its header values are picked out already
                 tenant = resolver.of(self.headers.authorization)
                 alternates = resolver.alternates(self.headers.authorization)  # a rotation of its secret
-            else:
-                tenant = await resolve_tenant(resolver, self.scope)  # type: ignore[arg-type]  # not from the app
+            else:  # not from the app: a resolver's
+                tenant, alternates = await resolve_tenant(resolver, self.scope), ()  # type: ignore[arg-type]
+            if tenant is None and passes_unscoped(resolver) and not self.policy.required:
+                await self._keyless()  # not the middleware's to scope (no session cookie): as without a key
+                return False
             if tenant is None:
                 self.refusal = problems.tenant_unknown_to(resolver, self.middleware.notices)
             elif not self.ask.scope_to(tenant, route_owns_it=self.policy.tenant is not None, alternates=alternates):
@@ -357,8 +356,10 @@ class IdempotentRequest:
             if self.owned is not None:
                 self.owned.drop_lease()
 
-    async def _keyless_transaction(self) -> None:
-        """A transactional route called without a key still gets its transaction, with no record in it."""
+    async def _keyless(self) -> None:
+        """Not ours (no key, or no tenant to scope it): untouched; a transactional route gets its transaction still."""
+        if not self.policy.transactional:
+            return await self.middleware.app(self.scope, self.body.receive, self.send)
         self._transaction()
         if await self._begin():
             await self._execute()
@@ -454,7 +455,9 @@ class TenantFromAppRequest(IdempotentRequest):
             await self._execute()
         return False
 
-    async def _keyless_transaction(self) -> None:
+    async def _keyless(self) -> None:
+        if not self.policy.transactional:
+            return await super()._keyless()
         self._transaction()
         _wait_for_the_app(self)
         await self._execute()

@@ -313,7 +313,7 @@ def recipe(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **env: st
     for variable, value in env.items():
         monkeypatch.setenv(variable, value)
     path = tmp_path / f"{name}.py"
-    path.write_text(guide_recipes().get(name) or page_snippets()[name])
+    path.write_text(guide_recipes().get(name) or page_snippets().get(name) or named_snippets(GUIDE.read_text())[name])
     spec = importlib.util.spec_from_file_location(f"guide_recipe_{name}", path)
     assert spec is not None
     assert spec.loader is not None
