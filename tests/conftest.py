@@ -222,6 +222,19 @@ async def opened(store: PostgresStore) -> AsyncIterator[PostgresStore]:
         await store.close(grace=0)
 
 
+@pytest.fixture(params=["memory", "postgres", "postgres, transactional"])
+async def store_and_mode(
+    request: pytest.FixtureRequest, idempotency_database_url: str
+) -> AsyncIterator[tuple[Store, bool]]:
+    """A store and whether routes are transactional: in memory, and on PostgreSQL in plain and in transactional mode
+    (the three places a feature of the request's path must hold, short of every store of ``store``)."""
+    if request.param == "memory":
+        yield MemoryStore(), False
+        return
+    async with opened(PostgresStore(idempotency_database_url, max_size=40)) as pg:
+        yield pg, request.param.endswith("transactional")
+
+
 @pytest.fixture
 async def pg_store(idempotency_store: PostgresStore) -> PostgresStore:
     return idempotency_store

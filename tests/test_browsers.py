@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -15,22 +14,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from idempotency_mw import CookieTenant, IdempotencyMiddleware, MemoryStore, PostgresStore, idempotent
+from idempotency_mw import CookieTenant, IdempotencyMiddleware, idempotent
 from idempotency_mw.store import Store
 from idempotency_mw.testing import run_lifespan
-from tests.conftest import opened
 from tests.test_docs import recipe
-
-
-@pytest.fixture(params=["memory", "postgres", "postgres, transactional"])
-async def setup_store(
-    request: pytest.FixtureRequest, idempotency_database_url: str
-) -> AsyncIterator[tuple[Store, bool]]:
-    if request.param == "memory":
-        yield MemoryStore(), False
-        return
-    async with opened(PostgresStore(idempotency_database_url)) as store:
-        yield store, request.param.endswith("transactional")
 
 
 def shop(store: Store, transactional: bool, runs: Counter[str], **resolver: str) -> Starlette:
@@ -54,8 +41,8 @@ def browser(app: Starlette, session: str | None) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", cookies=cookies)
 
 
-async def test_a_session_scopes_its_keys_and_a_visitor_passes_through(setup_store: tuple[Store, bool]) -> None:
-    store, transactional = setup_store
+async def test_a_session_scopes_its_keys_and_a_visitor_passes_through(store_and_mode: tuple[Store, bool]) -> None:
+    store, transactional = store_and_mode
     runs: Counter[str] = Counter()
     app = shop(store, transactional, runs)
     key = str(uuid.uuid4())
@@ -85,8 +72,8 @@ async def test_a_session_scopes_its_keys_and_a_visitor_passes_through(setup_stor
     assert await store.inspect(tenant, key) is not None
 
 
-async def test_visitors_share_a_namespace_only_when_asked(setup_store: tuple[Store, bool]) -> None:
-    store, transactional = setup_store
+async def test_visitors_share_a_namespace_only_when_asked(store_and_mode: tuple[Store, bool]) -> None:
+    store, transactional = store_and_mode
     runs: Counter[str] = Counter()
     app = shop(store, transactional, runs, anonymous=f"visitors-{uuid.uuid4().hex}")
     key = str(uuid.uuid4())

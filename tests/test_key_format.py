@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -16,10 +15,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, idempotent
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, idempotent
 from idempotency_mw.fastapi import setup
 from idempotency_mw.store import Store
-from tests.conftest import client_for, opened, tenant_of
+from tests.conftest import client_for, tenant_of
 
 UUID_KEYS = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
@@ -27,17 +26,6 @@ UUID_KEYS = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 def long_enough(key: str) -> bool:
     """idempot's rule: 21 characters or more."""
     return len(key) >= 21
-
-
-@pytest.fixture(params=["memory", "postgres", "postgres, transactional"])
-async def setup_store(
-    request: pytest.FixtureRequest, idempotency_database_url: str
-) -> AsyncIterator[tuple[Store, bool]]:
-    if request.param == "memory":
-        yield MemoryStore(), False
-        return
-    async with opened(PostgresStore(idempotency_database_url)) as store:
-        yield store, request.param.endswith("transactional")
 
 
 def app_with_formats(store: Store, transactional: bool, runs: Counter[str]) -> Starlette:
@@ -66,8 +54,8 @@ def app_with_formats(store: Store, transactional: bool, runs: Counter[str]) -> S
     return app
 
 
-async def test_a_route_takes_the_keys_of_its_format_only(setup_store: tuple[Store, bool]) -> None:
-    store, transactional = setup_store
+async def test_a_route_takes_the_keys_of_its_format_only(store_and_mode: tuple[Store, bool]) -> None:
+    store, transactional = store_and_mode
     runs: Counter[str] = Counter()
     unique = uuid.uuid4().hex  # the store is the suite's: keys of this run only
     async with client_for(app_with_formats(store, transactional, runs)) as client:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -15,25 +14,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, key_status_route
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, key_status_route
 from idempotency_mw.store import Store
-from tests.conftest import client_for, opened
+from tests.conftest import client_for
 from tests.test_docs import recipe
 
 
-@pytest.fixture(params=["memory", "postgres", "postgres, transactional"])
-async def setup_store(
-    request: pytest.FixtureRequest, idempotency_database_url: str
-) -> AsyncIterator[tuple[Store, bool]]:
-    if request.param == "memory":
-        yield MemoryStore(), False
-        return
-    async with opened(PostgresStore(idempotency_database_url)) as store:
-        yield store, request.param.endswith("transactional")
-
-
-async def test_a_client_learns_whether_its_request_took_effect(setup_store: tuple[Store, bool]) -> None:
-    store, transactional = setup_store
+async def test_a_client_learns_whether_its_request_took_effect(store_and_mode: tuple[Store, bool]) -> None:
+    store, transactional = store_and_mode
     started, release = asyncio.Event(), asyncio.Event()
 
     async def order(request: Request) -> Response:

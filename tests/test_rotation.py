@@ -8,7 +8,6 @@ import asyncio
 import random
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -17,9 +16,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from idempotency_mw import AuthorizationTenant, IdempotencyMiddleware, MemoryStore, PostgresStore
+from idempotency_mw import AuthorizationTenant, IdempotencyMiddleware
 from idempotency_mw.store import Store
-from tests.conftest import opened
 
 OLD = "old-tenant-secret-" + "o" * 20
 NEW = "new-tenant-secret-" + "n" * 20
@@ -64,15 +62,6 @@ def client(app: Starlette) -> httpx.AsyncClient:
     )
 
 
-@pytest.fixture(params=["memory", "postgres", "postgres, transactional"])
-async def setup(request: pytest.FixtureRequest, idempotency_database_url: str) -> AsyncIterator[tuple[Store, bool]]:
-    if request.param == "memory":
-        yield MemoryStore(), False
-        return
-    async with opened(PostgresStore(idempotency_database_url, max_size=40)) as store:
-        yield store, request.param.endswith("transactional")
-
-
 async def post(app: Starlette, key: str) -> httpx.Response:
     async with client(app) as http:
         return await http.post("/charges", json={"amount": 10}, headers={"Idempotency-Key": key})
@@ -83,10 +72,12 @@ async def post(app: Starlette, key: str) -> httpx.Response:
     [(BEFORE, STEP_ONE), (STEP_ONE, STEP_TWO), (STEP_TWO, STEP_ONE), (BEFORE, STEP_TWO), (STEP_TWO, AFTER)],
     ids=["before, then step one", "step one, then two", "step two, then one", "before, then two", "two, then after"],
 )
-async def test_a_retry_across_the_rotation_is_replayed(setup: tuple[Store, bool], first: Config, then: Config) -> None:
+async def test_a_retry_across_the_rotation_is_replayed(
+    store_and_mode: tuple[Store, bool], first: Config, then: Config
+) -> None:
     """Every pair of configurations that run side by side during the rotation: the retry on the second replays the
     original's answer, byte for byte, and the handler ran once."""
-    store, transactional = setup
+    store, transactional = store_and_mode
     ledger = Ledger()
     key = str(uuid.uuid4())
     original = await post(ledger.app(store, first, transactional=transactional), key)
@@ -97,8 +88,10 @@ async def test_a_retry_across_the_rotation_is_replayed(setup: tuple[Store, bool]
     assert ledger.runs[key] == 1
 
 
-async def test_a_retry_while_the_original_runs_under_the_other_secret_gets_409(setup: tuple[Store, bool]) -> None:
-    store, transactional = setup
+async def test_a_retry_while_the_original_runs_under_the_other_secret_gets_409(
+    store_and_mode: tuple[Store, bool],
+) -> None:
+    store, transactional = store_and_mode
     ledger = Ledger()
     started, release = asyncio.Event(), asyncio.Event()
 
@@ -124,11 +117,11 @@ async def test_a_retry_while_the_original_runs_under_the_other_secret_gets_409(s
     assert ledger.runs["slow"] == 1
 
 
-async def test_copies_racing_on_both_steps_run_once(setup: tuple[Store, bool]) -> None:
+async def test_copies_racing_on_both_steps_run_once(store_and_mode: tuple[Store, bool]) -> None:
     """During the rollout of step two, instances of step one and step two serve side by side: copies of one
     request sent to both at once, for many keys, with handlers of uneven length. Each key runs once; every other
     copy is a replay or a 409."""
-    store, transactional = setup
+    store, transactional = store_and_mode
     ledger = Ledger()
     ledger.delay = 0.02
     apps = [ledger.app(store, STEP_ONE, transactional=transactional)]
