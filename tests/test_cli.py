@@ -31,7 +31,7 @@ from idempotency_mw import PostgresStore, StoredResponse, StoreUnavailable
 from idempotency_mw._cli_arguments import moment
 from idempotency_mw.cli import EXIT_NOT_FOUND, EXIT_OUTPUT_CLOSED, build_parser, main
 from idempotency_mw.postgres import migration_statements
-from idempotency_mw.postgres._connector import address_of
+from idempotency_mw.postgres._connector import address_of, naming_address
 from tests.apps import Probe, build_app
 from tests.conftest import client_for, tenant_of, with_database
 
@@ -695,6 +695,11 @@ def test_addresses_as_errors_name_them(url: str, where: str, monkeypatch: pytest
     monkeypatch.delenv("PGHOST", raising=False)
     monkeypatch.delenv("PGPORT", raising=False)
     assert address_of(url) == where
+    refused = naming_address(ConnectionRefusedError(111, "Connection refused"), url)
+    assert refused.strerror == f"Connection refused (connecting to {where})"  # an IPv6 host too
+    assert isinstance(refused, ConnectionRefusedError)
+    named = OSError(111, f"Connect call failed ('{where.rsplit(':', 1)[0].strip('[]')}', 5432)")
+    assert naming_address(named, url) is named  # it names its address already
 
 
 def test_server_that_never_answers_times_out(capsys: pytest.CaptureFixture[str]) -> None:

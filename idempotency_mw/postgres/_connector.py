@@ -128,7 +128,8 @@ def naming_address(error: OSError, url: str) -> OSError:
     message does not name one: a missing Unix socket says only "No such file or directory"."""
     where = address_of(url)
     message = error.strerror or str(error)
-    if isinstance(error, TimeoutError) or where.split(":")[0].strip("[]") in message:
+    host = where.rsplit(":", 1)[0].strip("[]")  # "[::1]:5432" -> "::1"; a socket's path has no port to cut
+    if isinstance(error, TimeoutError) or host in message:
         return error
     named = type(error)(error.errno, f"{message} (connecting to {where})")
     named.__cause__ = error
