@@ -61,7 +61,7 @@ class PrometheusMetrics:
     """An ``on_event`` hook that counts outcomes and times requests, plus gauges of the store's table.
 
     ``registry``: where the metrics live (default: prometheus_client's global registry, which
-    ``make_asgi_app()`` serves). ``prefix`` starts every metric name. ``route_label(event)`` replaces the
+    :func:`metrics_route` serves). ``prefix`` starts every metric name. ``route_label(event)`` replaces the
     default route label (``event.route``: the matched template, or ``<unmatched>``): return a small, fixed set of
     values.
     """
