@@ -17,7 +17,9 @@ from idempotency_mw._keys import AuthorizationTenant, CookieTenant, header_tenan
 from idempotency_mw._memory import MemoryStore
 from idempotency_mw._middleware import IdempotencyMiddleware
 from idempotency_mw._policy import Policy, idempotent
+from idempotency_mw._problems import Problem
 from idempotency_mw._status import key_status_route
+from idempotency_mw._wire import ProblemCode
 from idempotency_mw.postgres import PostgresStore
 from idempotency_mw.store import Store, StoredResponse, StoreUnavailable
 
@@ -34,6 +36,8 @@ __all__ = [
     "Outcome",
     "Policy",
     "PostgresStore",
+    "Problem",
+    "ProblemCode",
     "Store",
     "StoreUnavailable",
     "StoredResponse",

@@ -20,6 +20,7 @@ from idempotency_mw._events import EventHook, FailureLog, Notices, log_event, lo
 from idempotency_mw._fingerprint import FingerprintKeys, choose_fingerprint_keys
 from idempotency_mw._keys import AuthorizationTenant, TenantFromApp, TenantResolver
 from idempotency_mw._policy import DAY, RELEASED_STATUSES, MiB, Policy, RouteMatch, RouteTable
+from idempotency_mw._problems import Envelope, ProblemRenderer
 from idempotency_mw._request import IdempotentRequest, SwitchedOffRequest, TenantFromAppRequest
 from idempotency_mw.cutover import EarlierLookup
 from idempotency_mw.store import Store, TransactionalStore
@@ -42,6 +43,11 @@ class IdempotencyMiddleware:
       ``started(scope)`` method, that is called when the request reaches the store (metrics use it for an in-flight
       gauge).
     - ``retry_after``: the ``Retry-After`` seconds sent with 409 and 503.
+    - ``problem_renderer``: the app's own envelope for the middleware's answers (its 400s, 409s, 413, 422, 503):
+      called (sync or async) with the :class:`~idempotency_mw.Problem` and the scope, it returns a Starlette
+      ``Response`` with ``problem.status``. Whatever the body, the answer carries its code in the
+      ``Idempotency-Problem`` header, and its ``Retry-After``; a renderer that fails gets the default
+      ``application/problem+json`` sent in its place, logged once.
     - ``on_replay``: called (sync or async) with the scope and the stored response before a replay goes out; it may
       return another response to send in its place (an extra header), or None to send it as stored.
     - ``earlier``: for a switch from another idempotency package, what that package recorded for a request
@@ -84,6 +90,8 @@ class IdempotencyMiddleware:
         earlier: EarlierLookup | None = None,
         enabled: bool = True,
         fingerprint_keys: FingerprintKeys | str | None = None,
+        reused_key_status: int = 422,
+        problem_renderer: ProblemRenderer | None = None,
     ) -> None:
         if tenant is None:
             tenant = AuthorizationTenant()  # fails here, with what to set, when no secret is configured
@@ -106,6 +114,7 @@ class IdempotencyMiddleware:
             fingerprint_exclude=fingerprint_exclude,  # type: ignore[arg-type]  # a collection; Policy freezes it
             on_conflict=on_conflict,
             wait=wait,
+            reused_key_status=reused_key_status,
         )
         self.app = app
         self.store = store
@@ -115,6 +124,7 @@ class IdempotencyMiddleware:
         self.routes = RouteTable(default, routes or {})
         self.failures = FailureLog(logger)  # store failures: the first in full, then a summary now and then
         self.notices = Notices()  # misconfigurations the operator hears of once
+        self.envelope = Envelope(problem_renderer, self.notices)  # what the middleware's own answers go out in
         self.leases = LeaseKeeper(store, self.failures)  # renews the lease of every handler still running
         self.on_event = on_event
         self.on_started = getattr(on_event, "started", None)

@@ -36,6 +36,10 @@ MiB = 1024 * 1024
 # the same key, is the one that runs.
 RELEASED_STATUSES = frozenset({307, 308, 401, 403, 404, 405, 408, 425, 429})
 
+# The statuses a reused key may be answered with: the draft's 422 unless a route says otherwise. Any other would say
+# something else to a client (a 404, a 412) or be retried by it (a 5xx, a 429).
+REUSED_KEY_STATUSES = (422, 409, 400)
+
 
 @dataclass(frozen=True, slots=True)
 class Policy:
@@ -74,6 +78,9 @@ class Policy:
     # The keys the route takes, beyond the header's own rules: a regular expression a key must match whole (a UUID, a
     # minimum length), or a function of the key that says whether it is one. Any other key: 400 idempotency_key_invalid.
     key_format: str | Callable[[str], bool] | None = None
+    # The status of a key used before with another request (idempotency_key_reused): 422, the IETF draft's; 409; or
+    # 400, Stripe's. For apps whose own validation errors are 422: the code tells them apart, and so can the status.
+    reused_key_status: int = 422
     # Derived: the statuses whose responses are final, so stored and replayed (below 500, and not released); every
     # other answer releases the key.
     recorded: frozenset[int] = field(init=False, repr=False, compare=False)
@@ -143,6 +150,12 @@ class Policy:
             raise ValueError(
                 f"idempotency key_format must be a regular expression or a function, got {self.key_format!r}"
             )
+        reused = self.reused_key_status
+        if not isinstance(reused, int) or isinstance(reused, bool) or reused not in REUSED_KEY_STATUSES:
+            raise ValueError(
+                f"idempotency reused_key_status is 422 (the IETF draft's), 409 or 400 (Stripe's), got {reused!r}"
+            )
+        object.__setattr__(self, "reused_key_status", int(reused))  # HTTPStatus.CONFLICT goes out as 409
         object.__setattr__(self, "recorded", frozenset(range(100, 500)) - self.released_statuses)
 
     def key_refusal(self, key: str) -> str | None:

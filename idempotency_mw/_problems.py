@@ -1,23 +1,38 @@
-"""The middleware's own error responses: RFC 9457 ``application/problem+json`` with a stable ``code``."""
+"""The middleware's own answers: what each one is (a :class:`Problem`, with a stable code), which one a claim that is
+not the request's gets, and the envelope they go out in: RFC 9457 ``application/problem+json`` by default, or the
+app's own (``problem_renderer=``). Whatever the body, an answer keeps its status, and carries its code in the
+``Idempotency-Problem`` header and its ``Retry-After``, so a client reads them alike from any envelope."""
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import orjson
-from starlette.types import Send
+from starlette.responses import Response
+from starlette.types import Scope, Send
 
 from idempotency_mw._events import Notices, Outcome
 from idempotency_mw._keys import ROUTE_TENANTS, KeyFunctionFailed, requirement, unknown_tenant_advice
-from idempotency_mw._wire import ProblemCode
+from idempotency_mw._policy import Policy
+from idempotency_mw._wire import PROBLEM_HEADER, ProblemCode
 from idempotency_mw.store import Claim, ClaimOutcome
 
 TYPE_BASE = "urn:idempotency-mw:problem:"
+_PROBLEM_HEADER = PROBLEM_HEADER.lower().encode("latin-1")
 
 
 @dataclass(frozen=True, slots=True)
 class Problem:
+    """An answer the middleware gives itself, before it is put in an envelope: what a ``problem_renderer`` is given.
+
+    ``status`` is the HTTP status it goes out with; ``code`` its stable :class:`ProblemCode` (a ``str``); ``title``
+    a short summary and ``detail`` what happened and what the client can do, in English; ``retry_after`` the seconds
+    of its ``Retry-After`` header, or None when the client should not retry it unchanged.
+    """
+
     status: int
     code: ProblemCode
     title: str
@@ -25,6 +40,7 @@ class Problem:
     retry_after: int | None = None
 
     def body(self) -> bytes:
+        """The default body: RFC 9457 problem details, with the code as an extension member."""
         return orjson.dumps(
             {
                 "type": TYPE_BASE + self.code,
@@ -35,16 +51,97 @@ class Problem:
             }
         )
 
-    async def send(self, send: Send) -> None:
-        body = self.body()
-        headers = [
-            (b"content-type", b"application/problem+json"),
-            (b"content-length", str(len(body)).encode()),
-        ]
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """What goes with the problem in any envelope: its code, and its ``Retry-After`` if it has one."""
+        headers = [(_PROBLEM_HEADER, self.code.encode("latin-1"))]
         if self.retry_after is not None:
             headers.append((b"retry-after", str(self.retry_after).encode()))
-        await send({"type": "http.response.start", "status": self.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        return headers
+
+    async def send(self, send: Send) -> None:
+        """Send it as ``application/problem+json``."""
+        await _send(send, self.status, [(b"content-type", b"application/problem+json")], self.body(), self)
+
+
+ProblemRenderer = Callable[[Problem, Scope], "Response | Awaitable[Response]"]
+
+# What the middleware sets itself on a rendered problem, in place of the renderer's: the code cannot be forged, the
+# Retry-After is the problem's, and the length is the body's.
+_OWN_HEADERS = frozenset({_PROBLEM_HEADER, b"retry-after", b"content-length"})
+
+
+class Envelope:
+    """What the middleware's problems go out in: ``application/problem+json``, or the app's own envelope, made by its
+    ``problem_renderer`` (sync or async: the :class:`Problem` and the ASGI scope, to a Starlette ``Response``).
+
+    A rendered problem goes out with the renderer's body and headers, under the problem's status, with the problem's
+    ``Idempotency-Problem`` and ``Retry-After``. A renderer that raises, or whose answer cannot go out as the problem
+    (not a ``Response``, a body not in memory, another status, a background task the middleware would not run), gets
+    the default problem+json sent in its place, and the operator hears of it once: an answer is never lost to it.
+    """
+
+    def __init__(self, renderer: ProblemRenderer | None, notices: Notices) -> None:
+        if renderer is not None and not callable(renderer):
+            raise TypeError(
+                f"problem_renderer must be a callable taking the Problem and the ASGI scope, got {renderer!r}"
+            )
+        self.renderer = renderer
+        self.notices = notices
+
+    async def send(self, problem: Problem, scope: Scope, send: Send) -> None:
+        response = None if self.renderer is None else await self._render(self.renderer, problem, scope)
+        if response is None:
+            return await problem.send(send)
+        headers = [(name, value) for name, value in response.raw_headers if name not in _OWN_HEADERS]
+        await _send(send, problem.status, headers, bytes(response.body), problem)
+
+    async def _render(self, renderer: ProblemRenderer, problem: Problem, scope: Scope) -> Response | None:
+        """The app's rendering of ``problem``, or None when it cannot go out (then the operator hears why, once)."""
+        try:
+            response = renderer(problem, scope)
+            if inspect.isawaitable(response):
+                response = await response
+        except Exception as error:
+            self.notices.once(
+                "problem renderer raised",
+                f"idempotency: the problem_renderer raised on a {problem.code} problem, which went out as "
+                "application/problem+json instead, with its status and code. Logged once per middleware.",
+                level=logging.ERROR,
+                error=error,
+            )
+            return None
+        why = _unsendable(response, problem)
+        if why is not None:
+            self.notices.once(
+                "problem renderer answer",
+                f"idempotency: the problem_renderer {why}, so the problem went out as application/problem+json "
+                "instead. Logged once per middleware.",
+                level=logging.ERROR,
+            )
+            return None
+        return response
+
+
+def _unsendable(response: object, problem: Problem) -> str | None:
+    """Why the renderer's ``response`` cannot go out as ``problem``, or None when it can."""
+    answered = f"answered {problem.code} with"
+    if not isinstance(response, Response):
+        return f"{answered} {type(response).__name__}, not a Starlette Response"
+    if not isinstance(getattr(response, "body", None), bytes | memoryview):
+        return (
+            f"{answered} a {type(response).__name__}, whose body is not in memory (return a Response, a JSONResponse)"
+        )
+    if response.status_code != problem.status:
+        return f"{answered} status {response.status_code}, not {problem.status} (give it status_code=problem.status)"
+    if response.background is not None:
+        return f"{answered} a response with a background task, which the middleware does not run"
+    return None
+
+
+async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes, problem: Problem) -> None:
+    headers = [*headers, (b"content-length", str(len(body)).encode()), *problem.headers()]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def key_missing() -> Problem:
@@ -68,9 +165,10 @@ def key_invalid(reason: str) -> Problem:
     return Problem(400, ProblemCode.KEY_INVALID, "Invalid Idempotency-Key", reason + ".")
 
 
-def key_reused() -> Problem:
+def key_reused(status: int = 422) -> Problem:
+    """``status``: the route's ``reused_key_status`` (422, the IETF draft's; 409; or 400, Stripe's)."""
     return Problem(
-        422,
+        status,
         ProblemCode.KEY_REUSED,
         "Idempotency-Key already used",
         "This Idempotency-Key was already used with a different request (method, path, query or "
@@ -138,16 +236,18 @@ def key_expired(max_age: int) -> Problem:
 Refusal = tuple[Problem, Outcome]
 
 
-def answer_to(claim: Claim, retry_after: int, max_response_bytes: int) -> Refusal:
-    """The refusal of a claim that is not the request's, and that cannot be replayed: a different request (422), one
-    still running (409), one completed whose response was not stored in full (409)."""
+def answer_to(claim: Claim, retry_after: int, policy: Policy) -> Refusal:
+    """The refusal of a claim that is not the request's, and that cannot be replayed: a different request (422, or
+    the route's ``reused_key_status``), one still running (409), one completed whose response was not stored in full
+    (409)."""
     if claim.outcome is ClaimOutcome.MISMATCH:
-        return key_reused(), Outcome.KEY_REUSED
+        return key_reused(policy.reused_key_status), Outcome.KEY_REUSED
     if claim.outcome is ClaimOutcome.IN_PROGRESS:
         return in_progress(retry_after), Outcome.IN_PROGRESS
     response = claim.response
     assert response is not None  # COMPLETED, but not stored in full (over the cap, or cut short)
-    return response_not_replayable(response.status, response.body_size, max_response_bytes), Outcome.NOT_REPLAYABLE
+    refusal = response_not_replayable(response.status, response.body_size, policy.max_response_bytes)
+    return refusal, Outcome.NOT_REPLAYABLE
 
 
 def tenant_unknown_to(resolver: object, notices: Notices) -> Refusal:

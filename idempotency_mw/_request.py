@@ -82,6 +82,7 @@ class Middleware(Protocol):
     earlier: EarlierLookup | None  # what the package the app switched from recorded (cutover.py)
     failures: FailureLog  # store failures: the first in full, then a summary now and then
     notices: Notices  # misconfigurations the operator hears of once
+    envelope: problems.Envelope  # what its own answers go out in: problem+json, or the app's (problem_renderer)
     leases: LeaseKeeper  # renews the lease of every handler still running
 
 
@@ -324,9 +325,7 @@ class IdempotentRequest:
         """A claim that is not ours: 7. replayed, or refused (``problems.answer_to``)."""
         middleware, response = self.middleware, claim.response
         if claim.outcome is not ClaimOutcome.COMPLETED or response is None or response.body is None:
-            return await self._refuse(
-                *problems.answer_to(claim, middleware.retry_after, self.policy.max_response_bytes)
-            )
+            return await self._refuse(*problems.answer_to(claim, middleware.retry_after, self.policy))
         if middleware.on_replay is not None:
             response = await replayed(middleware.on_replay, self.scope, response)
         self._decide(Outcome.REPLAYED, response.status)
@@ -387,7 +386,7 @@ class IdempotentRequest:
 
     async def _refuse(self, problem: problems.Problem, outcome: Outcome) -> None:
         self._decide(outcome, problem.status)
-        await problem.send(self.send)
+        await self.middleware.envelope.send(problem, self.scope, self.send)
 
     async def _send_out(self, message: Message) -> None:
         """A run's response, to the client: its outcome reported as soon as the run has settled. Once the middleware

@@ -10,17 +10,19 @@ import enum
 
 KEY_HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"  # "true" on a replayed response
+PROBLEM_HEADER = "Idempotency-Problem"  # the ProblemCode of every answer the middleware gives itself, whatever its body
 MAX_KEY_LENGTH = 255  # characters of a key, after unquoting
 
 
 class ProblemCode(enum.StrEnum):
-    """The stable ``code`` of every problem+json answer the middleware gives itself (docs/design.md §5)."""
+    """The stable ``code`` of every answer the middleware gives itself (docs/design.md §5): in its problem+json body,
+    and in its ``Idempotency-Problem`` header whatever the body (an app's own envelope)."""
 
     KEY_MISSING = "idempotency_key_missing"  # 400
     KEY_INVALID = "idempotency_key_invalid"  # 400
     TENANT_UNKNOWN = "idempotency_tenant_unknown"  # 400
     REQUEST_TOO_LARGE = "request_too_large"  # 413
-    KEY_REUSED = "idempotency_key_reused"  # 422
+    KEY_REUSED = "idempotency_key_reused"  # 422, or the route's reused_key_status (409, 400)
     KEY_EXPIRED = "idempotency_key_expired"  # 422
     IN_PROGRESS = "idempotency_request_in_progress"  # 409, with Retry-After
     NOT_REPLAYABLE = "idempotency_response_not_replayable"  # 409

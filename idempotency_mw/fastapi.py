@@ -15,7 +15,8 @@ async def charge(db: IdempotencyConnection) -> dict: ...
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import asyncpg
@@ -32,9 +33,9 @@ from starlette.responses import Response
 from idempotency_mw._context import IdempotencyContext, claim, idempotency_context, mark_not_executed
 from idempotency_mw._keys import TenantFromApp
 from idempotency_mw._middleware import IdempotencyMiddleware
-from idempotency_mw._policy import Policy, RouteTable, idempotent, iter_routes
+from idempotency_mw._policy import Policy, idempotent, iter_routes
 from idempotency_mw._problems import TYPE_BASE
-from idempotency_mw._wire import MAX_KEY_LENGTH, ProblemCode
+from idempotency_mw._wire import MAX_KEY_LENGTH, PROBLEM_HEADER, ProblemCode
 
 
 class TenantDependency(TenantFromApp):
@@ -135,14 +136,23 @@ Idempotency = Annotated[IdempotencyContext, Depends(_context)]
 """The request's tenant, key and ``downstream_key(label)``."""
 
 
-def setup(app: FastAPI) -> None:
-    """Free the key on FastAPI's request validation errors, and document covered operations in OpenAPI."""
+def setup(
+    app: FastAPI, *, problem_schema: Mapping[str, Any] | None = None, problem_media_type: str = "application/json"
+) -> None:
+    """Free the key on FastAPI's request validation errors, and document covered operations in OpenAPI.
+
+    With the middleware's ``problem_renderer`` (the app's own envelope for its errors), ``problem_schema`` is the JSON
+    Schema of what the renderer returns, sent as ``problem_media_type``: the middleware's error responses are
+    documented with it (as ``#/components/schemas/IdempotencyProblem``). Without it they are documented with their
+    status, description and headers, and no body."""
     app.add_exception_handler(RequestValidationError, _validation_error)
     original = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = document(original(), app)
+            app.openapi_schema = document(
+                original(), app, problem_schema=problem_schema, problem_media_type=problem_media_type
+            )
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -185,48 +195,96 @@ RETRY_AFTER = {
     "idempotency_store_unavailable)",
     "schema": {"type": "integer", "minimum": 0},
 }
+PROBLEM_REF = {"$ref": "#/components/schemas/IdempotencyProblem"}
 
 
-def _problems(policy: Policy) -> dict[str, tuple[str, bool]]:
-    """The middleware's answers on a covered operation: status -> (description naming each code, Retry-After)."""
-    bad_key = [
-        *([f"Idempotency-Key missing ({ProblemCode.KEY_MISSING})"] if policy.required else []),
-        f"Idempotency-Key malformed ({ProblemCode.KEY_INVALID})",
-        f"sent without the credentials that scope the key ({ProblemCode.TENANT_UNKNOWN})",
-    ]
-    reused = [f"this Idempotency-Key was used with a different request ({ProblemCode.KEY_REUSED})"]
+@dataclass(frozen=True)
+class _Answer:
+    """The middleware's answers under one status of a covered operation."""
+
+    codes: list[ProblemCode]
+    description: str  # naming each code
+    retry_after: bool
+
+
+def _problems(policy: Policy) -> dict[str, _Answer]:
+    """The middleware's answers on a covered operation, by status: a reused key's under the route's status."""
+    found: dict[int, list[tuple[ProblemCode, str]]] = {400: [], 409: [], 413: [], 422: [], 503: []}
+    if policy.required:
+        found[400].append((ProblemCode.KEY_MISSING, "Idempotency-Key missing"))
+    found[400].append((ProblemCode.KEY_INVALID, "Idempotency-Key malformed"))
+    found[400].append((ProblemCode.TENANT_UNKNOWN, "sent without the credentials that scope the key"))
+    found[409].append(
+        (
+            ProblemCode.IN_PROGRESS,
+            "a request with this Idempotency-Key is still in progress: retry it after Retry-After seconds, same key",
+        )
+    )
+    found[409].append(
+        (
+            ProblemCode.NOT_REPLAYABLE,
+            "a request with this Idempotency-Key completed but its response cannot be replayed (over the storage "
+            "limit, or cut short): do not retry",
+        )
+    )
+    found[413].append((ProblemCode.REQUEST_TOO_LARGE, "request body over the idempotency size limit"))
+    found[policy.reused_key_status].append(
+        (ProblemCode.KEY_REUSED, "this Idempotency-Key was used with a different request: do not retry it")
+    )
     if policy.check_uuid7_age:
-        reused.append(f"a UUIDv7 key older than the {int(policy.ttl)}-second retention ({ProblemCode.KEY_EXPIRED})")
+        found[422].append((ProblemCode.KEY_EXPIRED, f"a UUIDv7 key older than the {int(policy.ttl)}-second retention"))
+    found[503].append(
+        (
+            ProblemCode.STORE_UNAVAILABLE,
+            "the idempotency store is unavailable, nothing ran: retry after Retry-After seconds with the same key",
+        )
+    )
     return {
-        "400": ("; ".join(bad_key), False),
-        "409": (
-            f"a request with this Idempotency-Key is still in progress: retry after Retry-After seconds with the same "
-            f"key ({ProblemCode.IN_PROGRESS}); or it completed but its response cannot be replayed (over the storage "
-            f"limit, or cut short): do not retry ({ProblemCode.NOT_REPLAYABLE})",
-            True,
-        ),
-        "413": (f"request body over the idempotency size limit ({ProblemCode.REQUEST_TOO_LARGE})", False),
-        "422": ("; ".join(reused), False),
-        "503": (
-            f"the idempotency store is unavailable, nothing ran: retry after Retry-After seconds with the same key "
-            f"({ProblemCode.STORE_UNAVAILABLE})",
-            True,
-        ),
+        str(status): _Answer(
+            [code for code, _ in answers], "; ".join(f"{text} ({code})" for code, text in answers), status in (409, 503)
+        )
+        for status, answers in found.items()
+        if answers
     }
 
 
-def document(schema: dict[str, Any], app: FastAPI) -> dict[str, Any]:
-    """Add the Idempotency-Key header, the replay header and the problem responses to covered operations."""
-    resolver = _resolver(app)
-    if resolver is None:
+def _problem_header(answer: _Answer) -> dict[str, Any]:
+    return {
+        "description": "The idempotency middleware's stable code for this answer, whatever its body (present on "
+        "the middleware's own answers only)",
+        "schema": {"type": "string", "enum": [code.value for code in answer.codes]},
+    }
+
+
+def document(
+    schema: dict[str, Any],
+    app: FastAPI,
+    *,
+    problem_schema: Mapping[str, Any] | None = None,
+    problem_media_type: str = "application/json",
+) -> dict[str, Any]:
+    """Add the Idempotency-Key header, the replay header and the problem responses to covered operations (see
+    :func:`setup` for ``problem_schema`` and ``problem_media_type``)."""
+    middleware = _built_middleware(app)
+    if middleware is None:
         return schema
-    schema.setdefault("components", {}).setdefault("schemas", {})["IdempotencyProblem"] = PROBLEM_SCHEMA
+    rendered = middleware.envelope.renderer is not None
+    if problem_schema is not None and not rendered:
+        raise ValueError(
+            "setup(problem_schema=...): problem_schema describes the body of a problem_renderer, and the "
+            "IdempotencyMiddleware has none (its errors are application/problem+json, documented already)"
+        )
+    body: tuple[str, dict[str, Any]] | None = ("application/problem+json", PROBLEM_SCHEMA)  # media type and schema
+    if rendered:
+        body = None if problem_schema is None else (problem_media_type, dict(problem_schema))
+    if body is not None:
+        schema.setdefault("components", {}).setdefault("schemas", {})["IdempotencyProblem"] = body[1]
     for entry in iter_routes(app.routes):
-        policy = resolver.for_endpoint(entry.endpoint, entry.path)
+        policy = middleware.routes.for_endpoint(entry.endpoint, entry.path)
         for method in (entry.methods or frozenset()) & policy.methods:
             operation = schema.get("paths", {}).get(entry.path, {}).get(method.lower())
             if operation is not None:
-                _document_operation(operation, policy)
+                _document_operation(operation, policy, None if body is None else body[0])
     return schema
 
 
@@ -247,7 +305,8 @@ def _key_schema(policy: Policy) -> dict[str, Any]:
     return dict(KEY_SCHEMA)
 
 
-def _document_operation(operation: dict[str, Any], policy: Policy) -> None:
+def _document_operation(operation: dict[str, Any], policy: Policy, media_type: str | None) -> None:
+    """``media_type``: of the middleware's error bodies (their schema is ``IdempotencyProblem``), or None for none."""
     parameters = operation.setdefault("parameters", [])
     if not any(p.get("in") == "header" and p.get("name", "").lower() == "idempotency-key" for p in parameters):
         parameters.append(
@@ -269,16 +328,21 @@ def _document_operation(operation: dict[str, Any], policy: Policy) -> None:
                 "description": "Present and true when this response is a replay of the original",
                 "schema": {"type": "string", "enum": ["true"]},
             }
-    ref = {"$ref": "#/components/schemas/IdempotencyProblem"}
-    for status, (description, retry_after) in _problems(policy).items():
+    for status, answer in _problems(policy).items():
+        description = answer.description
         entry = responses.get(status)
         if entry is None:
             entry = responses[status] = {"description": description[0].upper() + description[1:]}
         else:  # the app's own answer with this status (FastAPI's 422 Validation Error): one or the other
             entry["description"] = f"{entry.get('description', '')}; or, from the idempotency middleware: {description}"
-        entry.setdefault("content", {})["application/problem+json"] = {"schema": ref}
-        if retry_after:
-            entry.setdefault("headers", {})["Retry-After"] = RETRY_AFTER
+        if media_type is not None:
+            content = entry.setdefault("content", {})
+            own = content.get(media_type, {}).get("schema")
+            content[media_type] = {"schema": PROBLEM_REF if own is None else {"anyOf": [own, PROBLEM_REF]}}
+        headers = entry.setdefault("headers", {})
+        headers[PROBLEM_HEADER] = _problem_header(answer)
+        if answer.retry_after:
+            headers["Retry-After"] = RETRY_AFTER
 
 
 def _may_be_replayed(status: str, policy: Policy) -> bool:
@@ -292,12 +356,13 @@ def _may_be_replayed(status: str, policy: Policy) -> bool:
     return status.isdigit() and policy.records(int(status))
 
 
-def _resolver(app: FastAPI) -> RouteTable | None:
+def _built_middleware(app: FastAPI) -> IdempotencyMiddleware | None:
+    """The app's middleware as it will be built (its routes' policies, its renderer), or None without one."""
     for middleware in app.user_middleware:
         if middleware.cls is IdempotencyMiddleware:  # type: ignore[comparison-overlap]
             options = dict(middleware.kwargs)
             store = options.pop("store", None)
-            return IdempotencyMiddleware(app, store, **options).routes  # type: ignore[arg-type]
+            return IdempotencyMiddleware(app, store, **options)  # type: ignore[arg-type]
     return None
 
 

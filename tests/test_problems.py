@@ -1,5 +1,6 @@
 """problems.py: the middleware's own error responses, RFC 9457 ``application/problem+json`` with a stable ``code``:
-the shape every one of them has, and the status, code and Retry-After of each."""
+the shape every one of them has, and the status, code (in the body and the ``Idempotency-Problem`` header) and
+Retry-After of each. In the app's own envelope: tests/test_problem_renderer.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ EVERY_PROBLEM = {
     "tenant_unknown": (problems.tenant_unknown("exactly one X-API-Key header"), 400, None),
     "key_invalid": (problems.key_invalid("the key is empty"), 400, None),
     "key_reused": (problems.key_reused(), 422, None),
+    "key_reused, 409": (problems.key_reused(409), 409, None),
+    "key_reused, 400": (problems.key_reused(400), 400, None),
     "in_progress": (problems.in_progress(3), 409, 3),
     "request_too_large": (problems.request_too_large(1024), 413, None),
     "store_unavailable": (problems.store_unavailable(2), 503, 2),
@@ -47,6 +50,7 @@ async def test_every_problem_is_problem_json_with_a_stable_code(
     headers = dict(start["headers"])
     assert headers[b"content-type"] == b"application/problem+json"
     assert headers[b"content-length"] == str(len(body_message["body"])).encode()
+    assert headers[b"idempotency-problem"] == body["code"].encode()
     assert headers.get(b"retry-after") == (str(retry_after).encode() if retry_after is not None else None)
 
 
