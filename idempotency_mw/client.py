@@ -34,7 +34,7 @@ except ImportError as error:  # httpx is an optional dependency of the package
     raise ImportError("idempotency_mw.client needs httpx: pip install 'idempotency-mw[client]'") from error
 
 from idempotency_mw._keys import InvalidKey, parse_key
-from idempotency_mw._wire import KEY_HEADER, REPLAYED_HEADER, ProblemCode
+from idempotency_mw._wire import KEY_HEADER, PROBLEM_HEADER, REPLAYED_HEADER, ProblemCode
 
 __all__ = ["AsyncIdempotentClient", "IdempotentClient", "IdempotentResult", "RetriesExhausted", "Retry"]
 
@@ -51,6 +51,7 @@ RETRY_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocol
 # millisecond early), so it is not started.
 _MIN_ATTEMPT_SECONDS = 0.01
 _DELTA_SECONDS = re.compile(r"[0-9]+")
+_CODES = frozenset(code.value for code in ProblemCode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +108,8 @@ class IdempotentResult:
     ``key`` is the ``Idempotency-Key`` every attempt carried (None for requests sent without one), ``attempts``
     the number of HTTP attempts (1 means no retry), ``replayed`` whether the server answered from its record of an
     earlier attempt rather than by running the operation now. ``outcomes`` has one entry per attempt: the status
-    code, or the name of the httpx exception that ended it.
+    code, or the name of the httpx exception that ended it. ``problem_code`` is the stable code of an error answer
+    (see :func:`problem_code`), whatever its envelope.
     """
 
     response: httpx.Response
@@ -134,6 +136,10 @@ class IdempotentResult:
 
     def json(self, **kwargs: Any) -> Any:
         return self.response.json(**kwargs)
+
+    @property
+    def problem_code(self) -> str | None:
+        return problem_code(self.response)
 
 
 class RetriesExhausted(Exception):
@@ -213,12 +219,22 @@ def should_retry(response: httpx.Response) -> bool:
     if status in RETRY_STATUSES or 500 <= status <= 599:
         return True
     if status == 409:
-        return "retry-after" in response.headers or _problem_code(response) == ProblemCode.IN_PROGRESS
+        told = str(response.headers.get(PROBLEM_HEADER, "")).strip()
+        if told in _CODES:  # the middleware's own answer, in whatever envelope: its code decides
+            return told == ProblemCode.IN_PROGRESS
+        return "retry-after" in response.headers or problem_code(response) == ProblemCode.IN_PROGRESS
     return False
 
 
-def _problem_code(response: httpx.Response) -> str | None:
-    """The ``code`` of an RFC 9457 problem, or of a Stripe-style ``{"error": {...}}`` envelope."""
+def problem_code(response: httpx.Response) -> str | None:
+    """The stable code of an error answer (status 400 and up), or None: the ``Idempotency-Problem`` header the
+    middleware sends with each of its own answers, whatever their envelope; else (older servers, other APIs) the
+    ``code`` of an RFC 9457 problem body, or of a Stripe-style ``{"error": {...}}`` envelope."""
+    if response.status_code < 400:
+        return None
+    told = response.headers.get(PROBLEM_HEADER)
+    if told is not None:
+        return str(told).strip()
     if "json" not in response.headers.get("content-type", ""):
         return None
     try:

@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from idempotency_mw import IdempotencyMiddleware, PostgresStore
+from idempotency_mw import Event, IdempotencyMiddleware, Outcome, PostgresStore
 from idempotency_mw import _problems as problems
 from idempotency_mw import client as client_module
 from idempotency_mw._keys import InvalidKey, parse_key
@@ -931,3 +931,76 @@ async def test_client_survives_an_unreadable_retry_after_date() -> None:
     ) as client:
         result = await client.post("/charges", json={"amount": 100})
     assert result.status_code == 201
+
+
+# -- the middleware's answers in an app's own envelope --------------------------------------------------------
+
+
+def app_envelope(problem: problems.Problem, scope: Scope) -> Response:
+    """An app's envelope whose ``code`` is its own ("conflict"): only the ``Idempotency-Problem`` header tells."""
+    body = {"error": {"code": "conflict", "message": problem.detail}}
+    return JSONResponse(body, status_code=problem.status)
+
+
+ENVELOPES = {
+    "problem+json, reused 422": {},
+    "the app's envelope, reused 409": {"problem_renderer": app_envelope, "reused_key_status": 409},
+}
+
+
+@pytest.mark.parametrize("options", ENVELOPES.values(), ids=list(ENVELOPES))
+async def test_the_client_reads_the_middlewares_code_from_any_envelope(
+    store_and_mode: tuple[Any, bool], options: dict[str, Any]
+) -> None:
+    """Against an app that renders the middleware's answers its own way, with the status of a reused key changed, the
+    client works as against the default: it retries an in-progress key (to its replay), does not retry a reused one,
+    and tells its code."""
+    store, transactional = store_and_mode
+    entered, release = asyncio.Event(), asyncio.Event()
+    runs: Counter[str] = Counter()
+
+    async def charge(request: Request) -> Response:
+        runs[request.headers["idempotency-key"]] += 1
+        entered.set()
+        await release.wait()
+        return JSONResponse({"id": "ch_1"}, status_code=201)
+
+    def heard(event: Event) -> None:
+        if event.outcome is Outcome.IN_PROGRESS:  # the retry met the running original: let it finish
+            release.set()
+
+    app = Starlette(routes=[Route("/charges", charge, methods=["POST"])])
+    app.add_middleware(
+        IdempotencyMiddleware, store=store, transactional=transactional, retry_after=0, on_event=heard, **options
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with AsyncIdempotentClient("http://test", transport=transport, headers=AUTH, retry=FAST) as client:
+        key = str(uuid.uuid4())
+        original = asyncio.create_task(client.post("/charges", json={"amount": 1}, idempotency_key=key))
+        await entered.wait()
+        retried = await client.post("/charges", json={"amount": 1}, idempotency_key=key)
+        assert (await original).status_code == 201
+        reused = await client.post("/charges", json={"amount": 2}, idempotency_key=key)
+    assert retried.outcomes[0] == 409
+    assert (retried.status_code, retried.replayed, retried.problem_code) == (201, True, None)
+    assert reused.outcomes == (options.get("reused_key_status", 422),)  # one attempt: not retried
+    assert reused.problem_code == "idempotency_key_reused"
+    assert runs == Counter({key: 1})
+
+
+def test_the_problem_header_decides_over_the_body_and_retry_after() -> None:
+    request = httpx.Request("POST", "http://test/charges")
+
+    def answer(status: int, headers: dict[str, str], body: dict[str, Any] | None = None) -> httpx.Response:
+        return httpx.Response(status, headers=headers, json=body or {"error": {"code": "conflict"}}, request=request)
+
+    running = answer(409, {"idempotency-problem": IN_PROGRESS})  # no Retry-After (a proxy dropped it)
+    reused = answer(409, {"idempotency-problem": "idempotency_key_reused", "retry-after": "1"})
+    assert client_module.should_retry(running)
+    assert not client_module.should_retry(reused)
+    assert client_module.problem_code(reused) == "idempotency_key_reused"  # not the envelope's "conflict"
+    older = answer(409, {"retry-after": "1"}, {"code": IN_PROGRESS})  # a server without the header
+    assert client_module.should_retry(older)
+    assert client_module.problem_code(older) == IN_PROGRESS
+    assert client_module.problem_code(answer(409, {})) == "conflict"  # Stripe's envelope
+    assert client_module.problem_code(httpx.Response(201, json={"code": "SPRING24"}, request=request)) is None
