@@ -1,7 +1,9 @@
 """Schemathesis as a gate: every check, every phase, against what the OpenAPI schemas promise.
 
-Two targets: a bare FastAPI app behind the middleware (``setup(app)`` applied, a ``MemoryStore``), and the payments
-example on the suite's PostgreSQL. Each runs twice, in process and seeded (30 and 15 examples per operation and
+Three targets: a bare FastAPI app behind the middleware (``setup(app)`` applied, a ``MemoryStore``); the same app
+with the middleware's errors in an envelope of its own and a reused key answered 409 (``problem_renderer=``,
+``reused_key_status=``, the envelope's schema given to ``setup``); and the payments example on the suite's
+PostgreSQL. Each runs twice, in process and seeded (30 and 15 examples per operation and
 phase, about 400 to 1,600 requests and 4 to 11 seconds a run): with a fresh ``Idempotency-Key`` per request, and
 with keys as schemathesis draws them, which repeat (its coverage phase sends ``0`` with every case of an
 operation), so requests meet the records of others and of themselves. Every check schemathesis has runs, stateful
@@ -25,6 +27,7 @@ from urllib.parse import parse_qsl
 import orjson
 import pytest
 from fastapi import FastAPI, HTTPException, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,15 +37,15 @@ from schemathesis.engine import StopReason, events, from_schema  # noqa: E402
 from schemathesis.python import asgi as st_asgi  # noqa: E402
 
 from examples.payments.app import create_app  # noqa: E402
-from idempotency_mw import IdempotencyMiddleware, MemoryStore, idempotent  # noqa: E402
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, Problem, ProblemCode, idempotent  # noqa: E402
 from idempotency_mw._keys import InvalidKey, parse_key  # noqa: E402
 from idempotency_mw.fastapi import setup  # noqa: E402
 
 UUID_KEYS = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 KEY_FORMATS = {"/v1/payouts": UUID_KEYS}  # the bare app's routes with a key_format
 SEED = 1  # another seed draws other requests; the list below holds for seeds 1 to 5
-EXAMPLES = {"bare": 30, "payments": 15}  # per operation and phase: 4 and 14 documented operations
-TARGETS = ("bare", "payments")
+EXAMPLES = {"bare": 30, "envelope": 30, "payments": 15}  # per operation and phase: 4, 4 and 14 operations
+TARGETS = ("bare", "envelope", "payments")
 FORM = "application/x-www-form-urlencoded"
 KEYS = ("fresh", "reused")
 
@@ -69,9 +72,11 @@ class ChargeOut(BaseModel):
     amount: int
 
 
-def bare_app() -> FastAPI:
+def bare_app(**options: Any) -> FastAPI:
     """What a user writes: a create (201, with Location, which schemathesis' stateful phase follows), its reads, a
-    route whose key is required, and one that takes UUID keys only. GET and POST share a path, as FastAPI apps do."""
+    route whose key is required, and one that takes UUID keys only. GET and POST share a path, as FastAPI apps do.
+    ``options``: the middleware's, and ``problem_schema`` for ``setup``."""
+    problem_schema = options.pop("problem_schema", None)
     app = FastAPI(title="bare app behind the middleware")
     charges: dict[str, int] = {}
 
@@ -102,9 +107,38 @@ def bare_app() -> FastAPI:
     async def create_payout(body: Charge) -> ChargeOut:
         return ChargeOut(id="po_" + uuid.uuid4().hex, amount=body.amount)
 
-    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
-    setup(app)
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), **options)
+    setup(app, problem_schema=problem_schema)
     return app
+
+
+# An API's own error envelope (Stripe's shape), for the middleware's errors as much as the app's.
+ENVELOPE_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "additionalProperties": False,
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["type", "code", "message"],
+            "additionalProperties": False,
+            "properties": {
+                "type": {"type": "string", "enum": ["idempotency_error"]},
+                "code": {"type": "string", "enum": [code.value for code in ProblemCode]},
+                "message": {"type": "string"},
+            },
+        }
+    },
+}
+
+
+def envelope(problem: Problem, scope: Scope) -> JSONResponse:
+    error = {"type": "idempotency_error", "code": problem.code, "message": problem.detail}
+    return JSONResponse({"error": error}, status_code=problem.status)
+
+
+def envelope_app() -> FastAPI:
+    return bare_app(problem_renderer=envelope, reused_key_status=409, problem_schema=ENVELOPE_SCHEMA)
 
 
 # -- keys ----------------------------------------------------------------------------------------------------------
@@ -338,13 +372,19 @@ ACCEPTED = [
         "Starlette's router answers a 405 with the methods of the first route whose path matched (Allow: POST on "
         "/v1/charges, which has GET too); the router's answer, not the middleware's (the example's handler fixes "
         "it: allowed_methods)",
-        lambda f: f.target == "bare" and f.status == 405,
+        lambda f: f.target in ("bare", "envelope") and f.status == 405,
     ),
     Deviation(
         "content_type_conformance",
         "FastAPI answers a JSON body it cannot parse with its own 400 {'detail': ...} as application/json, which "
         "FastAPI does not document; the 400 in the schema is the middleware's problem+json",
         lambda f: f.target == "bare" and f.status == 400 and f.detail == "There was an error parsing the body",
+    ),
+    Deviation(
+        "response_schema_conformance",
+        "the same undocumented 400 of FastAPI's, where the app's envelope documents the middleware's 400 as "
+        "application/json too: FastAPI's body is not the envelope",
+        lambda f: f.target == "envelope" and f.status == 400 and f.detail == "There was an error parsing the body",
     ),
 ]
 
@@ -363,7 +403,10 @@ def runs(idempotency_database_url: str) -> Iterator[Callable[[str, str], Run]]:
 
     def get(target: str, keys: str) -> Run:
         if (target, keys) not in done:
-            app = bare_app() if target == "bare" else create_app(idempotency_database_url, pool_size=4)
+            if target == "payments":
+                app: ASGIApp = create_app(idempotency_database_url, pool_size=4)
+            else:
+                app = bare_app() if target == "bare" else envelope_app()
             authorization = f"Bearer sk_test_contract_{uuid.uuid4().hex[:12]}"
             done[target, keys] = run_schemathesis(target, keys, app, authorization)
         return done[target, keys]
@@ -401,3 +444,9 @@ def test_a_keyed_request_for_no_route_gets_the_routers_answer(runs: Callable[[st
     gets the router's 405, not the middleware's answer about the key."""
     unsupported = [f for f in runs(target, "reused").failures if f.check == "unsupported_method"]
     assert unsupported == [], "\n".join(str(f) for f in unsupported)
+
+
+def test_the_envelope_target_answers_a_reused_key_409(runs: Callable[[str, str], Run]) -> None:
+    """The run with the app's envelope met what it is there for: reused keys, answered with the status it chose."""
+    reused = {answer.status for answer in runs("envelope", "reused").answers if answer.code == "idempotency_key_reused"}
+    assert reused == {409}
