@@ -10,9 +10,11 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from fastapi import FastAPI
 from starlette.applications import Starlette
@@ -36,6 +38,7 @@ from idempotency_mw.fastapi import setup
 from idempotency_mw.store import Store
 from idempotency_mw.testing import run_lifespan
 from tests.conftest import client_for
+from tests.test_docs import recipe
 
 HELD = "held-"  # a key that starts so holds its handler until the test lets it go
 
@@ -387,3 +390,27 @@ def test_an_envelopes_schema_without_a_renderer_is_refused() -> None:
     setup(app, problem_schema=ERROR_SCHEMA)
     with pytest.raises(ValueError, match="problem_schema describes the body of a problem_renderer"):
         app.openapi()
+
+
+# -- the guide's recipe --------------------------------------------------------------------------------------------
+
+
+async def test_the_guides_envelope(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idempotency_database_url: str
+) -> None:
+    with recipe("envelope", tmp_path, monkeypatch, DATABASE_URL=idempotency_database_url) as module:
+        key = str(uuid.uuid4())
+        async with run_lifespan(module.app), client_for(module.app, token="sk_test_guide_envelope") as client:
+            first = await client.post("/v1/charges", json={"amount": 5}, headers={"Idempotency-Key": key})
+            reused = await client.post("/v1/charges", json={"amount": 6}, headers={"Idempotency-Key": key})
+            described = orjson.loads((await client.get("/openapi.json")).content)
+        await module.store.close()
+    assert first.status_code == 201
+    assert (reused.status_code, reused.headers["idempotency-problem"]) == (409, "idempotency_key_reused")
+    error = reused.json()["error"]
+    assert (error["type"], error["code"]) == ("idempotency_error", "idempotency_key_reused")
+    assert error["message"].startswith("This Idempotency-Key was already used")
+    documented = described["paths"]["/v1/charges"]["post"]["responses"]["409"]
+    assert "idempotency_key_reused" in documented["description"]
+    assert documented["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/IdempotencyProblem"
+    assert described["components"]["schemas"]["IdempotencyProblem"] == module.ERROR_ENVELOPE
