@@ -273,6 +273,7 @@ def _translate_problems(responses: dict[str, Any]) -> None:
         response["description"] = own
         response["content"] = dict(_ENVELOPE)
         response.get("headers", {}).pop("Retry-After", None)
+        response.get("headers", {}).pop("Idempotency-Problem", None)  # the edge sends Stripe's words, not the code
     for status, translations in landed.items():
         response = responses.setdefault(status, {"content": dict(_ENVELOPE)})
         said = "; ".join(f"{t.meaning} ({t.type}, code {t.code})" for t in translations)
