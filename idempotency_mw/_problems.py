@@ -60,7 +60,7 @@ class Problem:
 
     async def send(self, send: Send) -> None:
         """Send it as ``application/problem+json``."""
-        await _send(send, self.status, [(b"content-type", b"application/problem+json")], self.body(), self)
+        await _send(send, self, [(b"content-type", b"application/problem+json")], self.body())
 
 
 ProblemRenderer = Callable[[Problem, Scope], "Response | Awaitable[Response]"]
@@ -93,7 +93,7 @@ class Envelope:
         if response is None:
             return await problem.send(send)
         headers = [(name, value) for name, value in response.raw_headers if name not in _OWN_HEADERS]
-        await _send(send, problem.status, headers, bytes(response.body), problem)
+        await _send(send, problem, headers, bytes(response.body))
 
     async def _render(self, renderer: ProblemRenderer, problem: Problem, scope: Scope) -> Response | None:
         """The app's rendering of ``problem``, or None when it cannot go out (then the operator hears why, once)."""
@@ -138,9 +138,10 @@ def _unsendable(response: object, problem: Problem) -> str | None:
     return None
 
 
-async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes, problem: Problem) -> None:
+async def _send(send: Send, problem: Problem, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    """``problem`` with ``headers`` (its content type) and ``body``, in whichever envelope they are."""
     headers = [*headers, (b"content-length", str(len(body)).encode()), *problem.headers()]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.start", "status": problem.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -209,42 +209,42 @@ class _Answer:
 
 def _problems(policy: Policy) -> dict[str, _Answer]:
     """The middleware's answers on a covered operation, by status: a reused key's under the route's status."""
-    found: dict[int, list[tuple[ProblemCode, str]]] = {400: [], 409: [], 413: [], 422: [], 503: []}
-    if policy.required:
-        found[400].append((ProblemCode.KEY_MISSING, "Idempotency-Key missing"))
-    found[400].append((ProblemCode.KEY_INVALID, "Idempotency-Key malformed"))
-    found[400].append((ProblemCode.TENANT_UNKNOWN, "sent without the credentials that scope the key"))
-    found[409].append(
+    answers = [
+        *([(400, ProblemCode.KEY_MISSING, "Idempotency-Key missing")] if policy.required else []),
+        (400, ProblemCode.KEY_INVALID, "Idempotency-Key malformed"),
+        (400, ProblemCode.TENANT_UNKNOWN, "sent without the credentials that scope the key"),
         (
+            409,
             ProblemCode.IN_PROGRESS,
-            "a request with this Idempotency-Key is still in progress: retry it after Retry-After seconds, same key",
-        )
-    )
-    found[409].append(
+            "a request with this Idempotency-Key is still in progress: retry after Retry-After seconds, same key",
+        ),
         (
+            409,
             ProblemCode.NOT_REPLAYABLE,
-            "a request with this Idempotency-Key completed but its response cannot be replayed (over the storage "
+            "a request with this Idempotency-Key completed, but its response cannot be replayed (over the storage "
             "limit, or cut short): do not retry",
-        )
-    )
-    found[413].append((ProblemCode.REQUEST_TOO_LARGE, "request body over the idempotency size limit"))
-    found[policy.reused_key_status].append(
-        (ProblemCode.KEY_REUSED, "this Idempotency-Key was used with a different request: do not retry it")
-    )
-    if policy.check_uuid7_age:
-        found[422].append((ProblemCode.KEY_EXPIRED, f"a UUIDv7 key older than the {int(policy.ttl)}-second retention"))
-    found[503].append(
+        ),
+        (413, ProblemCode.REQUEST_TOO_LARGE, "request body over the idempotency size limit"),
+        (policy.reused_key_status, ProblemCode.KEY_REUSED, "this Idempotency-Key was used with another request"),
+        *(
+            [(422, ProblemCode.KEY_EXPIRED, f"a UUIDv7 key older than the {int(policy.ttl)}-second retention")]
+            if policy.check_uuid7_age
+            else []
+        ),
         (
+            503,
             ProblemCode.STORE_UNAVAILABLE,
             "the idempotency store is unavailable, nothing ran: retry after Retry-After seconds with the same key",
-        )
-    )
+        ),
+    ]
+    by_status: dict[int, list[tuple[ProblemCode, str]]] = {}
+    for status, code, text in sorted(answers, key=lambda answer: answer[0]):
+        by_status.setdefault(status, []).append((code, text))
     return {
         str(status): _Answer(
-            [code for code, _ in answers], "; ".join(f"{text} ({code})" for code, text in answers), status in (409, 503)
+            [code for code, _ in found], "; ".join(f"{text} ({code})" for code, text in found), status in (409, 503)
         )
-        for status, answers in found.items()
-        if answers
+        for status, found in by_status.items()
     }
 
 
