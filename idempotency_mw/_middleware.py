@@ -8,7 +8,7 @@ response (``_request.py``, docs/design.md §2).
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -80,6 +80,7 @@ class IdempotencyMiddleware:
         released_statuses: frozenset[int] = RELEASED_STATUSES,
         retry_window: float | None = None,
         check_uuid7_age: bool = False,
+        key_format: str | Callable[[str], bool] | None = None,
         routes: Mapping[str, Mapping[str, Any]] | None = None,
         on_event: EventHook | None = log_event,
         retry_after: int = 1,
@@ -111,6 +112,7 @@ class IdempotencyMiddleware:
             methods=methods,  # type: ignore[arg-type]  # a collection; Policy checks and freezes it
             retry_window=retry_window,
             check_uuid7_age=check_uuid7_age,
+            key_format=key_format,
             fingerprint_exclude=fingerprint_exclude,  # type: ignore[arg-type]  # a collection; Policy freezes it
             on_conflict=on_conflict,
             wait=wait,

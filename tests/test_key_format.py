@@ -115,3 +115,23 @@ async def test_openapi_documents_the_format_of_each_route() -> None:
     assert f"takes keys that match {UUID_KEYS}" in str(payouts["description"])
     assert charges["schema"]["pattern"] != payouts["schema"]["pattern"]
     assert "takes keys that match" not in str(charges["description"])
+
+
+async def test_an_app_wide_key_format_is_a_middleware_setting(store_and_mode: tuple[Store, bool]) -> None:
+    """``key_format=`` on the middleware holds on every route that does not name its own."""
+    store, transactional = store_and_mode
+    runs: Counter[str] = Counter()
+
+    async def charges(request: Request) -> Response:
+        runs["charges"] += 1
+        return JSONResponse({"id": "ch_1"}, status_code=201)
+
+    app = Starlette(routes=[Route("/v1/charges", charges, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=transactional, key_format=long_enough)
+    async with client_for(app) as client:
+        short = await client.post("/v1/charges", headers={"Idempotency-Key": "k" + uuid.uuid4().hex[:8]})
+        assert short.status_code == 400
+        assert short.json()["code"] == "idempotency_key_invalid"
+        fine = await client.post("/v1/charges", headers={"Idempotency-Key": uuid.uuid4().hex})
+        assert fine.status_code == 201
+    assert runs["charges"] == 1
