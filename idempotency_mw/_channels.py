@@ -6,6 +6,11 @@ message as it comes (the live response streams as if we were not there; only the
 first body message, to leave with it) or holds them until the answer is decided (transactional mode: nothing
 reaches the client before the record has committed).
 
+A recorded answer goes out with one header that is not recorded: ``Idempotency-Expires``, the record's expiry as an
+HTTP-date, until when a retry with the key gets this answer again. The live response gains it as its start goes on
+(the owner says whether its answer is recorded), a replay after the stored headers; so a replay is the live
+response as it went out, plus ``Idempotent-Replayed: true``.
+
 The request body of a covered request: read once, under a cap, to be fingerprinted; then handed to the handler
 as it came, once, before the real channel (which still tells of a client that hangs up).
 """
@@ -15,6 +20,8 @@ from __future__ import annotations
 import enum
 import inspect
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qsl
@@ -23,11 +30,41 @@ import orjson
 from starlette.types import Message, Receive, Scope, Send
 
 from idempotency_mw._keys import InvalidKey
-from idempotency_mw._wire import REPLAYED_HEADER
+from idempotency_mw._wire import EXPIRES_HEADER, REPLAYED_HEADER
 from idempotency_mw.store import Headers, StoredResponse
 
 REPLAYED = (REPLAYED_HEADER.lower().encode("ascii"), b"true")
+EXPIRES = EXPIRES_HEADER.lower().encode("ascii")
 logger = logging.getLogger("idempotency_mw")
+
+_DAYS = (b"Mon", b"Tue", b"Wed", b"Thu", b"Fri", b"Sat", b"Sun")
+_MONTHS = (b"Jan", b"Feb", b"Mar", b"Apr", b"May", b"Jun", b"Jul", b"Aug", b"Sep", b"Oct", b"Nov", b"Dec")
+
+
+def http_date(epoch: float) -> bytes:
+    """``epoch`` as an IMF-fixdate (RFC 9110 §5.6.7), rounded down to the second: a client that trusts it is never
+    told of a time later than the one it stands for."""
+    t = time.gmtime(math.floor(epoch))
+    return b"%s, %02d %s %04d %02d:%02d:%02d GMT" % (
+        _DAYS[t.tm_wday], t.tm_mday, _MONTHS[t.tm_mon - 1], t.tm_year, t.tm_hour, t.tm_min, t.tm_sec,
+    )  # fmt: skip
+
+
+Added = tuple[tuple[bytes, bytes], ...]  # headers a response gains on its way out, never recorded
+_last_expiry: tuple[int, Added] = (-1, ())  # the second last asked for, and its header
+
+
+def expiry(expires_at: float | None) -> Added:
+    """The ``Idempotency-Expires`` header of a record that expires at ``expires_at`` (none when the store does not
+    say). The last one is kept: fresh requests of one second (their claim's time plus the ttl) share it."""
+    global _last_expiry
+    if expires_at is None:
+        return ()
+    second = math.floor(expires_at)
+    last = _last_expiry
+    if last[0] != second:
+        last = _last_expiry = (second, ((EXPIRES, http_date(second)),))
+    return last[1]
 
 
 # ASGI extensions that send a response's body around ``send`` (a file by its path), where it could not be recorded:
@@ -75,6 +112,7 @@ class ResponseRecorder:
         self.headers: Headers = []
         self.body_size = 0
         self.finished = False  # the final body message went through
+        self.started = False  # the response start went on
         self.capturable = True  # False once a message came that the recorder cannot store (then: no body)
 
     @property
@@ -119,13 +157,17 @@ class ResponseRecorder:
             return None, decide
         return message, decide
 
-    async def forward(self, message: Message) -> None:
-        """Send what waited, then ``message``."""
+    async def forward(self, message: Message, added: Added = ()) -> None:
+        """Send what waited, then ``message``. ``added``: headers the response start gains on its way, which are
+        not recorded (the record's expiry); the owner asks for them only while the start has not gone on."""
         self._hold = False  # decided, or never held: what waits goes first
         if self._held:
             for waiting in self._held:
+                if added and waiting["type"] == "http.response.start":
+                    waiting = {**waiting, "headers": [*waiting["headers"], *added]}
                 await self._send(waiting)
             self._held.clear()
+            self.started = True
         await self._send(message)
 
     def stored_response(self) -> StoredResponse:
@@ -137,15 +179,17 @@ class ResponseRecorder:
         return StoredResponse(self.status, self.headers, body, self.body_size)
 
 
-async def replay(response: StoredResponse, send: Send) -> None:
-    """Send a stored response exactly as first sent, plus ``Idempotent-Replayed: true``.
+async def replay(response: StoredResponse, send: Send, expires_at: float | None = None) -> None:
+    """Send a stored response exactly as first sent (with the record's expiry, ``expires_at``, as the first answer
+    had it), plus ``Idempotent-Replayed: true``.
 
     A body the app streamed without a ``Content-Length`` went out chunked; sent back in one final message, some
     servers (Granian) would frame it with a ``Content-Length`` instead. An empty final message after it keeps the
     framing the client first saw.
     """
     assert response.body is not None
-    await send({"type": "http.response.start", "status": response.status, "headers": [*response.headers, REPLAYED]})
+    headers = [*response.headers, *expiry(expires_at), REPLAYED]
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
     if response.body and not any(name.lower() == b"content-length" for name, _ in response.headers):
         await send({"type": "http.response.body", "body": response.body, "more_body": True})
         await send({"type": "http.response.body", "body": b""})

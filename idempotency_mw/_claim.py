@@ -58,9 +58,10 @@ logger = logging.getLogger("idempotency_mw")
 class OwnedClaim:
     """The claim of ``(tenant, key)`` under ``fence``, the request's until it settles: its lease renewed meanwhile
     (by ``leases``), then :meth:`complete` or :meth:`release`, which say how it ended. ``store_seconds`` is the
-    time its settlement spent waiting on the store."""
+    time its settlement spent waiting on the store; ``expires_at`` when its record expires, as the store said when
+    it was claimed (a renewal only ever moves that later), or None."""
 
-    __slots__ = ("_failures", "_lease", "_leases", "fence", "key", "store", "store_seconds", "tenant")
+    __slots__ = ("_failures", "_lease", "_leases", "expires_at", "fence", "key", "store", "store_seconds", "tenant")
 
     def __init__(
         self,
@@ -72,8 +73,10 @@ class OwnedClaim:
         lease: float,
         leases: LeaseKeeper,
         failures: FailureLog,
+        expires_at: float | None = None,
     ) -> None:
         self.store, self.tenant, self.key, self.fence = store, tenant, key, fence
+        self.expires_at = expires_at
         self.store_seconds = 0.0
         self._failures = failures
         self._leases = leases
@@ -394,7 +397,7 @@ class Ask:
             return claim
         response = earlier.response if earlier.same_request else None
         if response is not None and await store.complete(self.tenant, self.key, claim.fence, response):
-            return Claim(ClaimOutcome.COMPLETED, fence=claim.fence, response=response)
+            return Claim(ClaimOutcome.COMPLETED, fence=claim.fence, response=response, expires_at=claim.expires_at)
         await store.release(self.tenant, self.key, claim.fence)
         outcome = ClaimOutcome.IN_PROGRESS if earlier.same_request else ClaimOutcome.MISMATCH
         return Claim(outcome, fence=claim.fence)

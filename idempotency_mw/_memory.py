@@ -87,14 +87,16 @@ class MemoryStore:
             expires = now + max(ttl, lease)
             self._records[(tenant, key)] = _Record(fingerprint, fence, now, expires, now + lease, request=request)
             self._push(expires, (tenant, key))
-            return Claim(ClaimOutcome.OWNED, fence=fence, attempts=attempts)
+            return Claim(ClaimOutcome.OWNED, fence=fence, attempts=attempts, expires_at=expires)
         same = record.fingerprint == fingerprint or record.fingerprint in matching
         if same and record.response is not None:
             # A replay is not an attempt; its count is inspect's (PostgreSQL writes it in batches, not per replay).
             record.replays += 1
             record.last_replayed_at = now
             response = self._opened(tenant, key, record.response)
-            return Claim(ClaimOutcome.COMPLETED, response=response, attempts=record.attempts)
+            return Claim(
+                ClaimOutcome.COMPLETED, response=response, attempts=record.attempts, expires_at=record.expires_at
+            )
         record.attempts += 1
         attempts = record.attempts
         if not same:
@@ -106,7 +108,7 @@ class MemoryStore:
             record.fence = next(self._fences)
             record.lease_expires_at = now + lease
             self._extend(tenant, key, record)
-            return Claim(ClaimOutcome.OWNED, fence=record.fence, attempts=attempts)
+            return Claim(ClaimOutcome.OWNED, fence=record.fence, attempts=attempts, expires_at=record.expires_at)
         return Claim(ClaimOutcome.IN_PROGRESS, fence=record.fence, attempts=attempts)
 
     def _held(self, tenant: str, key: str, fence: int) -> _Record | None:

@@ -14,7 +14,7 @@ import enum
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from idempotency_mw._channels import ResponseRecorder
+from idempotency_mw._channels import Added, ResponseRecorder, expiry
 from idempotency_mw._claim import OwnedClaim, outlasting, start_eagerly
 from idempotency_mw._context import NOT_EXECUTED_KEY
 from idempotency_mw._events import Outcome
@@ -75,11 +75,25 @@ class PlainRun:
         """The handler's ``send``: copy each message, and settle before the final body message goes on."""
         if self.state is State.PASSING:
             return await self._send_on(message)
-        going, decide = self.recorder.record(message)
+        recorder = self.recorder
+        going, decide = recorder.record(message)
         if decide:
             await self._settle()
         if going is not None:
-            await self.recorder.forward(going)
+            await recorder.forward(going, () if recorder.started else self._expiry())
+
+    def _expiry(self) -> Added:
+        """The record's expiry, for the response start to carry, when the answer is recorded: settled as completed
+        (a response whose first body message is its last), or, streamed, with a status that will be recorded."""
+        owned, outcome = self._owned, self.outcome
+        if owned is None:
+            return ()
+        if outcome is not None:  # settled
+            return expiry(owned.expires_at) if outcome[0] is Outcome.EXECUTED else ()
+        state = self._scope.get("state", {}) if self._scope is not None else {}
+        if self.recorder.status in self._policy.recorded and not state.get(NOT_EXECUTED_KEY):
+            return expiry(owned.expires_at)
+        return ()
 
     async def _settle(self) -> None:
         """Settle once: in a task of its own, waited for through ``outlasting``, so that a request cancelled while

@@ -303,7 +303,7 @@ class IdempotentRequest:
         assert self.ask.key is not None
         middleware = self.middleware
         return OwnedClaim(
-            middleware.store, self.ask.tenant, self.ask.key, claim.fence,
+            middleware.store, self.ask.tenant, self.ask.key, claim.fence, expires_at=claim.expires_at,
             lease=self.policy.lease, leases=middleware.leases, failures=middleware.failures,
         )  # fmt: skip
 
@@ -329,7 +329,7 @@ class IdempotentRequest:
         if middleware.on_replay is not None:
             response = await replayed(middleware.on_replay, self.scope, response)
         self._decide(Outcome.REPLAYED, response.status)
-        await replay(response, self.send)
+        await replay(response, self.send, claim.expires_at)
 
     # -- 5. and 6. running the handler, then recording or releasing -----------------------------------------
 

@@ -28,7 +28,7 @@ import sys
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from idempotency_mw._channels import ResponseRecorder
+from idempotency_mw._channels import ResponseRecorder, expiry
 from idempotency_mw._claim import OwnedClaim, outlasting
 from idempotency_mw._context import NOT_EXECUTED_KEY
 from idempotency_mw._events import Outcome
@@ -59,6 +59,7 @@ ENDS = frozenset(
     {State.COMMITTED, State.RECORDED, State.ROLLED_BACK, State.FENCED_OUT, State.UNAVAILABLE, State.REFUSED}
 )
 DID_NOT_COMMIT = frozenset({State.FENCED_OUT, State.UNAVAILABLE, State.REFUSED})
+KEPT = frozenset({State.COMMITTED, State.RECORDED})  # the answer is recorded: a retry gets it again
 STEPS = {
     State.IDLE: frozenset({State.OPEN, State.UNAVAILABLE}),
     State.OPEN: frozenset({State.SETTLING, *ENDS}),
@@ -224,11 +225,16 @@ class TransactionalRun:
         if message["type"] == "http.response.start":
             handling = sys.exception()  # an exception handler sends its response inside its ``except`` block
             self._answers_an_exception = handling is not None and handling is not self._outer_exception
-        going, decide = self.recorder.record(message)
+        recorder = self.recorder
+        going, decide = recorder.record(message)
         if decide:
             await self._settle()
-        if going is not None:
-            await self.recorder.forward(going)
+        if going is not None:  # decided: a start that goes on now carries the record's expiry, if it was recorded
+            owned = self._owned
+            if owned is None or recorder.started or self.state not in KEPT:
+                await recorder.forward(going)
+            else:
+                await recorder.forward(going, expiry(owned.expires_at))
 
     async def _settle(self) -> None:
         """The response is complete (or outgrew what may be held): decide, once, whether it may go out.

@@ -11,6 +11,7 @@ import enum
 KEY_HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "Idempotent-Replayed"  # "true" on a replayed response
 PROBLEM_HEADER = "Idempotency-Problem"  # the ProblemCode of every answer the middleware gives itself, whatever its body
+EXPIRES_HEADER = "Idempotency-Expires"  # on a recorded answer, live or replayed: the record's expiry, an HTTP-date
 MAX_KEY_LENGTH = 255  # characters of a key, after unquoting
 
 

@@ -73,6 +73,9 @@ class Claim:
     # MISMATCH only: the record's fingerprint when it is a bare SHA-256, written before fingerprints were keyed; the
     # caller compares it with the request's own digest, and claims again with it among ``matching`` if they agree.
     unkeyed: bytes | None = None
+    # OWNED and COMPLETED: when the record expires (epoch seconds), as the store wrote it (a lease taken over keeps the
+    # record's expiry); sent to the client as Idempotency-Expires. None from a store that does not tell: no header.
+    expires_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,25 @@ async def test_a_key_forgotten_and_claimed_again_lives_by_its_new_expiry() -> No
     assert info.fence == again.fence
 
 
+async def test_a_claim_says_when_its_record_expires() -> None:
+    """A claim that is the request's, and one that replays, carry the record's expiry (the Idempotency-Expires
+    header): a lease taken over keeps the record's first expiry, not a new ttl from now."""
+    clock = Clock()
+    store = MemoryStore(clock=clock)
+    fresh = await store.claim("t", "k", FP, lease=5, ttl=10)
+    assert fresh.expires_at == 1010.0
+    clock.now += 6  # the lease lapsed: the retry takes it over, and the record still expires at +10
+    taken = await store.claim("t", "k", FP, lease=5, ttl=10)
+    assert (taken.outcome, taken.expires_at) == (ClaimOutcome.OWNED, 1011.0)  # moved past the new lease only
+    assert await store.complete("t", "k", taken.fence, StoredResponse(201, [], b"done", 4))
+    replay = await store.claim("t", "k", FP, lease=5, ttl=10)
+    info = await store.inspect("t", "k")
+    assert info is not None
+    assert (replay.outcome, replay.expires_at) == (ClaimOutcome.COMPLETED, info.expires_at)
+    clock.now += 1
+    assert (await store.claim("t", "k", b"o" * 32, lease=5, ttl=10)).expires_at is None  # a 422 tells nothing
+
+
 async def test_purge_takes_at_most_a_batch_and_the_oldest_first() -> None:
     clock = Clock()
     store = MemoryStore(clock=clock)

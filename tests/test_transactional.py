@@ -34,6 +34,7 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, StoredResponse, idempotency_context
+from idempotency_mw._channels import http_date
 from idempotency_mw._events import Event, Outcome
 from idempotency_mw.sqlalchemy import SQLAlchemyStore, idempotency_session
 from idempotency_mw.store import TransactionEnded
@@ -310,6 +311,9 @@ async def test_effect_and_record_commit_together(isolated_flavour: Flavour) -> N
     info = await flavour.store.inspect(tenant_of(), key)
     assert info is not None
     assert (info.state, info.lease_expires_at) == ("completed", None)  # inspect shows no lease on a completed record
+    # The record's expiry, rounded down to the second, on the answer and its replay (tests/test_expiry.py).
+    dated = http_date(info.expires_at).decode()
+    assert first.headers["idempotency-expires"] == again.headers["idempotency-expires"] == dated
 
 
 @pytest.mark.parametrize("note", ["raise", "500"])
@@ -354,6 +358,7 @@ async def test_fenced_out_completion_rolls_back_the_handlers_writes(isolated_fla
         # The zombie's completion sees the takeover: fenced out, and its effect rolls back with it.
         assert response.status_code == 409
         assert response.json()["code"] == "idempotency_request_in_progress"
+        assert "idempotency-expires" not in response.headers
         assert await flavour.effects(key) == 0
         info = await flavour.store.inspect(record["tenant"], key)
         assert info is not None
@@ -539,6 +544,7 @@ async def test_response_over_the_cap_commits_before_streaming(flavour: Flavour) 
     client = client_for(build(flavour, Gate(), max_response_bytes=1000))
     live = await client.post("/write?note=big", headers={"Idempotency-Key": key})
     assert live.content == b"y" * 5000
+    assert "idempotency-expires" in live.headers  # recorded (without its body): the key holds until then
     retry = await client.post("/write?note=big", headers={"Idempotency-Key": key})
     assert retry.status_code == 409
     assert retry.json()["code"] == "idempotency_response_not_replayable"
@@ -602,6 +608,7 @@ async def test_an_exception_turned_into_a_response_rolls_back_and_is_recorded(
     assert retry.headers["idempotent-replayed"] == "true"
     assert (retry.status_code, retry.content) == (status, first.content)
     assert await flavour.effects(key) == 0
+    assert first.headers["idempotency-expires"] == retry.headers["idempotency-expires"]  # recorded outside it
 
 
 async def test_a_returned_4xx_commits_the_handlers_writes(flavour: Flavour) -> None:

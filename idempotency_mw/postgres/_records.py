@@ -283,14 +283,14 @@ def claim_from_row(row: asyncpg.Record, tenant: str, key: str, cipher: ResponseC
     """The answer of the claim statements for ``(tenant, key)``."""
     attempts = row["attempts"]
     if row["owned"]:
-        return Claim(ClaimOutcome.OWNED, fence=row["fence"], attempts=attempts)
+        return Claim(ClaimOutcome.OWNED, fence=row["fence"], attempts=attempts, expires_at=row["expires_at"])
     if not row["same_request"]:
         unkeyed = row["unkeyed"]
         return Claim(ClaimOutcome.MISMATCH, attempts=attempts, unkeyed=None if unkeyed is None else bytes(unkeyed))
     if not row["completed"]:
         return Claim(ClaimOutcome.IN_PROGRESS, fence=row["fence"], attempts=attempts)
     response = response_from_row(row, tenant, key, cipher)
-    return Claim(ClaimOutcome.COMPLETED, response=response, attempts=attempts)
+    return Claim(ClaimOutcome.COMPLETED, response=response, attempts=attempts, expires_at=row["expires_at"])
 
 
 def response_from_row(

@@ -481,6 +481,37 @@ async def test_every_answer_but_a_takeover_is_one_statement(migrated_url: str, m
         assert statements["claim_locked"] == 0
 
 
+async def test_a_claim_says_when_its_record_expires_from_each_statement(migrated_url: str) -> None:
+    """The claim carries the record's expires_at as the database wrote it (the Idempotency-Expires header), from
+    claim and from claim_or_take_over: a fresh record's, a lapsed lease's taken over (its first expiry, not a new
+    ttl from now), a replay's; no extra statement. (claim_locked: the race test below.)"""
+    async with PostgresStore(migrated_url, min_size=1, max_size=2) as store:
+
+        async def expiry() -> float:
+            record = await store.inspect("t", "dated")
+            assert record is not None
+            return record.expires_at
+
+        fresh = await store.claim("t", "dated", FINGERPRINT, lease=30, ttl=3600)
+        assert fresh.expires_at == await expiry()
+        assert fresh.expires_at is not None
+        assert abs(fresh.expires_at - (time.time() + 3600)) < 60
+        await fetch(
+            migrated_url,
+            "UPDATE idempotency_records SET lease_expires_at = now() - interval '1 s', "
+            "expires_at = now() + interval '600 s'",
+        )
+        taken = await store.claim("t", "dated", FINGERPRINT, lease=30, ttl=3600)
+        assert taken.outcome is ClaimOutcome.OWNED
+        assert taken.expires_at == await expiry()
+        assert taken.expires_at is not None
+        assert taken.expires_at < time.time() + 1200  # not now + ttl
+        assert await store.complete("t", "dated", taken.fence, RESPONSE)
+        replay = await store.claim("t", "dated", FINGERPRINT, lease=30, ttl=3600)
+        assert (replay.outcome, replay.expires_at) == (ClaimOutcome.COMPLETED, await expiry())
+        assert (await store.claim("t", "dated", b"other" * 4, lease=30, ttl=3600)).expires_at is None  # a 422
+
+
 async def test_a_claim_that_meets_an_insert_committed_after_its_snapshot_still_answers(migrated_url: str) -> None:
     """claim's INSERT waits for a concurrent insert of the key and then does nothing, while the rest of the statement
     reads the snapshot taken before that insert committed, so it finds no row. claim_or_take_over then reads a newer
@@ -542,6 +573,9 @@ async def test_a_claim_that_meets_a_completion_committed_after_its_snapshot_stil
             await committed[0]
             assert (claim.outcome, claim.response) == (ClaimOutcome.COMPLETED, RESPONSE)
             assert statements["claim_locked"] == 1
+            record = await store.inspect("t", "raced")
+            assert record is not None
+            assert claim.expires_at == record.expires_at
     finally:
         await other.close()
 

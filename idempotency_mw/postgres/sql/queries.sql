@@ -30,6 +30,8 @@
 -- only a digest already stored in the table is ever sent back to it.
 -- $1 tenant, $2 key, $3 fingerprints, $4 lease seconds, $5 ttl seconds (at least $4, see renew), $6 fence,
 -- $7 synchronous_commit, $8 the request (method and route template, for inspect)
+-- A record that is this request's, or that it replays, comes back with its expires_at (the Idempotency-Expires
+-- header): set here, when the record is claimed, and moved only by a renewal or a takeover (never by a completion).
 WITH commit_setting AS MATERIALIZED (
     SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
 ), inserted AS (
@@ -38,9 +40,10 @@ WITH commit_setting AS MATERIALIZED (
     SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5), $8
     FROM commit_setting
     ON CONFLICT (tenant, key) DO NOTHING
-    RETURNING r.fence, r.attempts
+    RETURNING r.fence, r.attempts, r.expires_at
 ), existing AS (
-    SELECT r.fence, r.fingerprint, r.attempts, r.expires_at <= now() AS expired, s.key IS NOT NULL AS completed,
+    SELECT r.fence, r.fingerprint, r.attempts, r.expires_at, r.expires_at <= now() AS expired,
+           s.key IS NOT NULL AS completed,
            s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
     FROM {schema}.idempotency_records AS r
     LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
@@ -54,15 +57,16 @@ WITH commit_setting AS MATERIALIZED (
 )
 SELECT true AS owned, false AS completed, true AS same_request, i.attempts,
        NULL::smallint AS status, NULL::jsonb AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
-       NULL::bytea AS sealed, NULL::text AS sealed_with, i.fence, NULL::bytea AS unkeyed
+       NULL::bytea AS sealed, NULL::text AS sealed_with, i.fence, NULL::bytea AS unkeyed,
+       extract(epoch FROM i.expires_at)::float8 AS expires_at
 FROM inserted AS i
 UNION ALL
 SELECT false, c.completed, c.fingerprint = ANY ($3), c.attempts, NULL, NULL, NULL, NULL, NULL, NULL, c.fence,
-       CASE WHEN length(c.fingerprint) = 32 AND c.fingerprint <> ALL ($3) THEN c.fingerprint END
+       CASE WHEN length(c.fingerprint) = 32 AND c.fingerprint <> ALL ($3) THEN c.fingerprint END, NULL
 FROM counted AS c
 UNION ALL
 SELECT false, true, true, e.attempts, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with, e.fence,
-       NULL
+       NULL, extract(epoch FROM e.expires_at)::float8
 FROM existing AS e
 WHERE e.completed AND e.fingerprint = ANY ($3) AND NOT e.expired;
 
@@ -88,9 +92,10 @@ WITH commit_setting AS MATERIALIZED (
     SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5), $8
     FROM commit_setting
     ON CONFLICT (tenant, key) DO NOTHING
-    RETURNING r.fence, r.fingerprint, r.attempts
+    RETURNING r.fence, r.fingerprint, r.attempts, r.expires_at
 ), existing AS (
-    SELECT r.fence, r.fingerprint, r.attempts, r.expires_at <= now() AS expired, s.key IS NOT NULL AS completed,
+    SELECT r.fence, r.fingerprint, r.attempts, r.expires_at, r.expires_at <= now() AS expired,
+           s.key IS NOT NULL AS completed,
            s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
     FROM {schema}.idempotency_records AS r
     LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
@@ -115,7 +120,7 @@ WITH commit_setting AS MATERIALIZED (
     FROM existing AS e
     WHERE r.tenant = $1 AND r.key = $2
       AND NOT (e.completed AND r.fingerprint = ANY ($3) AND r.expires_at > now())
-    RETURNING r.fence, r.fingerprint, r.attempts, r.lease_expires_at IS NULL AS ended,
+    RETURNING r.fence, r.fingerprint, r.attempts, r.expires_at, r.lease_expires_at IS NULL AS ended,
               e.completed, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with,
               e.fence AS previous_fence
 ), woken AS (
@@ -125,17 +130,18 @@ WITH commit_setting AS MATERIALIZED (
     FROM updated AS u
     WHERE u.fence = $6 AND u.previous_fence <> $6 AND u.attempts > 1
 ), found AS (
-    SELECT i.fence, i.fingerprint, i.attempts, false AS completed,
+    SELECT i.fence, i.fingerprint, i.attempts, i.expires_at, false AS completed,
            NULL::smallint AS status, NULL::jsonb AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
            NULL::bytea AS sealed, NULL::text AS sealed_with
     FROM inserted AS i
     UNION ALL
-    SELECT u.fence, u.fingerprint, u.attempts, u.completed AND u.fence <> $6, u.status, u.headers, u.body, u.body_size,
-           u.sealed, u.sealed_with
+    SELECT u.fence, u.fingerprint, u.attempts, u.expires_at, u.completed AND u.fence <> $6, u.status, u.headers, u.body,
+           u.body_size, u.sealed, u.sealed_with
     FROM updated AS u
     WHERE u.fence = $6 OR u.completed OR NOT u.ended  -- ended, but not completed in the snapshot: a race
     UNION ALL
-    SELECT e.fence, e.fingerprint, e.attempts, true, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with
+    SELECT e.fence, e.fingerprint, e.attempts, e.expires_at, true, e.status, e.headers, e.body, e.body_size, e.sealed,
+           e.sealed_with
     FROM existing AS e
     WHERE NOT EXISTS (SELECT FROM updated) AND e.completed AND NOT e.expired AND e.fingerprint = ANY ($3)
 )
@@ -153,7 +159,8 @@ SELECT
     CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.sealed END AS sealed,
     CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.sealed_with END AS sealed_with,
     f.fence,
-    CASE WHEN length(f.fingerprint) = 32 AND f.fingerprint <> ALL ($3) THEN f.fingerprint END AS unkeyed
+    CASE WHEN length(f.fingerprint) = 32 AND f.fingerprint <> ALL ($3) THEN f.fingerprint END AS unkeyed,
+    extract(epoch FROM f.expires_at)::float8 AS expires_at  -- read by the store for a claim it owns or replays
 FROM found AS f, (SELECT count(*) FROM woken) AS notified;  -- a SELECT in WITH runs only where it is read
 
 -- name: claim_locked
@@ -191,7 +198,7 @@ WITH commit_setting AS MATERIALIZED (
         request          = CASE WHEN r.expires_at <= now() THEN excluded.request ELSE r.request END,
         replays          = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.replays END,
         last_replayed_at = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.last_replayed_at END
-    RETURNING r.fence, r.fingerprint, r.attempts
+    RETURNING r.fence, r.fingerprint, r.attempts, r.expires_at
 )
 SELECT
     c.fence = $6 AS owned,
@@ -205,7 +212,8 @@ SELECT
     CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN s.sealed END AS sealed,
     CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN s.sealed_with END AS sealed_with,
     c.fence,
-    CASE WHEN length(c.fingerprint) = 32 AND c.fingerprint <> ALL ($3) THEN c.fingerprint END AS unkeyed
+    CASE WHEN length(c.fingerprint) = 32 AND c.fingerprint <> ALL ($3) THEN c.fingerprint END AS unkeyed,
+    extract(epoch FROM c.expires_at)::float8 AS expires_at
 FROM claimed AS c LEFT JOIN response AS s ON true;
 
 -- name: renew
