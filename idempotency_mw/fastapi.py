@@ -35,7 +35,7 @@ from idempotency_mw._keys import TenantFromApp
 from idempotency_mw._middleware import IdempotencyMiddleware
 from idempotency_mw._policy import Policy, idempotent, iter_routes
 from idempotency_mw._problems import TYPE_BASE
-from idempotency_mw._wire import MAX_KEY_LENGTH, PROBLEM_HEADER, ProblemCode
+from idempotency_mw._wire import EXPIRES_HEADER, MAX_KEY_LENGTH, PROBLEM_HEADER, ProblemCode
 
 
 class TenantDependency(TenantFromApp):
@@ -197,6 +197,18 @@ RETRY_AFTER = {
 }
 PROBLEM_REF = {"$ref": "#/components/schemas/IdempotencyProblem"}
 
+# Idempotency-Expires, as _channels.http_date writes it: an IMF-fixdate (RFC 9110 §5.6.7).
+_DAY, _MONTH = "(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)", "(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
+EXPIRES = {
+    "description": "Until when a retry with the same Idempotency-Key and the same request gets this answer again (an "
+    "HTTP-date, rounded down to the second): the expiry of the answer's record. On an answer that is recorded, the "
+    "first time and on every replay; never on one that frees the key",
+    "schema": {
+        "type": "string",
+        "pattern": f"^{_DAY}, [0-9]{{2}} {_MONTH} [0-9]{{4}} [0-9]{{2}}:[0-9]{{2}}:[0-9]{{2}} GMT$",
+    },
+}
+
 
 @dataclass(frozen=True)
 class _Answer:
@@ -263,7 +275,7 @@ def document(
     problem_schema: Mapping[str, Any] | None = None,
     problem_media_type: str = "application/json",
 ) -> dict[str, Any]:
-    """Add the Idempotency-Key header, the replay header and the problem responses to covered operations (see
+    """Add the Idempotency-Key header, the replay headers (Idempotent-Replayed, Idempotency-Expires) and the problem responses to covered operations (see
     :func:`setup` for ``problem_schema`` and ``problem_media_type``)."""
     middleware = _built_middleware(app)
     if middleware is None:
@@ -324,10 +336,12 @@ def _document_operation(operation: dict[str, Any], policy: Policy, media_type: s
     responses = operation.setdefault("responses", {})
     for status, response in responses.items():  # the app's own answers: the middleware's are never replayed
         if _may_be_replayed(status, policy):
-            response.setdefault("headers", {})["Idempotent-Replayed"] = {
+            headers = response.setdefault("headers", {})
+            headers["Idempotent-Replayed"] = {
                 "description": "Present and true when this response is a replay of the original",
                 "schema": {"type": "string", "enum": ["true"]},
             }
+            headers[EXPIRES_HEADER] = EXPIRES
     for status, answer in _problems(policy).items():
         description = answer.description
         entry = responses.get(status)

@@ -162,19 +162,20 @@ def _replay_app(**policy: Any) -> FastAPI:
     return app
 
 
-def _replay_documented(app: FastAPI) -> set[str]:
+def _replay_documented(app: FastAPI, header: str = "Idempotent-Replayed") -> set[str]:
     responses = app.openapi()["paths"]["/v1/payments"]["post"]["responses"]
-    return {status for status, response in responses.items() if "Idempotent-Replayed" in response.get("headers", {})}
+    return {status for status, response in responses.items() if header in response.get("headers", {})}
 
 
-def test_the_replay_header_is_documented_on_every_status_the_policy_records() -> None:
+@pytest.mark.parametrize("header", ["Idempotent-Replayed", "Idempotency-Expires"])
+def test_the_replay_headers_are_documented_on_every_status_the_policy_records(header: str) -> None:
     # 302, 402 and 4XX are recorded, so a retry may get them replayed; 307, 404, 429 and 5xx are released, and the
     # middleware's own answers (400, 409, 413, 422, 503 here) are never recorded.
-    assert _replay_documented(_replay_app()) == {"201", "302", "402", "4XX"}
-    assert _replay_documented(_replay_app(released_statuses=RELEASED_STATUSES | {302, 402})) == {"201", "4XX"}
+    assert _replay_documented(_replay_app(), header) == {"201", "302", "402", "4XX"}
+    assert _replay_documented(_replay_app(released_statuses=RELEASED_STATUSES | {302, 402}), header) == {"201", "4XX"}
 
 
-async def test_a_replayed_402_carries_the_replay_header_it_is_documented_with() -> None:
+async def test_a_replayed_402_carries_the_replay_headers_it_is_documented_with() -> None:
     app = _replay_app()
     client = client_for(app)
     key = str(uuid.uuid4())
@@ -184,6 +185,9 @@ async def test_a_replayed_402_carries_the_replay_header_it_is_documented_with() 
     assert "idempotent-replayed" not in first.headers
     assert again.headers["idempotent-replayed"] == "true"
     assert "402" in _replay_documented(app)
+    documented = app.openapi()["paths"]["/v1/payments"]["post"]["responses"]["402"]["headers"]["Idempotency-Expires"]
+    for answer in (first, again):  # the live answer and its replay, as the schema says
+        assert re.fullmatch(documented["schema"]["pattern"], answer.headers["idempotency-expires"])
 
 
 # -- the documented Idempotency-Key schema is the key the parser accepts -------------------------------------------
