@@ -92,7 +92,8 @@ def test_a_cookie_name_is_checked() -> None:
 async def test_the_documented_cors_setup(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idempotency_database_url: str
 ) -> None:
-    """The preflight allows the key (and never reaches the middleware); a page can read the replay marker."""
+    """The preflight allows the key (and never reaches the middleware); a page can read the replay marker and the
+    key's expiry."""
     with recipe("browsers", tmp_path, monkeypatch, DATABASE_URL=idempotency_database_url) as module:
         origin = {"Origin": "https://shop.example"}
         transport = httpx.ASGITransport(app=module.app)
@@ -120,4 +121,6 @@ async def test_the_documented_cors_setup(
     exposed = again.headers["access-control-expose-headers"].lower()
     assert "idempotent-replayed" in exposed
     assert "retry-after" in exposed
+    assert "idempotency-expires" in exposed
+    assert first.headers["idempotency-expires"] == again.headers["idempotency-expires"]
     assert again.headers["access-control-allow-origin"] == "https://shop.example"
