@@ -31,7 +31,12 @@ def key_status_route(
     if "{key}" not in path:
         raise ValueError(f"key_status_route needs a path with {{key}} in it, got {path!r}")
     envelope = problems.Envelope(problem_renderer, Notices())
-    return Route(path, KeyStatus(store, AuthorizationTenant() if tenant is None else tenant, envelope), methods=["GET"])
+    # Any key, a "/" in it included: a client sends it percent-encoded, and the server decodes the path before it
+    # is matched, so the key may span segments.
+    matched = path.replace("{key}", "{key:path}")
+    return Route(
+        matched, KeyStatus(store, AuthorizationTenant() if tenant is None else tenant, envelope), methods=["GET"]
+    )
 
 
 class KeyStatus:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -81,3 +82,21 @@ async def test_the_guides_status_route(
             found = (await client.get(f"/idempotency-keys/{key}")).json()
         await module.store.close()
     assert (found["state"], found["status"]) == ("completed", 201)
+
+
+@pytest.mark.parametrize("key", ["orders/2024/7", "100%", "a?b#c"])
+async def test_a_key_with_a_slash_or_a_reserved_character_reads_its_status(key: str) -> None:
+    """Any key the middleware takes has a status: one with a ``/`` (percent-encoded by the client, decoded by the
+    server) still reaches the route, where a path segment would not."""
+    store = MemoryStore()
+
+    async def order(request: Request) -> Response:
+        return JSONResponse({"id": "or_1"}, status_code=201)
+
+    app = Starlette(routes=[Route("/orders", order, methods=["POST"]), key_status_route(store)])
+    app.add_middleware(IdempotencyMiddleware, store=store)
+    async with client_for(app, token="sk_test_slash") as client:
+        await client.post("/orders", headers={"Idempotency-Key": key})
+        found = await client.get("/idempotency-keys/" + quote(key, safe=""))
+    assert found.status_code == 200
+    assert (found.json()["key"], found.json()["state"]) == (key, "completed")
