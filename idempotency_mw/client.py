@@ -15,16 +15,13 @@ async with AsyncIdempotentClient(base_url="http://127.0.0.1:8000") as client:
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import logging
 import math
 import random
-import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC
 from types import TracebackType
 from typing import Any
 
@@ -33,8 +30,12 @@ try:
 except ImportError as error:  # httpx is an optional dependency of the package
     raise ImportError("idempotency_mw.client needs httpx: pip install 'idempotency-mw[client]'") from error
 
+from idempotency_mw._client_answers import IdempotentResult, RetriesExhausted
+from idempotency_mw._client_answers import parse_retry_after as parse_retry_after  # this module's, before
+from idempotency_mw._client_answers import problem_code as problem_code  # this module's, before
+from idempotency_mw._client_answers import should_retry as should_retry  # this module's, before
 from idempotency_mw._keys import InvalidKey, parse_key
-from idempotency_mw._wire import KEY_HEADER, PROBLEM_HEADER, REPLAYED_HEADER, ProblemCode
+from idempotency_mw._wire import KEY_HEADER, REPLAYED_HEADER
 
 __all__ = ["AsyncIdempotentClient", "IdempotentClient", "IdempotentResult", "RetriesExhausted", "Retry"]
 
@@ -44,14 +45,11 @@ logger = logging.getLogger("idempotency_mw.client")
 KEYED_METHODS = frozenset({"POST", "PATCH"})  # get a fresh key unless the caller gives one
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})  # never carry a key: they change nothing
 IDEMPOTENT_METHODS = SAFE_METHODS | {"PUT", "DELETE"}  # RFC 9110 §9.2.2: retried even without a key
-RETRY_STATUSES = frozenset({408, 425, 429})  # plus every 5xx, and 409 "in progress"
 RETRY_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 
 # An attempt left with less time than this before the deadline would only time out (timers may also fire a
 # millisecond early), so it is not started.
 _MIN_ATTEMPT_SECONDS = 0.01
-_DELTA_SECONDS = re.compile(r"[0-9]+")
-_CODES = frozenset(code.value for code in ProblemCode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,76 +99,6 @@ class Retry:
         return wait
 
 
-@dataclass(frozen=True, slots=True)
-class IdempotentResult:
-    """The answer to one logical call, and how it was obtained.
-
-    ``key`` is the ``Idempotency-Key`` every attempt carried (None for requests sent without one), ``attempts``
-    the number of HTTP attempts (1 means no retry), ``replayed`` whether the server answered from its record of an
-    earlier attempt rather than by running the operation now. ``outcomes`` has one entry per attempt: the status
-    code, or the name of the httpx exception that ended it. ``problem_code`` is the stable code of an error answer
-    (see :func:`problem_code`), whatever its envelope.
-    """
-
-    response: httpx.Response
-    key: str | None
-    attempts: int
-    replayed: bool
-    outcomes: tuple[int | str, ...] = ()
-
-    @property
-    def status_code(self) -> int:
-        return self.response.status_code
-
-    @property
-    def headers(self) -> httpx.Headers:
-        return self.response.headers
-
-    @property
-    def content(self) -> bytes:
-        return self.response.content
-
-    @property
-    def text(self) -> str:
-        return self.response.text
-
-    def json(self, **kwargs: Any) -> Any:
-        return self.response.json(**kwargs)
-
-    @property
-    def problem_code(self) -> str | None:
-        return problem_code(self.response)
-
-
-class RetriesExhausted(Exception):
-    """The call did not get a final answer within its attempts or its deadline.
-
-    The operation may or may not have taken effect. Try it again later with ``idempotency_key=err.key``: the
-    server then either runs it (it never did) or replays the answer it recorded (it did). Exactly one of
-    ``last_response`` and ``last_error`` is set: the outcome of the final attempt. ``reason`` is ``"attempts"`` or
-    ``"deadline"``.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        key: str | None,
-        attempts: int,
-        last_response: httpx.Response | None,
-        last_error: Exception | None,
-        reason: str,
-        outcomes: tuple[int | str, ...] = (),
-    ) -> None:
-        super().__init__(message)
-        self.key = key
-        self.attempts = attempts
-        self.last_response = last_response
-        self.last_error = last_error
-        self.reason = reason
-        self.outcomes = outcomes
-
-
 def validate_key(key: str) -> str:
     """Return a caller's key unchanged if the server reads it back as exactly that key; else raise ValueError.
 
@@ -192,60 +120,6 @@ def validate_key(key: str) -> str:
             "double quote, nor start or end with a space or tab)"
         )
     return key
-
-
-def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` value: delay-seconds or an HTTP-date (RFC 9110 §10.2.3).
-
-    None when absent or unreadable; a date in the past gives 0.
-    """
-    if value is None:
-        return None
-    value = value.strip()
-    if _DELTA_SECONDS.fullmatch(value):
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError, OverflowError):  # OverflowError: a zone offset of absurd size
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, when.timestamp() - (time.time() if now is None else now))
-
-
-def should_retry(response: httpx.Response) -> bool:
-    """Whether a response means "try again with the same key" rather than a final answer."""
-    status = response.status_code
-    if status in RETRY_STATUSES or 500 <= status <= 599:
-        return True
-    if status == 409:
-        told = str(response.headers.get(PROBLEM_HEADER, "")).strip()
-        if told in _CODES:  # the middleware's own answer, in whatever envelope: its code decides
-            return told == ProblemCode.IN_PROGRESS
-        return "retry-after" in response.headers or problem_code(response) == ProblemCode.IN_PROGRESS
-    return False
-
-
-def problem_code(response: httpx.Response) -> str | None:
-    """The stable code of an error answer (status 400 and up), or None: the ``Idempotency-Problem`` header the
-    middleware sends with each of its own answers, whatever their envelope; else (older servers, other APIs) the
-    ``code`` of an RFC 9457 problem body, or of a Stripe-style ``{"error": {...}}`` envelope."""
-    if response.status_code < 400:
-        return None
-    told = response.headers.get(PROBLEM_HEADER)
-    if told is not None:
-        return str(told).strip()
-    if "json" not in response.headers.get("content-type", ""):
-        return None
-    try:
-        body = response.json()
-    except ValueError:
-        return None
-    if not isinstance(body, dict):
-        return None
-    error = body.get("error")
-    code = body.get("code", error.get("code") if isinstance(error, dict) else None)
-    return code if isinstance(code, str) else None
 
 
 def _check_headers(headers: Mapping[str, str] | None, where: str) -> None:
