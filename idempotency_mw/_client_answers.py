@@ -1,5 +1,6 @@
 """What the server's answers mean to the retrying client (``client.py``): which are worth another attempt, and after
-how long (``Retry-After``); and what a call ends with, a result or :class:`RetriesExhausted`."""
+how long (``Retry-After``); what a call ends with, a result or :class:`RetriesExhausted`; and a key's status, as the
+app's ``key_status_route`` answers it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import email.utils
 import re
 import time
 from dataclasses import dataclass
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -27,7 +28,9 @@ class IdempotentResult:
     the number of HTTP attempts (1 means no retry), ``replayed`` whether the server answered from its record of an
     earlier attempt rather than by running the operation now. ``outcomes`` has one entry per attempt: the status
     code, or the name of the httpx exception that ended it. ``problem_code`` is the stable code of an error answer
-    (see :func:`problem_code`), whatever its envelope.
+    (see :func:`problem_code`), whatever its envelope. ``asked`` has one per question to the key's status route
+    that the client asked instead of resending (``AskFirst``): the state it answered, or its status code when it
+    answered none, or the name of the httpx exception that ended it.
     """
 
     response: httpx.Response
@@ -35,6 +38,7 @@ class IdempotentResult:
     attempts: int
     replayed: bool
     outcomes: tuple[int | str, ...] = ()
+    asked: tuple[int | str, ...] = ()
 
     @property
     def status_code(self) -> int:
@@ -141,3 +145,43 @@ def problem_code(response: httpx.Response) -> str | None:
     error = body.get("error")
     code = body.get("code", error.get("code") if isinstance(error, dict) else None)
     return code if isinstance(code, str) else None
+
+
+STATES = frozenset({"absent", "in_progress", "completed"})
+
+
+@dataclass(frozen=True, slots=True)
+class KeyStatus:
+    """A key's status for the caller's credentials, as the app's ``key_status_route`` answers it.
+
+    ``state`` is ``absent`` (never seen, released after a failure, expired, or another tenant's), ``in_progress``,
+    or ``completed``, with ``status``, the status it answered; ``first_seen`` and ``expires`` (UTC) while there is
+    a record.
+    """
+
+    key: str
+    state: str
+    status: int | None
+    first_seen: datetime | None
+    expires: datetime | None
+
+    @classmethod
+    def of(cls, response: httpx.Response) -> KeyStatus:
+        """The status in the route's answer; ValueError when the answer is not one."""
+        try:
+            body = response.json()
+            key, state, status = body["key"], body["state"], body["status"]
+            first_seen, expires = (_instant(body[name]) for name in ("first_seen", "expires"))
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"not a key status: {response.text[:200]!r}") from error
+        if not isinstance(key, str) or state not in STATES or not (status is None or type(status) is int):
+            raise ValueError(f"not a key status: {response.text[:200]!r}")
+        return cls(key, state, status, first_seen, expires)
+
+
+def _instant(value: object) -> datetime | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"not a time: {value!r}")
+    return datetime.fromisoformat(value)

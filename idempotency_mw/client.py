@@ -24,20 +24,29 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 try:
     import httpx
 except ImportError as error:  # httpx is an optional dependency of the package
     raise ImportError("idempotency_mw.client needs httpx: pip install 'idempotency-mw[client]'") from error
 
-from idempotency_mw._client_answers import IdempotentResult, RetriesExhausted
+from idempotency_mw._client_answers import IdempotentResult, KeyStatus, RetriesExhausted
 from idempotency_mw._client_answers import parse_retry_after as parse_retry_after  # this module's, before
 from idempotency_mw._client_answers import problem_code as problem_code  # this module's, before
 from idempotency_mw._client_answers import should_retry as should_retry  # this module's, before
 from idempotency_mw._keys import InvalidKey, parse_key
-from idempotency_mw._wire import KEY_HEADER, REPLAYED_HEADER
+from idempotency_mw._wire import KEY_HEADER, REPLAYED_HEADER, ProblemCode
 
-__all__ = ["AsyncIdempotentClient", "IdempotentClient", "IdempotentResult", "RetriesExhausted", "Retry"]
+__all__ = [
+    "AskFirst",
+    "AsyncIdempotentClient",
+    "IdempotentClient",
+    "IdempotentResult",
+    "KeyStatus",
+    "RetriesExhausted",
+    "Retry",
+]
 
 logger = logging.getLogger("idempotency_mw.client")
 
@@ -46,6 +55,12 @@ KEYED_METHODS = frozenset({"POST", "PATCH"})  # get a fresh key unless the calle
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})  # never carry a key: they change nothing
 IDEMPOTENT_METHODS = SAFE_METHODS | {"PUT", "DELETE"}  # RFC 9110 §9.2.2: retried even without a key
 RETRY_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)  # the request never left: nothing ran
+STATUS_PATH = "/idempotency-keys/{key}"  # key_status_route's default
+# What a question about a key does not carry of the request it asks about.
+NOT_ASKED = frozenset(
+    {"content-type", "content-length", "transfer-encoding", "content-encoding", "host", "idempotency-key"}
+)
 
 # An attempt left with less time than this before the deadline would only time out (timers may also fire a
 # millisecond early), so it is not started.
@@ -99,6 +114,25 @@ class Retry:
         return wait
 
 
+@dataclass(frozen=True, slots=True)
+class AskFirst:
+    """Ask the server whether a request took effect before resending a body of ``min_body`` bytes or more.
+
+    After an attempt whose outcome the client cannot know (no answer came: a timeout, a lost connection, after the
+    request was sent) or that is still running (409 in progress), the client asks the app's status route
+    (``key_status_route``, at the client's ``status_path``) instead of resending: while the request runs it waits
+    and asks again; once it completed, or never took effect, it resends once (to get the replay, or to run it).
+    A 404 from the status path means the app has no such route: the client resends as it would without, and asks
+    no more. Questions count against ``Retry.attempts`` and the deadline.
+    """
+
+    min_body: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_body, bool) or not isinstance(self.min_body, int) or self.min_body < 0:
+            raise ValueError(f"AskFirst.min_body must be a whole number of bytes >= 0, got {self.min_body!r}")
+
+
 def validate_key(key: str) -> str:
     """Return a caller's key unchanged if the server reads it back as exactly that key; else raise ValueError.
 
@@ -122,6 +156,18 @@ def validate_key(key: str) -> str:
     return key
 
 
+def _key_path(path: str, key: str) -> str:
+    """The path of ``key``'s status: ``path`` with the key in place of ``{key}``, percent-encoded whole (a ``/`` in a
+    key included), as ``key_status_route`` reads it back."""
+    return path.replace("{key}", quote(key, safe=""))
+
+
+def _check_status_path(path: str) -> str:
+    if not isinstance(path, str) or "{key}" not in path:
+        raise ValueError(f"status_path must be a path with {{key}} in it (key_status_route's), got {path!r}")
+    return path
+
+
 def _check_headers(headers: Mapping[str, str] | None, where: str) -> None:
     if headers is not None and KEY_HEADER.lower() in httpx.Headers(headers):
         raise ValueError(
@@ -136,7 +182,7 @@ class _Call:
     It owns the request, built once and never rebuilt, and the key fixed before the first attempt.
     """
 
-    def __init__(self, retry: Retry, request: httpx.Request, key: str | None) -> None:
+    def __init__(self, retry: Retry, request: httpx.Request, key: str | None, *, asking: bool = False) -> None:
         self.retry = retry
         self.request = request
         self.key = key
@@ -145,16 +191,21 @@ class _Call:
         self.outcomes: list[int | str] = []
         self.deadline_at = time.monotonic() + retry.deadline
         self.timeouts: dict[str, float | None] = dict(request.extensions.get("timeout") or {})
+        self.asking = asking  # asks the key's status before resending (AskFirst), while it can be had
+        self.asked: list[int | str] = []  # the status route's answers
+        self._unknown = False  # the last attempt may have run, or is running: ask before resending
+        self._last: tuple[httpx.Response | None, Exception | None] = (None, None)  # the last attempt's outcome
 
     @property
     def attempts(self) -> int:
         return len(self.outcomes)
 
-    def begin_attempt(self) -> None:
-        """Cap this attempt's timeouts by what is left of the deadline, so no attempt outlives it."""
+    def begin_attempt(self, request: httpx.Request | None = None) -> None:
+        """Cap this attempt's timeouts (or a question's, ``request``) by what is left of the deadline, so that none
+        outlives it."""
         remaining = max(self.deadline_at - time.monotonic(), _MIN_ATTEMPT_SECONDS)
         if self.timeouts and math.isfinite(remaining):
-            self.request.extensions["timeout"] = {
+            (request or self.request).extensions["timeout"] = {
                 name: remaining if value is None else min(value, remaining) for name, value in self.timeouts.items()
             }
 
@@ -162,8 +213,10 @@ class _Call:
         """Seconds to wait before retrying, or None when ``response`` is the final answer."""
         self._check_key()
         self.outcomes.append(response.status_code)
+        self._last = (response, None)
         if not (self.retryable and should_retry(response)):
             return None
+        self._unknown = response.status_code == 409 and problem_code(response) == ProblemCode.IN_PROGRESS
         retry_after = parse_retry_after(response.headers.get("retry-after"))
         return self._next_delay(retry_after, response, None)
 
@@ -171,18 +224,59 @@ class _Call:
         """Seconds to wait before retrying, or None when ``error`` must propagate as it is."""
         self._check_key()
         self.outcomes.append(type(error).__name__)
+        self._last = (None, error)
         if not (self.retryable and isinstance(error, RETRY_ERRORS)):
             return None
+        self._unknown = not isinstance(error, NOT_SENT)
         return self._next_delay(None, None, error)
+
+    def asks(self) -> bool:
+        """Whether to ask the key's status now rather than resend: the last attempt may have run, or is running."""
+        return self.asking and self._unknown
+
+    def question(self, http: httpx.Client | httpx.AsyncClient, path: str) -> httpx.Request:
+        """The question about this call's key: a GET of its status, with the request's credentials, not its body."""
+        assert self.key is not None
+        headers = [(name, value) for name, value in self.request.headers.multi_items() if name not in NOT_ASKED]
+        asked = http.build_request("GET", _key_path(path, self.key), headers=headers)
+        self.begin_attempt(asked)
+        return asked
+
+    def told(self, answer: httpx.Response | None, error: httpx.TransportError | None) -> float | None:
+        """What the status route said (``answer``, or the ``error`` that ended the question): seconds to wait before
+        asking again (in progress; or no answer for now: a 5xx, a lost connection), or None to resend now
+        (completed: the resend gets the replay; absent: nothing took effect; any other answer: no status to be had,
+        and no more questions)."""
+        if answer is None or should_retry(answer):
+            self.asked.append(type(error).__name__ if answer is None else answer.status_code)
+            return self._next_delay(None if answer is None else parse_retry_after(answer.headers.get("retry-after")))
+        try:
+            state = KeyStatus.of(answer).state if answer.status_code == 200 else None
+        except ValueError:
+            state = None
+        self.asked.append(answer.status_code if state is None else state)
+        if state == "in_progress":
+            return self._next_delay(None)
+        if state is None:  # 404: no status route here; or another refusal: no status to be had in this call
+            self.asking = False
+        self._unknown = False
+        return None
 
     def result(self, response: httpx.Response) -> IdempotentResult:
         replayed = response.headers.get(REPLAYED_HEADER, "").strip().lower() == "true"
-        return IdempotentResult(response, self.key, self.attempts, replayed, tuple(self.outcomes))
+        return IdempotentResult(response, self.key, self.attempts, replayed, tuple(self.outcomes), tuple(self.asked))
 
-    def _next_delay(self, retry_after: float | None, response: httpx.Response | None, error: Exception | None) -> float:
-        if self.attempts >= self.retry.attempts:
+    def _next_delay(
+        self, retry_after: float | None, response: httpx.Response | None = None, error: Exception | None = None
+    ) -> float:
+        """The wait before the next request (an attempt or a question), or RetriesExhausted, naming the last
+        attempt's outcome."""
+        if response is None and error is None:
+            response, error = self._last
+        sent = self.attempts + len(self.asked)
+        if sent >= self.retry.attempts:
             raise self._exhausted("attempts", response, error)
-        delay = self.retry.delay(self.attempts, retry_after)
+        delay = self.retry.delay(sent, retry_after)
         if time.monotonic() + delay + _MIN_ATTEMPT_SECONDS >= self.deadline_at:
             raise self._exhausted("deadline", response, error)
         logger.debug(
@@ -219,9 +313,23 @@ class _Call:
 
 
 class _Base:
-    """What both clients share: turning the caller's arguments into one resendable, keyed request."""
+    """What both clients share: turning the caller's arguments into one resendable, keyed request, and whether its
+    call asks the key's status before resending."""
 
     retry: Retry
+    ask_first: AskFirst | None
+    status_path: str
+    _no_status_route = False  # a question was answered 404: the app has no status route, so none is asked again
+
+    def _asks_first(self, request: httpx.Request, key: str | None) -> bool:
+        ask = self.ask_first
+        return (
+            ask is not None and key is not None and not self._no_status_route and len(request.content) >= ask.min_body
+        )
+
+    def _heard(self, answer: httpx.Response | None) -> None:
+        if answer is not None and answer.status_code == 404:
+            self._no_status_route = True
 
     @staticmethod
     def _key_for(method: str, idempotency_key: str | None) -> str | None:
@@ -266,10 +374,14 @@ class IdempotentClient(_Base):
         headers: Mapping[str, str] | None = None,
         timeout: float | httpx.Timeout | None = 5.0,
         transport: httpx.BaseTransport | None = None,
+        ask_first: AskFirst | None = None,
+        status_path: str = STATUS_PATH,
         **kwargs: Any,
     ) -> None:
         _check_headers(headers, "the client's headers")
         self.retry = retry if retry is not None else Retry()
+        self.ask_first = ask_first
+        self.status_path = _check_status_path(status_path)
         self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout, transport=transport, **kwargs)
 
     def request(
@@ -294,7 +406,7 @@ class IdempotentClient(_Base):
             request.read()  # buffered once, with one multipart boundary, so every attempt sends the same bytes
         self._check_resendable(request)
         self._attach_key(request, key)
-        call = _Call(self.retry, request, key)
+        call = _Call(self.retry, request, key, asking=self._asks_first(request, key))
         for _ in range(self.retry.attempts):
             call.begin_attempt()
             try:
@@ -308,7 +420,23 @@ class IdempotentClient(_Base):
                 if delay is None:
                     return call.result(response)
             time.sleep(delay)
+            while call.asks():  # AskFirst: the key's status, rather than the body again
+                try:
+                    answer, lost = self._http.send(call.question(self._http, self.status_path), auth=auth), None
+                except httpx.TransportError as failure:
+                    answer, lost = None, failure
+                self._heard(answer)
+                if (delay := call.told(answer, lost)) is None:
+                    break
+                time.sleep(delay)
         raise AssertionError("unreachable: the last attempt either returns or raises RetriesExhausted")
+
+    def key_status(self, key: str, **kwargs: Any) -> KeyStatus:
+        """The status of ``key`` for this client's credentials, from the app's ``key_status_route`` at
+        ``status_path``: one GET, not retried. Raises ``httpx.HTTPStatusError`` for any answer but 200 (404: the app
+        has no such route) and ValueError for one that is not a status. ``kwargs`` go to ``httpx.Client.get``."""
+        answer = self._http.get(_key_path(self.status_path, validate_key(key)), **kwargs)
+        return KeyStatus.of(answer.raise_for_status())
 
     def get(self, url: str | httpx.URL, **kwargs: Any) -> IdempotentResult:
         return self.request("GET", url, **kwargs)
@@ -349,10 +477,14 @@ class AsyncIdempotentClient(_Base):
         headers: Mapping[str, str] | None = None,
         timeout: float | httpx.Timeout | None = 5.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        ask_first: AskFirst | None = None,
+        status_path: str = STATUS_PATH,
         **kwargs: Any,
     ) -> None:
         _check_headers(headers, "the client's headers")
         self.retry = retry if retry is not None else Retry()
+        self.ask_first = ask_first
+        self.status_path = _check_status_path(status_path)
         self._http = httpx.AsyncClient(
             base_url=base_url, headers=headers, timeout=timeout, transport=transport, **kwargs
         )
@@ -380,7 +512,7 @@ class AsyncIdempotentClient(_Base):
             await request.aread()  # buffered once, with one multipart boundary, so every attempt sends the same bytes
         self._check_resendable(request)
         self._attach_key(request, key)
-        call = _Call(self.retry, request, key)
+        call = _Call(self.retry, request, key, asking=self._asks_first(request, key))
         for _ in range(self.retry.attempts):
             call.begin_attempt()
             try:
@@ -394,7 +526,21 @@ class AsyncIdempotentClient(_Base):
                 if delay is None:
                     return call.result(response)
             await asyncio.sleep(delay)
+            while call.asks():  # AskFirst: the key's status, rather than the body again
+                try:
+                    answer, lost = await self._http.send(call.question(self._http, self.status_path), auth=auth), None
+                except httpx.TransportError as failure:
+                    answer, lost = None, failure
+                self._heard(answer)
+                if (delay := call.told(answer, lost)) is None:
+                    break
+                await asyncio.sleep(delay)
         raise AssertionError("unreachable: the last attempt either returns or raises RetriesExhausted")
+
+    async def key_status(self, key: str, **kwargs: Any) -> KeyStatus:
+        """The status of ``key``: :meth:`IdempotentClient.key_status`, asynchronously."""
+        answer = await self._http.get(_key_path(self.status_path, validate_key(key)), **kwargs)
+        return KeyStatus.of(answer.raise_for_status())
 
     async def get(self, url: str | httpx.URL, **kwargs: Any) -> IdempotentResult:
         return await self.request("GET", url, **kwargs)

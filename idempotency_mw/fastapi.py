@@ -275,8 +275,8 @@ def document(
     problem_schema: Mapping[str, Any] | None = None,
     problem_media_type: str = "application/json",
 ) -> dict[str, Any]:
-    """Add the Idempotency-Key header, the replay headers (Idempotent-Replayed, Idempotency-Expires) and the problem responses to covered operations (see
-    :func:`setup` for ``problem_schema`` and ``problem_media_type``)."""
+    """Add the Idempotency-Key header, the replay headers (Idempotent-Replayed, Idempotency-Expires) and the problem
+    responses to covered operations (see :func:`setup` for ``problem_schema`` and ``problem_media_type``)."""
     middleware = _built_middleware(app)
     if middleware is None:
         return schema

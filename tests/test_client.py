@@ -202,10 +202,12 @@ def build_app(store: PostgresStore, state: ServerState) -> ASGIApp:
 
 
 class MisbehavingServer:
-    """uvicorn plus a lossy TCP proxy, on loopback, in one background thread with its own event loop."""
+    """uvicorn plus a lossy TCP proxy, on loopback, in one background thread with its own event loop, serving
+    ``build``'s app (:func:`build_app` by default)."""
 
-    def __init__(self, database_url: str) -> None:
+    def __init__(self, database_url: str, build: Callable[[PostgresStore, ServerState], ASGIApp] = build_app) -> None:
         self.database_url = database_url
+        self._build = build
         self.state = ServerState()
         self._app_socket = _listening_socket()
         self._proxy_socket = _listening_socket()
@@ -245,7 +247,7 @@ class MisbehavingServer:
         try:
             async with PostgresStore(self.database_url, min_size=1, max_size=4) as store:
                 config = uvicorn.Config(
-                    build_app(store, self.state),
+                    self._build(store, self.state),
                     log_level="warning",
                     access_log=False,
                     lifespan="off",
