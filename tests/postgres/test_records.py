@@ -40,12 +40,13 @@ async def answer_row(db: asyncpg.Connection, **columns: Any) -> asyncpg.Record:
         "sealed": None,
         "sealed_with": None,
         "unkeyed": None,
+        "expires_at": None,
         **columns,
     }
     row = await db.fetchrow(
         "SELECT $1::boolean AS owned, $2::boolean AS same_request, $3::boolean AS completed, $4::bigint AS fence, "
         "$5::int AS attempts, $6::int AS status, $7::text AS headers, $8::bytea AS body, $9::int AS body_size, "
-        "$10::bytea AS sealed, $11::text AS sealed_with, $12::bytea AS unkeyed",
+        "$10::bytea AS sealed, $11::text AS sealed_with, $12::bytea AS unkeyed, $13::float8 AS expires_at",
         *values.values(),
     )
     assert row is not None
