@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from idempotency_mw._events import hash_key, tenant_tag
 from idempotency_mw._fingerprint import DIGEST_BYTES, fingerprint_key_id
-from idempotency_mw.store import RecordInfo, RecordLine
+from idempotency_mw.store import RecordInfo, RecordLine, StalledRequest
 
 if TYPE_CHECKING:
     from idempotency_mw.encryption import ResponseCipher
@@ -43,6 +43,7 @@ def record_to_dict(record: RecordInfo, *, now: float) -> dict[str, Any]:
         "request": record.request,  # None: written before records kept it
         "replays": record.replays,
         "last_replayed_at": None if record.last_replayed_at is None else iso(record.last_replayed_at),
+        "last_step": record.last_step,  # None: its handler did not run in steps (docs/design.md §10)
         "fingerprint": record.fingerprint[-DIGEST_BYTES:].hex(),
         "fingerprint_key": fingerprint_key_id(record.fingerprint),  # None: unkeyed, written before keys existed
         "response": response,
@@ -66,6 +67,8 @@ def format_record(shown: dict[str, Any]) -> str:
         ("lease until", shown["lease_expires_at"] or "-"),
         ("fingerprint", f"{shown['fingerprint']} ({keyed})"),
     ]
+    if shown.get("last_step") is not None:
+        rows.insert(4, ("last step", shown["last_step"]))
     response = shown["response"]
     if response is not None:
         rows.append(("status", str(response["status"])))
@@ -184,3 +187,36 @@ def format_listing(listed: list[dict[str, Any]], since: float, until: float) -> 
         table = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
         blocks.append("\n".join([head, *(table if records else [])]))
     return "\n\n".join(blocks)
+
+
+def stalled_to_dict(stalled: list[StalledRequest], *, now: float) -> list[dict[str, Any]]:
+    """Requests stopped at a recovery point, as plain JSON types (``stalled --json``)."""
+    return [
+        {
+            "tenant": each.tenant,
+            "key": each.key,
+            "request": each.request,
+            "last_step": each.last_step,
+            "last_step_done": each.last_step_done,  # False: an unrepeatable step began, its outcome unknown
+            "created_at": iso(each.created_at),
+            "lapsed_at": iso(each.lapsed_at),
+            "expires_at": iso(each.expires_at),
+            "expired": each.expires_at <= now,
+        }
+        for each in stalled
+    ]
+
+
+def format_stalled(shown: list[dict[str, Any]]) -> str:
+    """One line per stalled request: its tenant, key, request, last step, and when it lapsed and expires."""
+    if not shown:
+        return "no stalled requests"
+    lines = []
+    for each in shown:
+        step = each["last_step"] + ("" if each["last_step_done"] else " (began, outcome unknown)")
+        expiry = "expired" if each["expired"] else f"expires {each['expires_at']}"
+        tenant = each["tenant"] or "''"
+        lines.append(
+            f"{tenant}  {each['key']}  {each['request'] or '-'}  after {step}  lapsed {each['lapsed_at']}  {expiry}"
+        )
+    return "\n".join(lines)

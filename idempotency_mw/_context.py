@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -13,6 +14,8 @@ from idempotency_mw.store import Transaction
 if TYPE_CHECKING:
     import asyncpg
     from starlette.requests import HTTPConnection
+
+    from idempotency_mw._steps import Steps
 
 STATE_KEY = "idempotency"
 PENDING_KEY = "idempotency_pending"
@@ -34,6 +37,19 @@ class IdempotencyContext:
     tenant: str
     key: str | None  # None on a transactional route called without a key
     transaction: Transaction | None = None
+    recovery: StepsSource | None = None  # a transactional route's run, which makes its steps
+
+    @property
+    def steps(self) -> Steps:
+        """The steps of a transactional request (docs/guide.md, "Requests with steps outside the database"): each
+        commits with a recovery point, and a retry resumes after the last one. LookupError on a route that is not
+        transactional, or for a request without a key."""
+        if self.recovery is None:
+            raise LookupError(
+                "steps are for transactional routes: use @idempotent(transactional=True) or "
+                "IdempotencyMiddleware(transactional=True), with a PostgresStore or SQLAlchemyStore"
+            )
+        return self.recovery.steps()
 
     @property
     def connection(self) -> asyncpg.Connection | None:
@@ -60,6 +76,23 @@ class IdempotencyContext:
         encoded = [part.encode() for part in parts]
         prefixed = b"".join(_LENGTH.pack(len(part)) + part for part in encoded)
         return hashlib.sha256(_DOWNSTREAM_V2 + prefixed).hexdigest()
+
+
+class StepsSource(Protocol):
+    """What makes a request's steps: its transactional run (``_transactional.py``)."""
+
+    @property
+    def resumed_from(self) -> str | None:
+        """The last step an earlier attempt committed, when the request resumed after it."""
+
+    def steps(self) -> Steps: ...
+
+
+def resumed_from(scope: MutableMapping[str, Any]) -> str | None:
+    """The step a request resumed after (for its event), if its handler ran in steps."""
+    context = scope.get("state", {}).get(STATE_KEY)
+    recovery = context.recovery if isinstance(context, IdempotencyContext) else None
+    return None if recovery is None else recovery.resumed_from
 
 
 class ClaimAnswered(Exception):

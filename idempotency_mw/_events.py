@@ -47,6 +47,8 @@ class Outcome(enum.Enum):
     CANCELLED = (
         "cancelled"  # cancelled while its claim was on its way, before anything ran (a claim it made is released)
     )
+    STOPPED = "stopped"  # a step had committed: left at its recovery point (never released), the retry resumes there
+    NOT_RESUMABLE = "not_resumable"  # 409: an unrepeatable step of an earlier attempt has no recorded outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,7 @@ class Event:
     store_seconds: float  # seconds spent waiting on the store
     attempts: int = 0  # requests that came with this key before this one finished (0: the first)
     reached_store: bool = False  # the request got as far as the store (``on_event.started`` was called for it)
+    resumed_from: str | None = None  # the last step an earlier attempt committed, when this one resumed after it
 
 
 EventHook = Callable[[Event], None]
@@ -84,7 +87,10 @@ def tenant_tag(tenant: str) -> str:
 
 
 # Store failures are logged once per outage, not per request (FailureLog); a fenced-out worker is worth a line each.
-LOG_LEVELS = {outcome: logging.DEBUG for outcome in Outcome} | {Outcome.FENCED_OUT: logging.WARNING}
+LOG_LEVELS = {outcome: logging.DEBUG for outcome in Outcome} | {
+    Outcome.FENCED_OUT: logging.WARNING,
+    Outcome.NOT_RESUMABLE: logging.ERROR,  # an operator has to finish the request (idempotency-mw stalled)
+}
 
 
 def log_event(event: Event) -> None:

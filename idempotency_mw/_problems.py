@@ -222,6 +222,18 @@ def response_not_replayable(status: int, size: int, limit: int) -> Problem:
     )
 
 
+def step_not_resumable(step: str) -> Problem:
+    """A retry that found an unrepeatable outside step begun by an earlier attempt, its outcome unknown."""
+    return Problem(
+        409,
+        ProblemCode.STEP_NOT_RESUMABLE,
+        "Request cannot be resumed",
+        f"An earlier attempt of the request with this Idempotency-Key began a step that cannot be repeated ({step}) "
+        "and stopped before its outcome was recorded. It was not run again, nor skipped: the operation needs to be "
+        "finished by the service's operators. Retrying with the same key gives this answer again.",
+    )
+
+
 def key_expired(max_age: int) -> Problem:
     return Problem(
         422,

@@ -29,7 +29,7 @@ from idempotency_mw._claim import (
     start_eagerly,
     store_failure,
 )
-from idempotency_mw._context import PENDING_KEY, STATE_KEY, ClaimAnswered, IdempotencyContext
+from idempotency_mw._context import PENDING_KEY, STATE_KEY, ClaimAnswered, IdempotencyContext, resumed_from
 from idempotency_mw._events import (
     LOG_LEVELS,
     Event,
@@ -59,6 +59,7 @@ from idempotency_mw._keys import (
 )
 from idempotency_mw._plain import PlainRun, Unprotected
 from idempotency_mw._policy import RouteMatch
+from idempotency_mw._stepped import SteppedRun
 from idempotency_mw._transactional import DID_NOT_COMMIT, State, TransactionalRun, refusal
 from idempotency_mw.cutover import EarlierLookup
 from idempotency_mw.store import Claim, ClaimOutcome, Store, StoreUnavailable, Transaction, TransactionalStore
@@ -135,6 +136,7 @@ class Report:
         event = Event(
             outcome, scope["method"], scope["path"], self.route, tenant, hash_key(key), status,
             time.perf_counter() - self.started, self.store_seconds + settling, self.attempts, self.reached_store,
+            resumed_from(scope),
         )  # fmt: skip
         try:
             hook(event)
@@ -240,8 +242,8 @@ class IdempotentRequest:
             await self._refuse(problems.request_too_large(self.policy.max_request_bytes), Outcome.REQUEST_TOO_LARGE)
         if read is not Read.WHOLE:
             return False
-        headers, scope = self.headers, self.scope
-        self.ask.fingerprint(scope, headers.content_type, body.body, self.policy, self.middleware.fingerprint_keys)
+        ask, headers = self.ask, self.headers
+        ask.fingerprint(self.scope, headers.content_type, body.body, self.policy, self.middleware.fingerprint_keys)
         return True
 
     # -- 4. the claim -----------------------------------------------------------------------------------------
@@ -359,20 +361,19 @@ class IdempotentRequest:
         """Not ours (no key, or no tenant to scope it): untouched; a transactional route gets its transaction still."""
         if not self.policy.transactional:
             return await self.middleware.app(self.scope, self.body.receive, self.send)
-        self._transaction()
-        if await self._begin():
+        if await self._begin():  # on a transactional run of its own (_transaction)
             await self._execute()
 
     async def _begin(self) -> bool:
         """Begin the handler's transaction and lend it (``request.state.idempotency.transaction``); False when the
         request was answered instead (503)."""
         ran = self._transaction()
-        if not await ran.begin(self.owned):
+        if not await ran.begin(self.owned, self.ask.owner):
             assert ran.failure is not None
             self.middleware.failures.failed("run the handler's transaction", ran.failure)
             await self._refuse(problems.store_unavailable(self.middleware.retry_after), store_failure(ran.failure))
             return False
-        return self._set_context(ran.transaction)
+        return self._set_context(ran.transaction, ran)
 
     async def _unprotected(self) -> None:
         """Failing open (a route's ``fail_open``, the store down): the handler runs without a record."""
@@ -430,16 +431,17 @@ class IdempotentRequest:
             raise RuntimeError(f"a request cannot go from {self.step.name} to {step.name}")
         self.step = step
 
-    def _transaction(self) -> TransactionalRun:
+    def _transaction(self) -> SteppedRun:
         """The request's transactional run: the one there is, or a new one."""
-        if not isinstance(self.ran, TransactionalRun):
+        if not isinstance(self.ran, SteppedRun):
             store = self.middleware.store
             assert isinstance(store, TransactionalStore)  # checked when the middleware was built
-            self.ran = TransactionalRun(store, self.policy, self._send_out)
+            self.ran = SteppedRun(store, self.policy, self._send_out)
         return self.ran
 
-    def _set_context(self, transaction: Transaction | None = None) -> bool:
-        self.scope.setdefault("state", {})[STATE_KEY] = IdempotencyContext(self.ask.owner, self.ask.key, transaction)
+    def _set_context(self, transaction: Transaction | None = None, ran: SteppedRun | None = None) -> bool:
+        context = IdempotencyContext(self.ask.owner, self.ask.key, transaction, ran)
+        self.scope.setdefault("state", {})[STATE_KEY] = context
         return True
 
 
@@ -540,6 +542,9 @@ def not_committed(ran: TransactionalRun, middleware: Middleware) -> problems.Ref
     failure, retry_after = ran.failure, middleware.retry_after
     if ran.state is State.FENCED_OUT:  # our writes were rolled back; the key is another claim's
         return problems.in_progress(retry_after), Outcome.FENCED_OUT
+    if ran.state is State.NOT_RESUMABLE:  # an unrepeatable step of an earlier attempt has no recorded outcome
+        step = ran.unresumable if isinstance(ran, SteppedRun) else None
+        return problems.step_not_resumable(step or "unknown"), Outcome.NOT_RESUMABLE
     assert failure is not None
     if ran.state is not State.UNAVAILABLE:
         logger.error("idempotency: %s", refusal(failure))

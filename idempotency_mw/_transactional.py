@@ -12,7 +12,10 @@ Only a response the handler returns commits its writes. A response the app made 
 the transaction rolls back, as it would for the same exception anywhere else, and a final answer is recorded on its
 own, so that the retry gets the same answer.
 
-A run keeps one :class:`State`, moved only along the transitions of ``STEPS``, and ends in one of the last six;
+A handler may run in steps (``_steps.py``, docs/design.md §10), each committed with a recovery point: the run that
+lends them is :class:`~idempotency_mw._stepped.SteppedRun`, which never releases a record at a recovery point.
+
+A run keeps one :class:`State`, moved only along the transitions of ``STEPS``, and ends in one of the last seven;
 :meth:`TransactionalRun.run` returns it (or lets what the app raised go on, once settled), and the middleware
 answers by it. When the
 transaction did not commit, the handler's ``send`` raises :class:`NotCommitted`, so nothing that follows the
@@ -25,6 +28,7 @@ import asyncio
 import contextlib
 import enum
 import sys
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -53,12 +57,14 @@ class State(enum.Enum):
     FENCED_OUT = "fenced out"  # a newer claim owns the key: the record was refused, everything rolled back
     UNAVAILABLE = "unavailable"  # the database could not be reached to begin, write, commit or roll back
     REFUSED = "refused"  # the database refused the commit (a deferred constraint, a transaction left aborted)
+    NOT_RESUMABLE = "not resumable"  # an unrepeatable step of an earlier attempt has no outcome: rolled back, 409
 
 
 ENDS = frozenset(
-    {State.COMMITTED, State.RECORDED, State.ROLLED_BACK, State.FENCED_OUT, State.UNAVAILABLE, State.REFUSED}
-)
-DID_NOT_COMMIT = frozenset({State.FENCED_OUT, State.UNAVAILABLE, State.REFUSED})
+    {State.COMMITTED, State.RECORDED, State.ROLLED_BACK, State.FENCED_OUT, State.UNAVAILABLE, State.REFUSED,
+     State.NOT_RESUMABLE}
+)  # fmt: skip
+DID_NOT_COMMIT = frozenset({State.FENCED_OUT, State.UNAVAILABLE, State.REFUSED, State.NOT_RESUMABLE})
 KEPT = frozenset({State.COMMITTED, State.RECORDED})  # the answer is recorded: a retry gets it again
 STEPS = {
     State.IDLE: frozenset({State.OPEN, State.UNAVAILABLE}),
@@ -96,6 +102,9 @@ class TransactionalRun:
         self._claim: Claim | None = None
         self._loan = contextlib.AsyncExitStack()  # gives the connection back when the run ends
         self._settling: asyncio.Task[None] | None = None
+        self.attempts = 0  # earlier claims of the key: one that took it over may be at a recovery point
+        self.stepped = False  # the handler asked for its steps (_stepped.py)
+        self.owner = ""  # the tenant as resolved (the record's may be a route's namespace of it)
         self._receive: Receive | None = None
         self._scope: Scope | None = None
         self._settled = asyncio.Event()  # set once an open transaction has settled
@@ -132,12 +141,14 @@ class TransactionalRun:
             raise
         if claim.outcome is not ClaimOutcome.OWNED:
             await self.close()
+        self.attempts = claim.attempts
         return claim
 
-    async def begin(self, owned: OwnedClaim | None) -> bool:
+    async def begin(self, owned: OwnedClaim | None, owner: str = "") -> bool:
         """Begin the handler's transaction (on the claim's connection; a keyless request takes one now), for the
-        claim ``owned`` (None: no key, no record); False when the database could not be reached for it."""
-        self._owned = owned
+        claim ``owned`` (None: no key, no record) of the tenant ``owner`` (as resolved); False when the database could
+        not be reached for it."""
+        self._owned, self.owner = owned, owner
         try:
             transaction = self.transaction or await self._lend()
             await transaction.begin()
@@ -159,6 +170,18 @@ class TransactionalRun:
         """Give the connection back (once settled, or when it was never needed)."""
         self.transaction = None
         await self._loan.aclose()
+
+    async def _free(self, owned: OwnedClaim) -> Outcome:
+        """Free the key of a run that did not complete, so that the retry runs afresh (``_stepped.py``: or resumes)."""
+        return await owned.release()
+
+    async def _steps_settle(self) -> State | None:
+        """Before the completion: the state to roll back into instead of committing, or None (``_stepped.py``)."""
+        return None
+
+    async def _unfinished(self) -> State:
+        """The state a transaction the handler left open rolls back into (``_stepped.py``)."""
+        return State.ROLLED_BACK
 
     async def run(self, app: ASGIApp, scope: Scope, receive: Receive) -> State:
         """Run ``app`` with the response held until its transaction settles; return the state it ended in. What the
@@ -183,8 +206,8 @@ class TransactionalRun:
             # stopped on a disconnect), or raised before it answered: settle the claim now (a rolled-back key is
             # released).
             await self._settled_claim()
-        elif self.state in (State.UNAVAILABLE, State.REFUSED) and self._owned is not None and self.outcome is None:
-            released = await self._owned.release()  # nothing committed: the key is free for the retry
+        elif self.state in DID_NOT_COMMIT - {State.FENCED_OUT} and self._owned is not None and self.outcome is None:
+            released = await self._free(self._owned)  # nothing committed since the last recovery point, if any
             if self.state is State.REFUSED and released is Outcome.FENCED_OUT:
                 # The completion failed because the key was no longer ours (a serialization failure under
                 # REPEATABLE READ or SERIALIZABLE where a newer claim's response was stored first).
@@ -202,7 +225,7 @@ class TransactionalRun:
         if self.state in (State.COMMITTED, State.RECORDED):
             self.outcome = (Outcome.EXECUTED, status)
         else:
-            self.outcome = (await owned.release(), status)
+            self.outcome = (await self._free(owned), status)
 
     async def _receive_held(self) -> Message:
         """The app's ``receive``: a client that hangs up while the response is held is kept from the app until the
@@ -265,6 +288,8 @@ class TransactionalRun:
             return await self._roll_back_and_record()
         owned = self._owned
         try:
+            if self.stepped and (instead := await self._steps_settle()) is not None:
+                return await self._roll_back(instead)
             if owned is not None and not await transaction.complete(
                 owned.tenant, owned.key, owned.fence, self.recorder.stored_response()
             ):
@@ -306,10 +331,11 @@ class TransactionalRun:
     async def _end(self) -> None:
         """After the app: settle what it left open (a failure, or an unfinished response), and wait for a
         settlement under way, so the connection is never given back while a statement still runs on it."""
+        unfinished = await self._unfinished() if self.stepped else State.ROLLED_BACK
         if self._settling is None and self.state is State.OPEN:
-            self._settling = asyncio.ensure_future(self._roll_back(State.ROLLED_BACK))
+            self._settling = asyncio.ensure_future(self._roll_back(unfinished))
         if self._settling is not None:
-            await _wait_through_cancellation(self._settling)
+            await wait_through_cancellation(self._settling)
 
 
 SERIALIZATION_FAILURES = frozenset({"40001", "40P01"})  # serialization_failure, deadlock_detected
@@ -341,13 +367,16 @@ def _sqlstate(error: BaseException | None) -> str | None:
     return None
 
 
-async def _wait_through_cancellation(task: asyncio.Task[None]) -> None:
-    """Wait for ``task`` to finish even if this task is cancelled meanwhile; then re-raise the cancellation."""
+async def wait_through_cancellation(task: asyncio.Task[Any]) -> None:
+    """Wait for ``task`` to finish even if this task is cancelled meanwhile (what it raised is its owner's to read);
+    then re-raise the cancellation."""
     cancelled = False
     while not task.done():
         try:
             await outlasting(task)
         except asyncio.CancelledError:
             cancelled = True
+        except Exception:
+            pass
     if cancelled:
         raise asyncio.CancelledError

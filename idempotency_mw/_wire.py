@@ -28,3 +28,4 @@ class ProblemCode(enum.StrEnum):
     IN_PROGRESS = "idempotency_request_in_progress"  # 409, with Retry-After
     NOT_REPLAYABLE = "idempotency_response_not_replayable"  # 409
     STORE_UNAVAILABLE = "idempotency_store_unavailable"  # 503, with Retry-After
+    STEP_NOT_RESUMABLE = "idempotency_step_not_resumable"  # 409, without Retry-After: an operator finishes it

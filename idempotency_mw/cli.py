@@ -31,9 +31,11 @@ from idempotency_mw._cli_display import (
     duration,
     format_listing,
     format_record,
+    format_stalled,
     listing_to_dict,
     plural,
     record_to_dict,
+    stalled_to_dict,
 )
 from idempotency_mw._cli_errors import (
     EXIT_DATABASE,
@@ -51,6 +53,7 @@ from idempotency_mw._cli_errors import (
 )
 from idempotency_mw._cli_tenants import record_id, tenants_to_list
 from idempotency_mw._keys import PREFIX, SECRET_VARIABLE
+from idempotency_mw.postgres._recovery import stalled_requests
 from idempotency_mw.postgres._sql import check_schema, migration_statements, migrations
 from idempotency_mw.postgres._store import PostgresStore
 from idempotency_mw.store import SealedResponseError, StoreNotMigrated
@@ -227,6 +230,22 @@ def build_parser() -> argparse.ArgumentParser:
     stats = commands.add_parser("stats", parents=after, help="records by state, expired, past their lease, attempts")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     stats.set_defaults(handler=cmd_stats)
+
+    stalled = commands.add_parser(
+        "stalled",
+        parents=after,
+        help="requests stopped at a step that no retry has resumed",
+        description="Requests of handlers that run in steps, stopped at a recovery point whose lease lapsed at least "
+        "--lapsed-for ago and that no retry has resumed, oldest first, with the last step each reached: retry them "
+        "with their key, or settle them with the other side and forget them (docs/operations.md, stalled requests). "
+        "Exit status 1 when there is none.",
+    )
+    stalled.add_argument(
+        "--lapsed-for", type=non_negative(float), default=60.0, metavar="SECONDS", help="(default: 60)"
+    )
+    stalled.add_argument("--limit", type=positive(int), default=100, help="requests at most (default: 100)")
+    stalled.add_argument("--json", action="store_true", help="machine-readable output")
+    stalled.set_defaults(handler=cmd_stalled)
 
     reencrypt = commands.add_parser(
         "reencrypt",
@@ -444,11 +463,19 @@ async def cmd_stats(store: PostgresStore, args: argparse.Namespace) -> int:
         ("past their lease", str(stats["past_lease"])),
         ("oldest in progress", "-" if oldest is None else duration(oldest)),
         ("attempts (all records)", str(stats["attempts"])),
+        ("stalled at a step", str(stats["stalled"])),
     ]
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         say(f"{label:<{width}}  {value}")
     return EXIT_OK
+
+
+async def cmd_stalled(store: PostgresStore, args: argparse.Namespace) -> int:
+    found = await stalled_requests(store, lapsed_for=args.lapsed_for, limit=args.limit)
+    shown = stalled_to_dict(found, now=time.time())
+    say(json.dumps(shown, indent=2) if args.json else format_stalled(shown))
+    return EXIT_OK if found else EXIT_NOT_FOUND
 
 
 async def cmd_reencrypt(store: PostgresStore, args: argparse.Namespace) -> int:

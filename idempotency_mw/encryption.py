@@ -55,6 +55,7 @@ NONCE_BYTES = 12  # GCM's 96-bit nonce, drawn at random for every response
 VERSION = 1  # the first byte of every sealed response, and part of what it is bound to
 _HEX = re.compile(r"[0-9a-fA-F]{64}")
 _AAD_PREFIX = b"idempotency_mw response"
+_STEP_AAD_PREFIX = b"idempotency_mw step result"
 _STATUS_AND_HEADERS = struct.Struct(">HI")  # status, then the length of the headers' JSON
 
 
@@ -166,6 +167,30 @@ class ResponseCipher:
         body = None if rest[:1] == b"\x00" else rest[1:]
         return StoredResponse(status, headers, body, sealed.body_size)
 
+    def seal_step(self, tenant: str, key: str, step: str, result: bytes) -> tuple[str, bytes]:
+        """A step's result (its recovery point, docs/design.md §10) sealed under the current key, bound to its record
+        and step: ``(key id, sealed)``."""
+        nonce = os.urandom(NONCE_BYTES)
+        aad = _step_associated(self.current, tenant, key, step)
+        return self.current, bytes([VERSION]) + nonce + self._keys[self.current].encrypt(nonce, result, aad)
+
+    def open_step(self, tenant: str, key: str, step: str, key_id: str, sealed: bytes) -> bytes:
+        """The result :meth:`seal_step` was given; :class:`UnknownKeyId` or :class:`SealedResponseError` as for a
+        response."""
+        cipher = self._keys.get(key_id)
+        if cipher is None:
+            raise UnknownKeyId(key_id, self.key_ids)
+        if len(sealed) < 1 + NONCE_BYTES + 16 or sealed[0] != VERSION:
+            raise SealedResponseError(f"the result of step {step!r} is not in a sealed form this version reads")
+        try:
+            return cipher.decrypt(sealed[1 : 1 + NONCE_BYTES], sealed[1 + NONCE_BYTES :],
+                                  _step_associated(key_id, tenant, key, step))  # fmt: skip
+        except InvalidTag:
+            raise SealedResponseError(
+                f"the result of step {step!r} does not open under key id {key_id!r}: it was changed, or it belongs to "
+                "another record or step"
+            ) from None
+
     def reseal(self, tenant: str, key: str, sealed: SealedResponse) -> SealedResponse:
         """``sealed`` opened and sealed again under the current key (a fresh nonce)."""
         return self.seal(tenant, key, self.open(tenant, key, sealed))
@@ -189,6 +214,12 @@ def _associated(key_id: str, tenant: str, key: str, body_size: int) -> bytes:
     """What a sealed response is bound to besides its own bytes: the format, the key, the record and the body's
     size, each length-prefixed so that no two different tuples give the same bytes."""
     parts = [_AAD_PREFIX, bytes([VERSION]), key_id.encode(), tenant.encode(), key.encode(), str(body_size).encode()]
+    return b"".join(struct.pack(">I", len(part)) + part for part in parts)
+
+
+def _step_associated(key_id: str, tenant: str, key: str, step: str) -> bytes:
+    """What a sealed step result is bound to: its own format (never a response's), the key, the record and the step."""
+    parts = [_STEP_AAD_PREFIX, bytes([VERSION]), key_id.encode(), tenant.encode(), key.encode(), step.encode()]
     return b"".join(struct.pack(">I", len(part)) + part for part in parts)
 
 

@@ -236,6 +236,17 @@ def _problems(policy: Policy) -> dict[str, _Answer]:
             "a request with this Idempotency-Key completed, but its response cannot be replayed (over the storage "
             "limit, or cut short): do not retry",
         ),
+        *(
+            [
+                (
+                    409,
+                    ProblemCode.STEP_NOT_RESUMABLE,
+                    "an earlier attempt began a step that cannot be repeated and its outcome is unknown: do not retry",
+                )
+            ]
+            if policy.transactional
+            else []
+        ),
         (413, ProblemCode.REQUEST_TOO_LARGE, "request body over the idempotency size limit"),
         (policy.reused_key_status, ProblemCode.KEY_REUSED, "this Idempotency-Key was used with another request"),
         *(

@@ -105,6 +105,13 @@ class PrometheusMetrics:
             buckets=ATTEMPT_BUCKETS,
             registry=registry,
         )
+        self.resumed = Counter(
+            f"{prefix}_resumed_requests",
+            "Requests whose handler runs in steps that resumed after an earlier attempt's last recovery point, by "
+            "route and that step.",
+            ["method", "route", "step"],
+            registry=registry,
+        )
         self.in_flight = Gauge(
             f"{prefix}_in_flight",
             "Keyed requests that reached the store and have not finished.",
@@ -134,6 +141,13 @@ class PrometheusMetrics:
             f"{prefix}_record_attempts",
             "Claims after the first, summed over the stored records: retries that found a record. "
             "Updated by update_from_store().",
+            registry=registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.stalled = Gauge(
+            f"{prefix}_stalled_requests",
+            "Requests stopped at a recovery point (a step committed, then the attempt failed) whose lease lapsed and "
+            "that no retry has resumed: finish them (idempotency-mw stalled). Updated by update_from_store().",
             registry=registry,
             multiprocess_mode="mostrecent",
         )
@@ -168,6 +182,8 @@ class PrometheusMetrics:
             for each in Outcome:
                 self.requests.labels(event.method, route, each.value)
         self.requests.labels(event.method, route, outcome).inc()
+        if event.resumed_from is not None:
+            self.resumed.labels(event.method, route, event.resumed_from).inc()
         self.request_duration.labels(event.method, route, outcome).observe(event.duration)
         if event.reached_store:  # earlier refusals spent no store time and saw no attempts
             self.store_duration.labels(outcome).observe(event.store_seconds)
@@ -192,6 +208,7 @@ class PrometheusMetrics:
         self.records_past_lease.set(stats["past_lease"])
         self.oldest_in_progress.set(stats["oldest_in_progress_seconds"] or 0.0)
         self.record_attempts.set(stats["attempts"])
+        self.stalled.set(stats.get("stalled", 0))  # a store of another kind may keep no recovery points
         self.store_up.set(1)
         self.stats_updated.set(time.time())
 

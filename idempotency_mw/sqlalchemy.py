@@ -34,6 +34,7 @@ except ImportError as error:  # sqlalchemy is an optional dependency of the pack
     raise ImportError("idempotency_mw.sqlalchemy needs sqlalchemy: pip install 'idempotency-mw[sqlalchemy]'") from error
 from starlette.requests import HTTPConnection
 
+from idempotency_mw import _sqlalchemy_recovery as recovery
 from idempotency_mw._context import idempotency_context
 from idempotency_mw.postgres._connector import Connector, Listener, default_isolation
 from idempotency_mw.postgres._lending import FENCED_OUT, Settlement, remember, reset_sql
@@ -43,6 +44,7 @@ from idempotency_mw.postgres._store import PostgresStore
 from idempotency_mw.store import (
     Claim,
     PoolExhausted,
+    RecoveryPoint,
     StoredResponse,
     StoreNotMigrated,
     StoreUnavailable,
@@ -287,6 +289,15 @@ class SQLAlchemyTransaction:
                 raise
             done = False  # another claim's response, or a record deleted meanwhile (sql/queries.sql)
         return self.settlement.completed(tenant, key, fence, done)
+
+    async def recovery_points(self, tenant: str, key: str, fence: int) -> list[RecoveryPoint]:
+        return await recovery.recovery_points(self, tenant, key, fence)  # _sqlalchemy_recovery.py, as the next two
+
+    async def record_steps(self, tenant: str, key: str, fence: int, points: list[RecoveryPoint]) -> bool:
+        return await recovery.record_steps(self, tenant, key, fence, points)
+
+    async def lapse(self, tenant: str, key: str, fence: int) -> bool:
+        return await recovery.lapse(self, tenant, key, fence)
 
     async def commit(self) -> None:
         assert self._transaction is not None
@@ -556,8 +567,9 @@ else:
 # -- Alembic ------------------------------------------------------------------------------------------------------
 
 STORE_TABLES = frozenset(
-    {"idempotency_records", "idempotency_responses", "idempotency_schema_migrations", "idempotency_fence"}
-)
+    {"idempotency_records", "idempotency_responses", "idempotency_recovery_points", "idempotency_schema_migrations",
+     "idempotency_fence"}
+)  # fmt: skip
 """What the store keeps in its schema (the sequence only in schemas migrated before 0002)."""
 
 NameFilter = Callable[[str | None, str, Mapping[str, str | None]], bool]

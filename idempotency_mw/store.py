@@ -96,6 +96,7 @@ class RecordInfo:
     request: str | None = None  # the request's method and route template; None for a record written before 0003
     replays: int = 0  # replays of its response written so far (counted in batches: the last seconds' may be missing)
     last_replayed_at: float | None = None  # within the batch interval (PostgresStore: 5 s) of the last replay
+    last_step: str | None = None  # the last recovery point of a request that runs in steps (docs/design.md §10)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,33 @@ class RecordLine:
     status: int | None
     sealed_with: str | None
     body_size: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryPoint:
+    """A step of a request that runs in steps, as its recovery point keeps it (docs/design.md §10): its name, the
+    order the request reached it in, and its result as JSON text; ``result`` is None for an unrepeatable outside
+    step that began and whose outcome is unknown."""
+
+    step: str
+    position: int
+    result: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class StalledRequest:
+    """A request stopped at a recovery point that nobody resumes (``idempotency-mw stalled``): in progress under a
+    lapsed lease, with the last step it reached (``last_step_done`` False: an unrepeatable outside step that began
+    and whose outcome is unknown)."""
+
+    tenant: str
+    key: str
+    request: str | None
+    last_step: str
+    last_step_done: bool
+    created_at: float
+    lapsed_at: float
+    expires_at: float
 
 
 class StoreUnavailable(Exception):
@@ -296,6 +324,21 @@ class Transaction(Protocol):
 
     async def rollback(self) -> None:
         """Roll back; :class:`StoreUnavailable` if the database cannot be reached."""
+
+
+@runtime_checkable
+class RecoveringTransaction(Transaction, Protocol):
+    """A lent transaction that keeps recovery points (docs/design.md §10): what a handler that runs in steps needs."""
+
+    async def recovery_points(self, tenant: str, key: str, fence: int) -> list[RecoveryPoint]:
+        """The recovery points of the record's current life, in order, in this transaction (before its writes)."""
+
+    async def record_steps(self, tenant: str, key: str, fence: int, points: list[RecoveryPoint]) -> bool:
+        """Write ``points`` in this transaction, for a claim still held under ``fence``; False if fenced out."""
+
+    async def lapse(self, tenant: str, key: str, fence: int) -> bool:
+        """Outside a transaction, once the last one ended: leave a claim still held under ``fence`` at its recovery
+        point, its lease lapsed now, so that the retry resumes at once; False if fenced out."""
 
 
 @runtime_checkable

@@ -119,7 +119,11 @@ class Service:
         done = subprocess.run(
             [sys.executable, "-m", "alembic", "-c", str(self.project / "alembic.ini"), *argv],
             cwd=self.project,
-            env={**os.environ, "PYTHONPATH": str(self.project), **env},
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(self.project), os.environ.get("PYTHONPATH")])),
+                **env,
+            },
             capture_output=True,
             text=True,
             timeout=120,
@@ -221,7 +225,8 @@ def test_the_app_serves_with_a_role_that_only_reads_and_writes_rows(service: Ser
     admin(
         service.owner_url,
         f"GRANT USAGE ON SCHEMA public TO {runtime}",
-        f"GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_records, idempotency_responses TO {runtime}",
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_records, idempotency_responses, "
+        f"idempotency_recovery_points TO {runtime}",
     )
 
     async def serve() -> None:
@@ -268,11 +273,16 @@ def test_the_statements_are_what_migrate_runs() -> None:
         """INSERT INTO "billing".idempotency_schema_migrations (version, name) VALUES (1, '0001_initial.sql')""",
         """INSERT INTO "billing".idempotency_schema_migrations (version, name) VALUES (2, '0002_responses.sql')""",
         """INSERT INTO "billing".idempotency_schema_migrations (version, name) VALUES (3, '0003_request_line.sql')""",
+        """INSERT INTO "billing".idempotency_schema_migrations (version, name) """
+        """VALUES (5, '0005_recovery_points.sql')""",
     ]
     assert not any("--" in s or s.endswith(";") for s in statements)
     assert "CREATE SCHEMA" not in " ".join(migration_statements())  # public always exists
-    assert migration_statements(applied={1, 2, 3})[-1].startswith("CREATE TABLE IF NOT EXISTS")  # nothing to do
+    assert migration_statements(applied={1, 2, 3, 5})[-1].startswith("CREATE TABLE IF NOT EXISTS")  # nothing to do
     removal = removal_statements()
+    assert removal.index('DROP TABLE IF EXISTS "public".idempotency_recovery_points') < removal.index(
+        'DROP TABLE IF EXISTS "public".idempotency_records'
+    )
     assert removal.index('DROP TABLE IF EXISTS "public".idempotency_responses') < removal.index(
         'DROP TABLE IF EXISTS "public".idempotency_records'
     )

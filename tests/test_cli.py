@@ -116,7 +116,10 @@ async def completed(store: PostgresStore, tenant: str, key: str, body: bytes, *,
 
 
 def test_migrate_creates_the_schema_then_is_up_to_date(capsys: pytest.CaptureFixture[str], empty_db: Database) -> None:
-    applied = "applied 0001_initial.sql\napplied 0002_responses.sql\napplied 0003_request_line.sql\n"
+    applied = (
+        "applied 0001_initial.sql\napplied 0002_responses.sql\napplied 0003_request_line.sql\n"
+        "applied 0005_recovery_points.sql\n"
+    )
     assert cli(capsys, *empty_db.options, "migrate") == (0, applied, "")
     assert cli(capsys, *empty_db.options, "migrate") == (0, "up to date\n", "")
     tables = sql(
@@ -161,7 +164,7 @@ def test_migrate_check_exits_4_and_names_what_is_pending(
     capsys: pytest.CaptureFixture[str], empty_db: Database
 ) -> None:
     """A CI gate or an init container asks without changing anything: the schema is not even created."""
-    pending = "pending: 0001_initial.sql, 0002_responses.sql, 0003_request_line.sql\n"
+    pending = "pending: 0001_initial.sql, 0002_responses.sql, 0003_request_line.sql, 0005_recovery_points.sql\n"
     assert cli(capsys, *empty_db.options, "migrate", "--check") == (4, pending, "")
     assert sql(empty_db.url, "SELECT to_regnamespace($1) IS NULL", empty_db.schema, fetch=True) == "True"
     cli(capsys, *empty_db.options, "migrate")
@@ -202,7 +205,7 @@ def test_tables_another_tool_created_are_stamped_not_recreated(
     assert f"record them with `idempotency-mw --schema {empty_db.schema} migrate --stamp`" in err
     stamped = (
         "recorded 0001_initial.sql as applied\nrecorded 0002_responses.sql as applied\n"
-        "recorded 0003_request_line.sql as applied\n"
+        "recorded 0003_request_line.sql as applied\nrecorded 0005_recovery_points.sql as applied\n"
     )
     assert cli(capsys, *empty_db.options, "migrate", "--stamp") == (0, stamped, "")
     assert cli(capsys, *empty_db.options, "migrate") == (0, "up to date\n", "")
@@ -558,7 +561,7 @@ def test_stats(capsys: pytest.CaptureFixture[str], db: Database) -> None:
     stats = json.loads(out)
     oldest = stats.pop("oldest_in_progress_seconds")
     assert code == 0
-    assert stats == {"in_progress": 2, "completed": 2, "expired": 25, "past_lease": 1, "attempts": 3}
+    assert stats == {"in_progress": 2, "completed": 2, "expired": 25, "past_lease": 1, "attempts": 3, "stalled": 0}
     assert 3600 <= oldest < 3660
     code, out, _ = cli(capsys, *db.options, "stats")
     assert out == (
@@ -568,6 +571,7 @@ def test_stats(capsys: pytest.CaptureFixture[str], db: Database) -> None:
         "past their lease        1\n"
         "oldest in progress      1h 00m\n"
         "attempts (all records)  3\n"
+        "stalled at a step       0\n"
     )
 
 

@@ -31,8 +31,16 @@ import asyncpg
 
 from idempotency_mw.postgres._connector import default_isolation
 from idempotency_mw.postgres._records import NOT_MIGRATED, UNAVAILABLE, Records, reachable
+from idempotency_mw.postgres._recovery import point_arguments, points_from_rows
 from idempotency_mw.postgres._sql import reset_session, session
-from idempotency_mw.store import Claim, StoredResponse, StoreNotMigrated, StoreUnavailable, TransactionEnded
+from idempotency_mw.store import (
+    Claim,
+    RecoveryPoint,
+    StoredResponse,
+    StoreNotMigrated,
+    StoreUnavailable,
+    TransactionEnded,
+)
 
 # How a completion in a handler's transaction learns that another claim's response is stored (the primary key) or
 # that the record was deleted meanwhile (the foreign key): fenced out, like a completion that finds another fence
@@ -283,6 +291,45 @@ class PostgresTransaction:
         except NOT_MIGRATED as error:
             raise StoreNotMigrated(records.schema, str(error)) from error
         return self.settlement.completed(tenant, key, fence, status == "INSERT 0 1")
+
+    async def recovery_points(self, tenant: str, key: str, fence: int) -> list[RecoveryPoint]:
+        records = self._records
+        try:
+            rows = await self.connection.fetch(
+                records.sql["recovery_points"], tenant, key, fence, timeout=records.timeout
+            )
+        except UNAVAILABLE as error:
+            raise self._unreachable(error) from error
+        except NOT_MIGRATED as error:
+            raise StoreNotMigrated(records.schema, str(error)) from error
+        return points_from_rows(rows, tenant, key, records.cipher)
+
+    async def record_steps(self, tenant: str, key: str, fence: int, points: list[RecoveryPoint]) -> bool:
+        if not self.connection.is_in_transaction():  # the handler ended it: the points would land without its writes
+            raise TransactionEnded.by_the_handler("connection", "async with connection.transaction(): ...")
+        records = self._records
+        args = point_arguments(tenant, key, fence, points, records.cipher)
+        try:
+            status = await self.connection.execute(records.sql["record_steps"], *args, timeout=records.timeout)
+        except FENCED_OUT:
+            return False  # another claim's point of a step, or the record deleted meanwhile
+        except UNAVAILABLE as error:
+            raise self._unreachable(error) from error
+        except NOT_MIGRATED as error:
+            raise StoreNotMigrated(records.schema, str(error)) from error
+        return bool(status == f"INSERT 0 {len(points)}")
+
+    async def lapse(self, tenant: str, key: str, fence: int) -> bool:
+        if self.lost:
+            raise StoreUnavailable("the connection of the handler's transaction was lost")
+        try:
+            row = await self._run("lapse", (tenant, key, fence))
+        except StoreUnavailable:
+            self.lost = True
+            raise
+        finally:
+            self._records.settled(tenant, key, fence)
+        return bool(row is not None and row["lapsed"] == 1)
 
     async def commit(self) -> None:
         assert self._transaction is not None

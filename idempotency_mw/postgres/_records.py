@@ -330,6 +330,7 @@ def record_from_row(row: asyncpg.Record, cipher: ResponseCipher | None = None) -
         request=row["request"],
         replays=row["replays"],
         last_replayed_at=row["last_replayed_at"],
+        last_step=row["last_step"],
     )
 
 

@@ -272,13 +272,18 @@ ON CONFLICT (tenant, key) DO NOTHING;
 
 -- name: release
 -- A record with a response is never released: the foreign key refuses to delete one whose response committed
--- while this statement ran (the store answers False). Waiters of a record that had duplicates are notified, as
--- for a completion: one of them claims the key afresh.
+-- while this statement ran (the store answers False). Nor is one at a recovery point (a step of its request
+-- committed, migrations/0005): its retry resumes from there (see lapse). Waiters of a record that had duplicates
+-- are notified, as for a completion: one of them claims the key afresh.
 -- $1 tenant, $2 key, $3 fence
 WITH released AS (
     DELETE FROM {schema}.idempotency_records AS r
     WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
       AND NOT EXISTS (SELECT FROM {schema}.idempotency_responses AS s WHERE s.tenant = $1 AND s.key = $2)
+      AND NOT EXISTS (
+          SELECT FROM {schema}.idempotency_recovery_points AS p
+          WHERE p.tenant = $1 AND p.key = $2 AND p.life = r.created_at
+      )
     RETURNING r.tenant, r.key, r.attempts
 )
 SELECT count(*) AS released
@@ -308,6 +313,8 @@ WITH response AS (
 DELETE FROM {schema}.idempotency_records WHERE tenant = $1 AND key = $2;
 
 -- name: inspect
+-- last_step: the last recovery point of the record's life (migrations/0005), for a request whose handler runs in
+-- steps; NULL for any other.
 -- A completed record has no lease, though one completed in a handler's transaction keeps its last value in the row.
 -- $1 tenant, $2 key
 SELECT r.tenant, r.key, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'completed' END AS state, r.fence,
@@ -316,7 +323,11 @@ SELECT r.tenant, r.key, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'complet
        extract(epoch FROM r.expires_at)::float8 AS expires_at,
        CASE WHEN s.key IS NULL THEN extract(epoch FROM r.lease_expires_at)::float8 END AS lease_expires_at,
        s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with,
-       r.request, r.replays, extract(epoch FROM r.last_replayed_at)::float8 AS last_replayed_at
+       r.request, r.replays, extract(epoch FROM r.last_replayed_at)::float8 AS last_replayed_at,
+       (SELECT p.step || CASE WHEN p.done THEN '' ELSE ' (began, outcome unknown)' END
+        FROM {schema}.idempotency_recovery_points AS p
+        WHERE p.tenant = r.tenant AND p.key = r.key AND p.life = r.created_at
+        ORDER BY p.position DESC LIMIT 1) AS last_step
 FROM {schema}.idempotency_records AS r
 LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
 WHERE r.tenant = $1 AND r.key = $2;
@@ -411,20 +422,97 @@ SELECT
     count(*) FILTER (WHERE s.key IS NULL AND r.lease_expires_at <= now() AND r.expires_at > now()) AS past_lease,
     extract(epoch FROM now() - min(r.created_at) FILTER (WHERE s.key IS NULL AND r.expires_at > now()))::float8
         AS oldest_in_progress_seconds,
-    coalesce(sum(r.attempts), 0)::bigint AS attempts
+    coalesce(sum(r.attempts), 0)::bigint AS attempts,
+    -- requests stopped at a recovery point that nobody resumes (see stalled): read from the recovery points,
+    -- which only requests that run in steps have
+    (SELECT count(DISTINCT (p.tenant, p.key))
+     FROM {schema}.idempotency_recovery_points AS p
+     JOIN {schema}.idempotency_records AS q ON q.tenant = p.tenant AND q.key = p.key AND q.created_at = p.life
+     WHERE q.lease_expires_at <= now()
+       AND NOT EXISTS (SELECT FROM {schema}.idempotency_responses AS t WHERE t.tenant = p.tenant AND t.key = p.key)
+    ) AS stalled
 FROM {schema}.idempotency_records AS r
 LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key;
 
 -- name: migrated
 -- open() runs this once: a database that was never migrated (or a store pointed at the wrong schema) fails at
 -- startup with the command that fixes it, instead of at every request.
--- The newest migration's column is the sign: a schema an older version migrated is refused until migrate runs.
-SELECT to_regclass('{schema}.idempotency_responses') IS NOT NULL AND EXISTS (
-    SELECT FROM pg_attribute
-    WHERE attrelid = to_regclass('{schema}.idempotency_records') AND attname = 'replays' AND NOT attisdropped
-);
+-- The newest migration's table is the sign: a schema an older version migrated is refused until migrate runs.
+SELECT to_regclass('{schema}.idempotency_recovery_points') IS NOT NULL;
 
 -- name: database_identity
 -- SQLAlchemyStore.open() compares this on the store's connection and on the app's engine: the handlers'
 -- transactions complete the records, so the engine must reach the store's database (same server, same database).
 SELECT current_database() AS database, pg_postmaster_start_time() AS server_started;
+
+-- name: record_steps
+-- Recovery points (migrations/0005), in the transaction of a step's writes, which commits them together: the steps
+-- a request finished since its last point, each with its result, or the mark that an unrepeatable outside step
+-- begins (done false), which its result later replaces in the same claim. Fenced like complete_in_transaction: it
+-- reads the record row and writes nothing of it. A claim that took the key over is seen under READ COMMITTED (no
+-- row); under REPEATABLE READ and SERIALIZABLE the snapshot may predate the takeover, and then of the two claims the
+-- first to commit a step's point wins: the other's insert meets the primary key (a point of that step already
+-- there, or being written) and its transaction fails. The store counts the rows: fewer than it sent is fenced out.
+-- $1 tenant, $2 key, $3 fence, $4 steps, $5 positions, $6 done, $7 results (JSON text; NULL when sealed or not
+-- done), $8 sealed results, $9 the ids of their keys; one element per point
+INSERT INTO {schema}.idempotency_recovery_points AS p
+    (tenant, key, life, step, position, done, result, sealed, sealed_with, fence, committed_at)
+SELECT r.tenant, r.key, r.created_at, s.step, s.position, s.done, s.result, s.sealed, s.sealed_with, $3, now()
+FROM {schema}.idempotency_records AS r,
+     unnest($4::text[], $5::int[], $6::bool[], $7::text[], $8::bytea[], $9::text[])
+         AS s (step, position, done, result, sealed, sealed_with)
+WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
+ON CONFLICT (tenant, key, life, step) DO UPDATE
+    SET done = true, result = excluded.result, sealed = excluded.sealed, sealed_with = excluded.sealed_with,
+        committed_at = excluded.committed_at
+    WHERE NOT p.done AND excluded.done AND p.fence = excluded.fence;
+
+-- name: recovery_points
+-- The recovery points of the record's current life, in the order they were reached, for a claim that took the key
+-- over (a fresh record has none): read in the handler's transaction, before it writes anything.
+-- $1 tenant, $2 key, $3 fence
+SELECT p.step, p.position, p.done, p.result, p.sealed, p.sealed_with
+FROM {schema}.idempotency_recovery_points AS p
+JOIN {schema}.idempotency_records AS r ON r.tenant = p.tenant AND r.key = p.key AND r.created_at = p.life
+WHERE p.tenant = $1 AND p.key = $2 AND r.fence = $3
+ORDER BY p.position;
+
+-- name: lapse
+-- A request that stopped at a recovery point (a 5xx, an exception or a cancellation after one of its steps
+-- committed) is never released: its lease lapses now, so that the retry takes it over at once and resumes, and
+-- requests waiting for it are told, as for a release. Fenced; a completed record is left alone.
+-- $1 tenant, $2 key, $3 fence
+WITH lapsed AS (
+    UPDATE {schema}.idempotency_records AS r SET lease_expires_at = now()
+    WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
+      AND NOT EXISTS (SELECT FROM {schema}.idempotency_responses AS s WHERE s.tenant = $1 AND s.key = $2)
+    RETURNING r.attempts
+)
+SELECT count(*) AS lapsed
+FROM lapsed AS r, LATERAL (
+    SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || $3) END
+) AS notified;
+
+-- name: stalled
+-- Requests stopped at a recovery point that nobody resumes: in progress under a lease that lapsed at least $1
+-- seconds ago, with the last step they reached, oldest lapse first (idempotency-mw stalled). Read from the recovery
+-- points, which only requests that run in steps have. An expired one is listed too (until the purge removes it):
+-- its client can no longer resume it.
+-- $1 lapsed at least this many seconds ago, $2 at most this many
+SELECT r.tenant, r.key, r.request, last.step AS last_step, last.done AS last_step_done,
+       extract(epoch FROM r.created_at)::float8 AS created_at,
+       extract(epoch FROM r.lease_expires_at)::float8 AS lapsed_at,
+       extract(epoch FROM r.expires_at)::float8 AS expires_at
+FROM (SELECT DISTINCT p.tenant, p.key, p.life FROM {schema}.idempotency_recovery_points AS p) AS stepped
+JOIN {schema}.idempotency_records AS r
+    ON r.tenant = stepped.tenant AND r.key = stepped.key AND r.created_at = stepped.life
+JOIN LATERAL (
+    SELECT p.step, p.done
+    FROM {schema}.idempotency_recovery_points AS p
+    WHERE p.tenant = r.tenant AND p.key = r.key AND p.life = r.created_at
+    ORDER BY p.position DESC LIMIT 1
+) AS last ON true
+WHERE r.lease_expires_at <= now() - make_interval(secs => $1)
+  AND NOT EXISTS (SELECT FROM {schema}.idempotency_responses AS s WHERE s.tenant = r.tenant AND s.key = r.key)
+ORDER BY r.lease_expires_at
+LIMIT $2;

@@ -2,6 +2,7 @@
 -- responses first (their foreign key points at the records), then the records, then what migrate() kept of its
 -- own. The sequence is gone since 0002; a schema migrated by an older version may still have it. The schema itself
 -- stays: it may hold other tables (DROP SCHEMA it yourself if the store had it alone).
+DROP TABLE IF EXISTS {schema}.idempotency_recovery_points;
 DROP TABLE IF EXISTS {schema}.idempotency_responses;
 DROP TABLE IF EXISTS {schema}.idempotency_records;
 DROP SEQUENCE IF EXISTS {schema}.idempotency_fence;
