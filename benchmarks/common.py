@@ -485,7 +485,8 @@ async def add_records(url: str, start: int, stop: int, *, prefix: str, expired: 
         await connection.execute("SET maintenance_work_mem = '1GB'")
         foreign_keys = await connection.fetch(
             "SELECT conname, conrelid::regclass::text AS table_name, pg_get_constraintdef(oid) AS definition "
-            "FROM pg_constraint WHERE contype = 'f' AND conrelid = ANY($1::regclass[])",
+            "FROM pg_constraint WHERE contype = 'f' "
+            "AND (conrelid = ANY($1::regclass[]) OR confrelid = ANY($1::regclass[]))",  # the recovery points' too
             list(STORE_TABLES),
         )
         indexes = await connection.fetch(
