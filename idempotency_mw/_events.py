@@ -65,6 +65,9 @@ class Event:
     attempts: int = 0  # requests that came with this key before this one finished (0: the first)
     reached_store: bool = False  # the request got as far as the store (``on_event.started`` was called for it)
     resumed_from: str | None = None  # the last step an earlier attempt committed, when this one resumed after it
+    # Observe only (``observe=True``): ``outcome`` is what enforcing would have done, and the request ran and was
+    # answered as without the middleware (``status`` is its own). Count it apart: a would-be replay is no replay.
+    observed: bool = False
 
 
 EventHook = Callable[[Event], None]
@@ -91,16 +94,25 @@ LOG_LEVELS = {outcome: logging.DEBUG for outcome in Outcome} | {
     Outcome.FENCED_OUT: logging.WARNING,
     Outcome.NOT_RESUMABLE: logging.ERROR,  # an operator has to finish the request (idempotency-mw stalled)
 }
+# Observing: a line at INFO where enforcing would have answered otherwise than the app did (a replay, a 409, a 422, a
+# refusal, a 503), which is what a rollout waits to see; at DEBUG where it would have done the same.
+OBSERVED_LOG_LEVELS = (
+    {outcome: logging.INFO for outcome in Outcome}
+    | {outcome: logging.DEBUG for outcome in (Outcome.EXECUTED, Outcome.RELEASED, Outcome.CANCELLED)}
+    | {Outcome.FENCED_OUT: logging.WARNING}
+)
 
 
 def log_event(event: Event) -> None:
-    """The default hook: a debug line per request, a warning for the outcomes an operator should see."""
-    level = LOG_LEVELS[event.outcome]
+    """The default hook: a debug line per request, a warning for the outcomes an operator should see; an observed
+    request's line says so, and what enforcing would have done."""
+    level = (OBSERVED_LOG_LEVELS if event.observed else LOG_LEVELS)[event.outcome]
     if logger.isEnabledFor(level):
         tag = tenant_tag(event.tenant)
         logger.log(
             level,
-            "idempotency %s %s %s tenant=%s key=%s status=%s %.1fms",
+            "idempotency %s%s %s %s tenant=%s key=%s status=%s %.1fms",
+            "observed, not enforced: would be " if event.observed else "",
             event.outcome.value,
             event.method,
             event.path,
@@ -118,6 +130,7 @@ def log_event(event: Event) -> None:
                 "idempotency_status": event.status,
                 "idempotency_duration_ms": round(event.duration * 1000, 3),
                 "idempotency_attempts": event.attempts,
+                **({"idempotency_observed": True} if event.observed else {}),
             },
         )
 

@@ -19,6 +19,7 @@ from idempotency_mw._claim import LeaseKeeper
 from idempotency_mw._events import EventHook, FailureLog, Notices, log_event, logger
 from idempotency_mw._fingerprint import FingerprintKeys, choose_fingerprint_keys
 from idempotency_mw._keys import AuthorizationTenant, TenantFromApp, TenantResolver
+from idempotency_mw._observing import ObservingRequest
 from idempotency_mw._policy import DAY, RELEASED_STATUSES, MiB, Policy, RouteMatch, RouteTable
 from idempotency_mw._problems import Envelope, ProblemRenderer
 from idempotency_mw._request import IdempotentRequest, SwitchedOffRequest, TenantFromAppRequest
@@ -56,6 +57,9 @@ class IdempotencyMiddleware:
       a warning as the middleware is built, and from then on answers nothing itself and claims and records nothing:
       every request runs as its handler would without the middleware, except that a transactional route still gets
       its transaction, and a handler's context (its tenant, key and ``downstream_key``) is still there.
+    - ``observe``: True (app-wide, or per route: ``routes={"/v1/charges": {"observe": False}}``) claims, fingerprints
+      and records as enforcing would, and reports what enforcing would have done (``Event.observed``), while every
+      request runs and is answered as without the middleware: for a rollout, observe, then enforce route by route.
     - ``ttl`` and ``lease``, when not given, come from ``IDEMPOTENCY_TTL`` and ``IDEMPOTENCY_LEASE`` (seconds), else
       24 hours and 30 seconds.
     - ``fingerprint_keys``: the keys a request's fingerprint is stored under (``FingerprintKeys``, or its text
@@ -93,6 +97,7 @@ class IdempotencyMiddleware:
         fingerprint_keys: FingerprintKeys | str | None = None,
         reused_key_status: int = 422,
         problem_renderer: ProblemRenderer | None = None,
+        observe: bool = False,
     ) -> None:
         if tenant is None:
             tenant = AuthorizationTenant()  # fails here, with what to set, when no secret is configured
@@ -117,6 +122,7 @@ class IdempotencyMiddleware:
             on_conflict=on_conflict,
             wait=wait,
             reused_key_status=reused_key_status,
+            observe=observe,
         )
         self.app = app
         self.store = store
@@ -142,6 +148,7 @@ class IdempotencyMiddleware:
                 "request runs as without it, and a retried request will run again. Never leave it so in production.",
                 why,
             )
+        self.off_or_observing = not self.enabled or self.routes.observes  # some requests take another path
 
     def _check_transactional(self, *policies: Policy) -> None:
         if any(p.transactional for p in policies) and not isinstance(self.store, TransactionalStore):
@@ -164,13 +171,24 @@ class IdempotencyMiddleware:
         if method not in route.policy.methods or route.routed is False:
             # Not covered, or the router answers it itself (404, 405, a redirect): nothing runs, nothing to claim.
             return await self.app(scope, receive, send)
-        if not self.enabled:
-            request: IdempotentRequest = SwitchedOffRequest(self, route, scope, receive, send)
+        if self.off_or_observing:  # one test for both, so that enforcing costs no more for either
+            request = self._off_or_observing(route, scope, receive, send)
         elif self.tenant_from_app is not None and route.policy.tenant is None:
             request = TenantFromAppRequest(self, route, scope, receive, send)  # the app tells it from inside
         else:
             request = IdempotentRequest(self, route, scope, receive, send)
         await request.run()
+
+    def _off_or_observing(self, route: RouteMatch, scope: Scope, receive: Receive, send: Send) -> IdempotentRequest:
+        """The request of a middleware switched off (every route runs as without it), or of one where some route
+        only observes (that route's requests report what enforcing would have done, and run as without it)."""
+        if not self.enabled:
+            return SwitchedOffRequest(self, route, scope, receive, send)
+        if route.policy.observe:
+            return ObservingRequest(self, route, scope, receive, send)
+        if self.tenant_from_app is not None and route.policy.tenant is None:
+            return TenantFromAppRequest(self, route, scope, receive, send)
+        return IdempotentRequest(self, route, scope, receive, send)
 
     def route_of(self, method: str, path: str, root_path: str) -> RouteMatch:
         """The route a request is for: its policy, its template (``/v1/charges/{id}``, or ``<unmatched>``), and
@@ -187,6 +205,7 @@ class IdempotencyMiddleware:
         if self.tenant_from_app is not None:
             self.tenant_from_app.check(app, self._covers)
         self.routes.scan(app, check=lambda found: self._check_transactional(*found))
+        self.off_or_observing = not self.enabled or self.routes.observes  # an endpoint may observe (@idempotent)
 
     def _covers(self, endpoint: Any, path: str, methods: frozenset[str] | None) -> bool:
         """Whether a route (its endpoint, path template and methods) takes requests this middleware covers."""

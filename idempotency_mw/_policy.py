@@ -81,6 +81,10 @@ class Policy:
     # The status of a key used before with another request (idempotency_key_reused): 422, the IETF draft's; 409; or
     # 400, Stripe's. For apps whose own validation errors are 422: the code tells them apart, and so can the status.
     reused_key_status: int = 422
+    # Observe only: claim, fingerprint and record as enforcing would, and report what enforcing would have answered
+    # (``Event.observed``), while every request runs and is answered exactly as without the middleware. For a rollout:
+    # observe app-wide, then enforce route by route (``{"observe": False}``).
+    observe: bool = False
     # Derived: the statuses whose responses are final, so stored and replayed (below 500, and not released); every
     # other answer releases the key.
     recorded: frozenset[int] = field(init=False, repr=False, compare=False)
@@ -156,6 +160,8 @@ class Policy:
                 f"idempotency reused_key_status is 422 (the IETF draft's), 409 or 400 (Stripe's), got {reused!r}"
             )
         object.__setattr__(self, "reused_key_status", int(reused))  # HTTPStatus.CONFLICT goes out as 409
+        if not isinstance(self.observe, bool):
+            raise ValueError(f"idempotency observe must be True or False, got {self.observe!r}")
         object.__setattr__(self, "recorded", frozenset(range(100, 500)) - self.released_statuses)
 
     def key_refusal(self, key: str) -> str | None:
@@ -220,15 +226,19 @@ class RouteTable:
         self._opaque: list[re.Pattern[str]] = []
         self._readable = False
         self.methods = self._methods()  # every method any policy covers: the cheap first test of a request
+        self.observes = self._observes()  # whether any route only observes (``observe``)
         self.lookup = functools.lru_cache(maxsize=4096)(self._lookup)
 
+    def _policies(self) -> Iterator[Policy]:
+        yield self.default
+        yield from (policy for _, policy in self.patterns)
+        yield from (policy for _, _, policy in self._declared)
+
     def _methods(self) -> frozenset[str]:
-        found = set(self.default.methods)
-        for _, policy in self.patterns:
-            found |= policy.methods
-        for _, _, policy in self._declared:
-            found |= policy.methods
-        return frozenset(found)
+        return frozenset(method for policy in self._policies() for method in policy.methods)
+
+    def _observes(self) -> bool:
+        return any(policy.observe for policy in self._policies())
 
     def scan(self, app: ASGIApp | None, check: Callable[[list[Policy]], None] | None = None) -> None:
         """Read the routes of a Starlette/FastAPI app: their ``@idempotent`` declarations and their templates.
@@ -247,6 +257,7 @@ class RouteTable:
         self._opaque = [re.compile(re.escape(prefix) + "(/.*)?") for prefix in iter_opaque(routes or ())]
         self._readable = routes is not None
         self.methods = self._methods()
+        self.observes = self._observes()
         self.lookup.cache_clear()
         self.scanned = True
 

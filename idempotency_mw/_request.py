@@ -452,7 +452,7 @@ class TenantFromAppRequest(IdempotentRequest):
 
     async def _scope_key(self) -> bool:
         if await self._read_body():
-            _wait_for_the_app(self)
+            wait_for_the_app(self)
             await self._execute()
         return False
 
@@ -460,13 +460,13 @@ class TenantFromAppRequest(IdempotentRequest):
         if not self.policy.transactional:
             return await super()._keyless()
         self._transaction()
-        _wait_for_the_app(self)
+        wait_for_the_app(self)
         await self._execute()
 
     async def claim_for(self, tenant: str | None) -> IdempotencyContext:
         """Steps 2 and 4, for the tenant the app tells (``idempotency_mw.claim``). Raises :class:`ClaimAnswered` when
         the answer went out without the handler (a refusal, a replay, a conflict)."""
-        state = _take_pending(self, tenant)
+        state = take_pending(self, tenant)
         if self.refusal is None and tenant is None and self.ask.key is not None:
             self.refusal = problems.tenant_unknown_to(self.middleware.tenant, self.middleware.notices)
         if self.refusal is not None:
@@ -495,7 +495,7 @@ class SwitchedOffRequest(IdempotentRequest):
             except (MissingKey, InvalidKey):
                 pass
             if self.middleware.tenant_from_app is not None and self.policy.tenant is None:
-                _wait_for_the_app(self)  # the app tells the tenant (claim_for), then the handler runs
+                wait_for_the_app(self)  # the app tells the tenant (claim_for), then the handler runs
                 return await self._execute()
             resolver = self.policy.tenant or self.middleware.tenant
             self._scope_to(await resolve_tenant(resolver, self.scope))  # type: ignore[arg-type]  # not from the app
@@ -509,7 +509,7 @@ class SwitchedOffRequest(IdempotentRequest):
 
     async def claim_for(self, tenant: str | None) -> IdempotencyContext:
         """Nothing to claim: the context, and a transactional route's transaction."""
-        state = _take_pending(self, tenant)
+        state = take_pending(self, tenant)
         self._scope_to(tenant)
         if not (await self._begin() if self.policy.transactional else self._set_context()):
             raise ClaimAnswered
@@ -524,7 +524,7 @@ class SwitchedOffRequest(IdempotentRequest):
             self.ask.key = None
 
 
-def _take_pending(request: IdempotentRequest, tenant: object) -> dict[str, object]:
+def take_pending(request: IdempotentRequest, tenant: object) -> dict[str, object]:
     """The request's state, once its pending claim is taken (once only), for a tenant that is a str or None."""
     state: dict[str, object] = request.scope.setdefault("state", {})
     if state.pop(PENDING_KEY, None) is not request:
@@ -553,7 +553,7 @@ def not_committed(ran: TransactionalRun, middleware: Middleware) -> problems.Ref
     return problems.store_unavailable(retry_after), store_failure(failure)
 
 
-def _wait_for_the_app(request: IdempotentRequest) -> None:
+def wait_for_the_app(request: IdempotentRequest) -> None:
     """The app tells the request's tenant from inside (``claim_for``); then the handler runs."""
     request.step = Step.WAITING  # from STARTED: nothing was asked of the store yet
     request.scope.setdefault("state", {})[PENDING_KEY] = request

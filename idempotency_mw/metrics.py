@@ -112,6 +112,13 @@ class PrometheusMetrics:
             ["method", "route", "step"],
             registry=registry,
         )
+        self.observed_requests = Counter(
+            f"{prefix}_observed_requests",
+            "Requests on routes that only observe (observe=True), by route and what enforcing would have done: each "
+            "ran and was answered as without the middleware, and none is counted in the other request metrics.",
+            ["method", "route", "outcome"],
+            registry=registry,
+        )
         self.in_flight = Gauge(
             f"{prefix}_in_flight",
             "Keyed requests that reached the store and have not finished.",
@@ -165,6 +172,7 @@ class PrometheusMetrics:
             multiprocess_mode="mostrecent",
         )
         self._seen_routes: set[tuple[str, str]] = set()  # bounded: methods the middleware covers x routes
+        self._seen_observed: set[tuple[str, str]] = set()  # the same, of observed requests
 
     def started(self, scope: Scope) -> None:
         """Called by the middleware when a request reaches the store."""
@@ -176,6 +184,8 @@ class PrometheusMetrics:
             self.in_flight.dec()
         route = self.route_label(event) if self.route_label is not None else event.route
         outcome = event.outcome.value
+        if event.observed:
+            return self._observed(event.method, route, outcome)
         if (event.method, route) not in self._seen_routes:
             # Every outcome of a route starts at 0, so `increase(...) > 0` alerts fire on the first fenced-out.
             self._seen_routes.add((event.method, route))
@@ -188,6 +198,15 @@ class PrometheusMetrics:
         if event.reached_store:  # earlier refusals spent no store time and saw no attempts
             self.store_duration.labels(outcome).observe(event.store_seconds)
             self.key_attempts.labels(event.method, route, outcome).observe(event.attempts)
+
+    def _observed(self, method: str, route: str, outcome: str) -> None:
+        """An observed request: what enforcing would have done, counted apart, so that a dashboard of what the
+        middleware did never counts a would-be replay (or 409, or 422) as one."""
+        if (method, route) not in self._seen_observed:
+            self._seen_observed.add((method, route))  # every outcome at 0, as for enforced requests
+            for each in Outcome:
+                self.observed_requests.labels(method, route, each.value)
+        self.observed_requests.labels(method, route, outcome).inc()
 
     async def update_from_store(self, store: StatsSource) -> None:
         """Refresh the record gauges from ``store.stats()`` (one scan of the table: call it every minute or so,

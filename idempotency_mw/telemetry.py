@@ -48,7 +48,9 @@ class SpanAttributes:
     instrumentation wraps the app) with what the middleware did. Never the key itself, nor the tenant: hashes.
 
     Attributes: ``idempotency.outcome``, ``idempotency.replayed``, ``idempotency.key_hash``,
-    ``idempotency.tenant_hash`` (absent for the tenant ``""``), ``idempotency.store_seconds``.
+    ``idempotency.tenant_hash`` (absent for the tenant ``""``), ``idempotency.store_seconds``; and
+    ``idempotency.observed`` (true) on a route that only observes, whose outcome is what enforcing would have done
+    (``idempotency.replayed`` is false there: nothing was replayed).
     """
 
     def __init__(self) -> None:
@@ -66,9 +68,11 @@ class SpanAttributes:
             return
         attributes: dict[str, Any] = {
             "idempotency.outcome": event.outcome.value,
-            "idempotency.replayed": event.outcome is Outcome.REPLAYED,
+            "idempotency.replayed": event.outcome is Outcome.REPLAYED and not event.observed,
             "idempotency.store_seconds": event.store_seconds,
         }
+        if event.observed:
+            attributes["idempotency.observed"] = True
         if event.key_hash:
             attributes["idempotency.key_hash"] = event.key_hash
         if event.tenant:
