@@ -315,7 +315,8 @@ def _key_format(policy: Policy) -> str:
     if isinstance(policy.key_format, str):
         return f" This operation takes keys that match {policy.key_format} (sent bare)."
     if policy.key_format is not None:
-        return " This operation takes keys of a format of its own: any other is answered 400."
+        refused = "" if policy.observe else ": any other is answered 400"
+        return f" This operation takes keys of a format of its own{refused}."
     return ""
 
 
@@ -328,6 +329,21 @@ def _key_schema(policy: Policy) -> dict[str, Any]:
     return dict(KEY_SCHEMA)
 
 
+def _key_description(policy: Policy) -> str:
+    if policy.observe:  # every answer is the app's own until the route enforces
+        what = "This operation does not act on it yet: every request runs, a retry with the same key included."
+    else:
+        what = (
+            "A retry with the same key and the same request gets the original response, replayed for "
+            f"{int(policy.ttl)} seconds."
+        )
+    return (
+        f"A unique key per logical operation (a UUID). {what} A key is 1 to {MAX_KEY_LENGTH} visible ASCII "
+        'characters, sent bare (then without a comma) or as an RFC 9651 string ("8e03978e-…"); both spellings name '
+        "the same key." + _key_format(policy)
+    )
+
+
 def _document_operation(operation: dict[str, Any], policy: Policy, media_type: str | None) -> None:
     """``media_type``: of the middleware's error bodies (their schema is ``IdempotencyProblem``), or None for none."""
     parameters = operation.setdefault("parameters", [])
@@ -336,14 +352,13 @@ def _document_operation(operation: dict[str, Any], policy: Policy, media_type: s
             {
                 "name": "Idempotency-Key",
                 "in": "header",
-                "required": policy.required,
-                "description": "A unique key per logical operation (a UUID). A retry with the same key and the same "
-                f"request gets the original response, replayed for {int(policy.ttl)} seconds. A key is 1 to "
-                f"{MAX_KEY_LENGTH} visible ASCII characters, sent bare (then without a comma) or as an RFC 9651 "
-                'string ("8e03978e-…"); both spellings name the same key.' + _key_format(policy),
-                "schema": _key_schema(policy),
+                "required": policy.required and not policy.observe,
+                "description": _key_description(policy),
+                "schema": {"type": "string"} if policy.observe else _key_schema(policy),  # observing takes any
             }
         )
+    if policy.observe:
+        return  # observing: no replays, and none of the middleware's answers
     responses = operation.setdefault("responses", {})
     for status, response in responses.items():  # the app's own answers: the middleware's are never replayed
         if _may_be_replayed(status, policy):

@@ -18,6 +18,7 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
+from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -27,6 +28,7 @@ from starlette.types import Message
 
 from idempotency_mw import Event, IdempotencyMiddleware, MemoryStore, Outcome, PostgresStore, idempotent
 from idempotency_mw import idempotency_context as context_of
+from idempotency_mw.fastapi import setup
 from idempotency_mw.sqlalchemy import SQLAlchemyStore, idempotency_session
 from idempotency_mw.store import Store
 from tests.apps import Registry
@@ -430,6 +432,34 @@ async def test_routes_enforce_one_by_one() -> None:
 def test_observe_is_true_or_false() -> None:
     with pytest.raises(ValueError, match="observe must be True or False"):
         IdempotencyMiddleware(Starlette(), MemoryStore(), observe="yes")  # type: ignore[arg-type]
+
+
+async def test_openapi_promises_nothing_of_an_observed_route() -> None:
+    """An observed operation answers as without the middleware: its key is documented (and optional, even where it
+    will be required), but neither the replay header nor the middleware's problems."""
+    app = FastAPI()
+
+    @app.post("/v1/charges", status_code=201)
+    async def create_charge() -> dict[str, str]:
+        return {"id": "ch_1"}
+
+    @app.post("/v1/refunds", status_code=201)
+    @idempotent(observe=False)
+    async def create_refund() -> dict[str, str]:
+        return {"id": "re_1"}
+
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), observe=True, required=True)
+    setup(app)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        schema = (await client.get("/openapi.json")).json()
+    charges, refunds = schema["paths"]["/v1/charges"]["post"], schema["paths"]["/v1/refunds"]["post"]
+    (header,) = [p for p in charges["parameters"] if p["name"] == "Idempotency-Key"]
+    assert (header["required"], header["schema"]) == (False, {"type": "string"})  # any key: none is refused
+    assert "does not act on it yet" in header["description"]
+    assert set(charges["responses"]) == {"201"}
+    assert "headers" not in charges["responses"]["201"]
+    assert {"400", "409", "413", "422", "503"} <= set(refunds["responses"])
+    assert "Idempotent-Replayed" in refunds["responses"]["201"]["headers"]
 
 
 async def test_a_client_that_leaves_mid_body_gets_no_event(store_and_mode: tuple[Store, bool]) -> None:
