@@ -13,6 +13,7 @@ import socket
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -35,6 +36,7 @@ from tests.apps import Registry
 from tests.conftest import client_for, opened, tenant_of
 from tests.orm import SCHEMA, Effect, create_tables, sqlalchemy_url
 from tests.test_cycles import app_on, call, left_to_the_collector, warmed_up
+from tests.test_docs import recipe
 from tests.test_fastapi import as_account, build_with_auth
 from tests.test_telemetry import Traced
 
@@ -528,3 +530,29 @@ async def test_a_tenant_resolver_that_raises_fails_no_observed_request(caplog: p
     assert [(e.outcome, e.observed) for e in events] == [(Outcome.TENANT_UNKNOWN, True)] * 2
     (notice,) = [r for r in caplog.records if "raised on a request of a route that observes" in r.getMessage()]
     assert notice.exc_info is not None
+
+
+async def test_the_rollout_page_runs_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idempotency_database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """docs/rollout.md: one route observing, one enforcing with optional keys, one enforcing with keys required."""
+    with recipe("rollout", tmp_path, monkeypatch, DATABASE_URL=idempotency_database_url) as rollout:
+        try:
+            with caplog.at_level(logging.INFO, logger="idempotency_mw"):
+                async with client_for(rollout.app, token=f"sk_test_rollout_{uuid.uuid4().hex}") as client:
+                    replayed = {}
+                    for path in ("/v1/charges", "/v1/refunds", "/v1/payouts"):
+                        keyed = {"Idempotency-Key": str(uuid.uuid4())}
+                        first, again = [await client.post(path, json={"n": 1}, headers=keyed) for _ in range(2)]
+                        replayed[path] = again.headers.get("idempotent-replayed")
+                        assert (first.status_code, again.content) == (201, first.content)
+                    keyless = {path: (await client.post(path, json={})).status_code for path in replayed}
+        finally:
+            await rollout.store.close()
+    assert replayed == {"/v1/charges": None, "/v1/refunds": "true", "/v1/payouts": "true"}
+    assert keyless == {"/v1/charges": 201, "/v1/refunds": 201, "/v1/payouts": 400}
+    observed = [r.getMessage().split(" POST ")[0] for r in caplog.records if "observed" in r.getMessage()]
+    assert observed == [
+        "idempotency observed, not enforced: would be replayed",
+        "idempotency observed, not enforced: would be key_missing",
+    ]
