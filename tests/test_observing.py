@@ -556,3 +556,26 @@ async def test_the_rollout_page_runs_as_written(
         "idempotency observed, not enforced: would be replayed",
         "idempotency observed, not enforced: would be key_missing",
     ]
+
+
+@pytest.mark.parametrize("tenant_from_the_app", [False, True], ids=["resolver", "TenantDependency"])
+async def test_a_transaction_that_cannot_begin_is_answered_as_when_switched_off(tenant_from_the_app: bool) -> None:
+    """The database down: the claim fails (reported), and the handler's transaction cannot begin, so the request gets
+    the 503 it gets with the middleware switched off: the handler cannot run without its transaction."""
+    dead = PostgresStore(f"postgresql://nobody@127.0.0.1:{closed_port()}/none", timeout=1)
+    events: list[Event] = []
+    answers = []
+    for options in ({"enabled": False}, {"observe": True, "on_event": events.append}):
+        if tenant_from_the_app:
+            calls: list[str] = []
+            client = as_account(build_with_auth(dead, calls, **options), "key_alice")
+            path = "/refunds"
+        else:
+            client = client_for(Shop().app(store=dead, transactional=True, **options))
+            path = "/v1/charges"
+        async with client:
+            answers.append(await client.post(path, json={"amount": 5}, headers={"Idempotency-Key": str(uuid.uuid4())}))
+    switched_off, observed = answers
+    assert observed.status_code == 503
+    assert answer(observed) == answer(switched_off)
+    assert [(e.outcome, e.observed, e.status) for e in events] == [(Outcome.STORE_ERROR, True, 503)]
