@@ -4,7 +4,8 @@ read top to bottom in :meth:`IdempotentRequest.run`.
 The request asks a run (plain or transactional) to run the handler, and gets back what happened; it alone decides
 what the client gets and what is reported (:class:`Report`). Two kinds of request take another path: one whose
 tenant the app tells from inside (:class:`TenantFromAppRequest`: the claim waits for the app's own authentication),
-and any request while the middleware is switched off (:class:`SwitchedOffRequest`: nothing is claimed).
+and any request while the middleware is switched off (:class:`SwitchedOffRequest`: nothing is claimed). A request on a
+route that only observes has a module of its own (``_observing.py``).
 """
 
 from __future__ import annotations

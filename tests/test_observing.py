@@ -579,3 +579,38 @@ async def test_a_transaction_that_cannot_begin_is_answered_as_when_switched_off(
     assert observed.status_code == 503
     assert answer(observed) == answer(switched_off)
     assert [(e.outcome, e.observed, e.status) for e in events] == [(Outcome.STORE_ERROR, True, 503)]
+
+
+async def test_a_webhook_route_observes_its_events() -> None:
+    """A key from the body and a tenant of the route's own (``key_from``, ``tenant``): the same observing, a body over
+    the cap included (its key cannot be read; the handler gets it whole)."""
+    store, events = MemoryStore(), list[Event]()
+    received: list[int] = []
+
+    async def webhook(request: Request) -> Response:
+        received.append(len(await request.body()))
+        return JSONResponse({"received": True})
+
+    routes = {"/hooks": {"key_from": lambda event: event.get("id"), "tenant": lambda scope: "provider"}}
+    apps = []
+    for observe in (True, False):
+        app = Starlette(routes=[Route("/hooks", webhook, methods=["POST"])])
+        app.add_middleware(
+            IdempotencyMiddleware, store=store, routes=routes, observe=observe, on_event=events.append,
+            max_request_bytes=1024,
+        )  # fmt: skip
+        apps.append(app)
+    event = {"id": f"evt_{uuid.uuid4().hex}", "type": "charge.succeeded"}
+    async with client_for(apps[0]) as observing, client_for(apps[1]) as enforcing:
+        delivered = [await observing.post("/hooks", json=event) for _ in range(2)]
+        large = await observing.post("/hooks", json={**event, "padding": "x" * 2000})
+        again = await enforcing.post("/hooks", json=event)
+    assert [d.status_code for d in [*delivered, large]] == [200, 200, 200]
+    assert received[2] == int(large.request.headers["content-length"]) > 1024  # every byte of the body over the cap
+    assert [(e.outcome, e.observed, e.tenant) for e in events] == [
+        (Outcome.EXECUTED, True, "provider"),
+        (Outcome.REPLAYED, True, "provider"),
+        (Outcome.REQUEST_TOO_LARGE, True, ""),
+        (Outcome.REPLAYED, False, "provider"),
+    ]
+    assert (again.headers["idempotent-replayed"], again.content, len(received)) == ("true", delivered[0].content, 3)
