@@ -57,6 +57,7 @@ from idempotency_mw._request import (
     take_pending,
     wait_for_the_app,
 )
+from idempotency_mw._stepped import SteppedRun
 from idempotency_mw._transactional import DID_NOT_COMMIT, TransactionalRun
 from idempotency_mw.store import ClaimOutcome, Transaction, TransactionalStore
 
@@ -218,7 +219,7 @@ class ObservingRequest(IdempotentRequest):
         elif claim.outcome is ClaimOutcome.COMPLETED and claim.response is not None and claim.response.body is not None:
             self.would = Outcome.REPLAYED
         else:
-            self.would = problems.answer_to(claim, middleware.retry_after, policy.max_response_bytes)[1]
+            self.would = problems.answer_to(claim, middleware.retry_after, policy)[1]
 
     async def claim_for(self, tenant: str | None) -> IdempotencyContext:
         """Steps 2 and 4 for the tenant the app tells, on the side (never :class:`ClaimAnswered` for them); then the
@@ -293,8 +294,9 @@ class ObservingRequest(IdempotentRequest):
         self.cannot_run = True
         return False
 
-    def _set_context(self, transaction: Transaction | None = None) -> bool:
-        """The handler's context, as when switched off: a key without a tenant scopes nothing."""
+    def _set_context(self, transaction: Transaction | None = None, ran: SteppedRun | None = None) -> bool:
+        """The handler's context, as when switched off: a key without a tenant scopes nothing (and no steps: observing
+        records no recovery point)."""
         key = self.ask.key if self.scoped else None
         self.scope.setdefault("state", {})[STATE_KEY] = IdempotencyContext(self.ask.owner, key, transaction)
         return True

@@ -86,7 +86,7 @@ class PlainRun:
         """The record's expiry, for the response start to carry, when the answer is recorded: settled as completed
         (a response whose first body message is its last), or, streamed, with a status that will be recorded."""
         owned, outcome = self._owned, self.outcome
-        if owned is None:
+        if owned is None or self._policy.observe:  # observing adds nothing to what the app sends
             return ()
         if outcome is not None:  # settled
             return expiry(owned.expires_at) if outcome[0] is Outcome.EXECUTED else ()

@@ -253,7 +253,9 @@ async def test_a_claim_that_fails_leaves_a_transactional_handler_its_transaction
     try:
         await connection.execute(EFFECTS)
         async with opened(PostgresStore(migrated_url)) as store:
-            await connection.execute("DROP TABLE idempotency_responses, idempotency_records")
+            await connection.execute(
+                "DROP TABLE idempotency_recovery_points, idempotency_responses, idempotency_records"
+            )
             shop, events = Shop(), list[Event]()
             app = shop.app(store=store, transactional=True, observe=True, on_event=events.append)
             key = str(uuid.uuid4())
