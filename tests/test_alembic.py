@@ -18,11 +18,16 @@ import asyncpg
 import httpx
 import pytest
 
+import idempotency_mw
 from idempotency_mw import PostgresStore
 from idempotency_mw.postgres import migration_statements, removal_statements
 from tests.apps import Probe, build_app
 from tests.conftest import tenant_of, with_database
 from tests.orm import sqlalchemy_url
+
+# Where the library these tests import lives (a checkout on PYTHONPATH, or site-packages): Alembic runs in a process of
+# its own, which must migrate with the same library.
+LIBRARY = Path(idempotency_mw.__file__).resolve().parents[1]
 
 ENV_PY = """
 import asyncio
@@ -119,11 +124,7 @@ class Service:
         done = subprocess.run(
             [sys.executable, "-m", "alembic", "-c", str(self.project / "alembic.ini"), *argv],
             cwd=self.project,
-            env={
-                **os.environ,
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(self.project), os.environ.get("PYTHONPATH")])),
-                **env,
-            },
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(self.project), str(LIBRARY)]), **env},
             capture_output=True,
             text=True,
             timeout=120,
