@@ -37,6 +37,7 @@ from starlette.types import Scope
 from idempotency_mw._events import FailureLog, Outcome, hash_key
 from idempotency_mw._fingerprint import FingerprintKeys, fingerprint
 from idempotency_mw._keys import ROUTE_TENANTS
+from idempotency_mw._parts import RequestParts, request_parts
 from idempotency_mw._policy import Policy
 from idempotency_mw.store import (
     Claim,
@@ -292,6 +293,7 @@ class Claimer(Protocol):
         ttl: float,
         matching: tuple[bytes, ...] = (),
         request: str | None = None,
+        parts: bytes | None = None,
     ) -> Claim: ...
 
 
@@ -312,6 +314,10 @@ class Ask:
     line: str | None = None  # its method and route template, which the record keeps for inspect
     digest: bytes = b""  # the request's fingerprint, unkeyed: never stored, nor sent to the store
     digests: tuple[bytes, ...] = ()  # as stored, under each fingerprint key, the current one first
+    # A route that explains a mismatch (explain_mismatch): the request's parts, to compare with a record's, and as
+    # the claim writes them (keyed digests, under the current fingerprint key).
+    parts: RequestParts | None = None
+    stored_parts: bytes | None = None
 
     def scope_to(self, tenant: str, *, route_owns_it: bool, alternates: tuple[str, ...] = ()) -> bool:
         """Scope the key by ``tenant`` (``alternates``: the same tenant under the other secrets of a rotation). A
@@ -330,7 +336,7 @@ class Ask:
         self, scope: Scope, content_type: bytes, body: bytes, policy: Policy, keys: FingerprintKeys
     ) -> None:
         """The request's fingerprint (method, path, query and body, less the policy's excluded fields), as stored
-        under each of ``keys``."""
+        under each of ``keys``; and, on a route that explains a mismatch, its parts (``_parts.py``)."""
         self.digest = fingerprint(
             scope["method"],
             scope["path"],
@@ -340,6 +346,10 @@ class Ask:
             policy.fingerprint_exclude,
         )
         self.digests = keys.digests(self.digest)
+        if policy.explain_mismatch:
+            exclude = policy.fingerprint_exclude
+            self.parts = parts = request_parts(scope, content_type, body, exclude, keys, self.digests[0])
+            self.stored_parts = parts.stored
 
     async def claim(
         self,
@@ -367,13 +377,15 @@ class Ask:
         current, *previous = self.digests
         line, matching = self.line, tuple(previous)
         claim = await claimer.claim(
-            self.tenant, self.key, current, lease=lease, ttl=ttl, matching=matching, request=line
-        )
+            self.tenant, self.key, current, lease=lease, ttl=ttl, matching=matching, request=line,
+            parts=self.stored_parts,
+        )  # fmt: skip
         if claim.outcome is ClaimOutcome.MISMATCH and claim.unkeyed is not None and claim.unkeyed == self.digest:
             matching = (*previous, self.digest)
             claim = await claimer.claim(
-                self.tenant, self.key, current, lease=lease, ttl=ttl, matching=matching, request=line
-            )
+                self.tenant, self.key, current, lease=lease, ttl=ttl, matching=matching, request=line,
+                parts=self.stored_parts,
+            )  # fmt: skip
         if claim.outcome is not ClaimOutcome.OWNED or claim.attempts:
             return claim
         for other in self.others:

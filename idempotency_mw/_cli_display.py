@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from idempotency_mw._events import hash_key, tenant_tag
 from idempotency_mw._fingerprint import DIGEST_BYTES, fingerprint_key_id
+from idempotency_mw._parts import COMPARED, read_parts
 from idempotency_mw.store import RecordInfo, RecordLine, StalledRequest
 
 if TYPE_CHECKING:
@@ -46,8 +47,21 @@ def record_to_dict(record: RecordInfo, *, now: float) -> dict[str, Any]:
         "last_step": record.last_step,  # None: its handler did not run in steps (docs/design.md §10)
         "fingerprint": record.fingerprint[-DIGEST_BYTES:].hex(),
         "fingerprint_key": fingerprint_key_id(record.fingerprint),  # None: unkeyed, written before keys existed
+        "request_parts": request_parts(record.parts),
         "response": response,
     }
+
+
+def request_parts(stored: bytes | None) -> dict[str, Any] | None:
+    """That a record's request parts are stored (explain_mismatch), how many body fields, under which key: never
+    anything else of them, which are keyed digests anyway. None when it has none."""
+    if stored is None:
+        return None
+    parts = read_parts(stored)
+    if parts is None:
+        return {"key": None, "fields": None, "body_compared": None, "bytes": len(stored)}  # a later version's
+    compared = COMPARED[parts.mode]
+    return {"key": parts.key_id, "fields": len(parts.fields), "body_compared": compared, "bytes": len(stored)}
 
 
 def format_record(shown: dict[str, Any]) -> str:
@@ -69,6 +83,8 @@ def format_record(shown: dict[str, Any]) -> str:
     ]
     if shown.get("last_step") is not None:
         rows.insert(4, ("last step", shown["last_step"]))
+    if shown["request_parts"] is not None:  # written by a route that explains a mismatch
+        rows.append(("request parts", _parts(shown["request_parts"])))
     response = shown["response"]
     if response is not None:
         rows.append(("status", str(response["status"])))
@@ -85,6 +101,13 @@ def format_record(shown: dict[str, Any]) -> str:
             rows.append((f"body ({response['body_preview_encoding']})", text + more))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _parts(parts: dict[str, Any]) -> str:
+    if parts["key"] is None:
+        return f"{parts['bytes']} bytes, in a format this version does not read"
+    body = "compared whole" if parts["body_compared"] == "whole" else f"{parts['fields']} {parts['body_compared']}"
+    return f"{parts['bytes']} bytes: method, path, query, body ({body}), under key {parts['key']!r}"
 
 
 def _replays(count: int, last: str | None) -> str:

@@ -115,6 +115,12 @@ class FingerprintKeys:
             found.append(prefix + mac.digest())
         return tuple(found)
 
+    def keyed(self, key_id: str) -> hmac.HMAC | None:
+        """A fresh HMAC-SHA256 under the key ``key_id``, for a key derived from it (the request parts' of
+        ``_parts.py``); None for a key not given."""
+        found = self._keys.get(key_id)
+        return None if found is None else found[1].copy()
+
     def __repr__(self) -> str:  # never the keys
         return f"FingerprintKeys(current={self.current!r}, key_ids={self.key_ids!r})"
 

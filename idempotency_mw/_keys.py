@@ -328,6 +328,14 @@ class CookieTenant:
         return PREFIX + keyed.hexdigest()
 
 
+def shared_namespace(resolver: object) -> str | None:
+    """The tenant ``resolver`` gives every request it cannot tell apart (``anonymous=``), whose callers then share one
+    namespace of keys; None when it gives none (every tenant is one caller's, as far as the middleware can tell). A
+    resolver of the app's own that shares a tenant among callers says so the same way: an ``anonymous`` attribute."""
+    shared = getattr(resolver, "anonymous", None)
+    return shared if isinstance(shared, str) else None
+
+
 def passes_unscoped(resolver: object) -> bool:
     """Whether a keyed request that ``resolver`` finds no tenant for passes through untouched (:class:`CookieTenant`)
     rather than being refused with 400."""
@@ -363,6 +371,7 @@ def header_tenant(header: str, *, anonymous: str | None = None) -> TenantResolve
         return value.decode("latin-1") if value else shared  # an empty header names nobody
 
     resolve.requirement = f"exactly one {header.strip()} header"  # type: ignore[attr-defined]
+    resolve.anonymous = shared  # type: ignore[attr-defined]  # shared_namespace reads it
     return resolve
 
 
@@ -395,6 +404,7 @@ def legacy_sha256_fallback(store: Store, tenant: TenantResolver | None = None) -
         resolved = new(scope)
         return await resolved if inspect.isawaitable(resolved) else resolved
 
+    resolve.anonymous = shared_namespace(new)  # type: ignore[attr-defined]  # the legacy tenants are per credential
     return resolve
 
 

@@ -48,6 +48,7 @@ class _Record:
     request: str | None = None
     replays: int = 0
     last_replayed_at: float | None = None
+    parts: bytes | None = None
 
 
 class MemoryStore:
@@ -76,6 +77,7 @@ class MemoryStore:
         ttl: float,
         matching: tuple[bytes, ...] = (),
         request: str | None = None,
+        parts: bytes | None = None,
     ) -> Claim:
         now = self._clock()
         self._expire(now)
@@ -85,7 +87,9 @@ class MemoryStore:
             attempts = 0  # an expired record's attempts belong to the operation it recorded, not to this one
             # A record never expires under a live lease: renew and a takeover move expires_at past the lease.
             expires = now + max(ttl, lease)
-            self._records[(tenant, key)] = _Record(fingerprint, fence, now, expires, now + lease, request=request)
+            self._records[(tenant, key)] = _Record(
+                fingerprint, fence, now, expires, now + lease, request=request, parts=parts
+            )
             self._push(expires, (tenant, key))
             return Claim(ClaimOutcome.OWNED, fence=fence, attempts=attempts, expires_at=expires)
         same = record.fingerprint == fingerprint or record.fingerprint in matching
@@ -101,7 +105,7 @@ class MemoryStore:
         attempts = record.attempts
         if not same:
             unkeyed = record.fingerprint if len(record.fingerprint) == DIGEST_BYTES else None
-            return Claim(ClaimOutcome.MISMATCH, attempts=attempts, unkeyed=unkeyed)
+            return Claim(ClaimOutcome.MISMATCH, attempts=attempts, unkeyed=unkeyed, parts=record.parts)
         assert record.lease_expires_at is not None
         if record.lease_expires_at <= now:
             self._waiters.wake(record.fence)  # those who waited for the claim that lapsed wait for this one now
@@ -169,6 +173,7 @@ class MemoryStore:
             request=record.request,
             replays=record.replays,
             last_replayed_at=record.last_replayed_at,
+            parts=record.parts,
         )
 
     def _opened(self, tenant: str, key: str, response: StoredResponse | SealedResponse) -> StoredResponse:

@@ -18,7 +18,7 @@ from idempotency_mw._channels import ReplayHook
 from idempotency_mw._claim import LeaseKeeper
 from idempotency_mw._events import EventHook, FailureLog, Notices, log_event, logger
 from idempotency_mw._fingerprint import FingerprintKeys, choose_fingerprint_keys
-from idempotency_mw._keys import AuthorizationTenant, TenantFromApp, TenantResolver
+from idempotency_mw._keys import AuthorizationTenant, TenantFromApp, TenantResolver, shared_namespace
 from idempotency_mw._observing import ObservingRequest
 from idempotency_mw._policy import DAY, RELEASED_STATUSES, MiB, Policy, RouteMatch, RouteTable
 from idempotency_mw._problems import Envelope, ProblemRenderer
@@ -98,6 +98,7 @@ class IdempotencyMiddleware:
         reused_key_status: int = 422,
         problem_renderer: ProblemRenderer | None = None,
         observe: bool = False,
+        explain_mismatch: bool = False,
     ) -> None:
         if tenant is None:
             tenant = AuthorizationTenant()  # fails here, with what to set, when no secret is configured
@@ -123,6 +124,7 @@ class IdempotencyMiddleware:
             wait=wait,
             reused_key_status=reused_key_status,
             observe=observe,
+            explain_mismatch=explain_mismatch,
         )
         self.app = app
         self.store = store
@@ -139,7 +141,7 @@ class IdempotencyMiddleware:
         self.retry_after = retry_after
         self.on_replay = on_replay
         self.earlier = earlier
-        self._check_transactional(default, *(p for _, p in self.routes.patterns))
+        self._check_policies([default, *(p for _, p in self.routes.patterns)])
         self.enabled = enabled and os.environ.get(DISABLED_VARIABLE, "").strip().lower() not in ("1", "true", "yes")
         if not self.enabled:
             why = f"{DISABLED_VARIABLE} is set" if enabled else "enabled=False"
@@ -150,11 +152,20 @@ class IdempotencyMiddleware:
             )
         self.off_or_observing = not self.enabled or self.routes.observes  # some requests take another path
 
-    def _check_transactional(self, *policies: Policy) -> None:
+    def _check_policies(self, policies: list[Policy]) -> None:
+        """Refuse what these policies ask that the store or the tenant resolver cannot give."""
         if any(p.transactional for p in policies) and not isinstance(self.store, TransactionalStore):
             raise TypeError(
                 f"transactional mode needs a store with database transactions (PostgresStore, or SQLAlchemyStore "
                 f"from idempotency_mw.sqlalchemy), not {type(self.store).__name__}"
+            )
+        shared = shared_namespace(self.tenant)
+        if shared is not None and any(p.explain_mismatch and p.tenant is None for p in policies):
+            raise ValueError(
+                f"idempotency explain_mismatch cannot be combined with the tenant resolver {self.tenant!r}: it puts "
+                f"every request it cannot tell apart in one namespace ({shared!r}, its anonymous=), where a caller who "
+                "guessed another's key would learn which fields of that caller's request differ from its own. Turn "
+                "explain_mismatch off, or give anonymous callers no namespace (anonymous=None: they get 400)"
             )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -204,7 +215,7 @@ class IdempotencyMiddleware:
         app = scope.get("app", self.app)
         if self.tenant_from_app is not None:
             self.tenant_from_app.check(app, self._covers)
-        self.routes.scan(app, check=lambda found: self._check_transactional(*found))
+        self.routes.scan(app, check=self._check_policies)
         self.off_or_observing = not self.enabled or self.routes.observes  # an endpoint may observe (@idempotent)
 
     def _covers(self, endpoint: Any, path: str, methods: frozenset[str] | None) -> bool:

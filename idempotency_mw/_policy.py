@@ -85,6 +85,10 @@ class Policy:
     # (``Event.observed``), while every request runs and is answered exactly as without the middleware. For a rollout:
     # observe app-wide, then enforce route by route (``{"observe": False}``).
     observe: bool = False
+    # A 422 for a reused key names what changed (method, path, query, which body fields: the ``changed`` member), from
+    # the request's parts stored with the claim as keyed digests. Refused where callers share a namespace (a route's
+    # own tenant, a resolver's ``anonymous=``): there it would tell one caller about another's request.
+    explain_mismatch: bool = False
     # Derived: the statuses whose responses are final, so stored and replayed (below 500, and not released); every
     # other answer releases the key.
     recorded: frozenset[int] = field(init=False, repr=False, compare=False)
@@ -162,6 +166,14 @@ class Policy:
         object.__setattr__(self, "reused_key_status", int(reused))  # HTTPStatus.CONFLICT goes out as 409
         if not isinstance(self.observe, bool):
             raise ValueError(f"idempotency observe must be True or False, got {self.observe!r}")
+        if not isinstance(self.explain_mismatch, bool):
+            raise ValueError(f"idempotency explain_mismatch must be True or False, got {self.explain_mismatch!r}")
+        if self.explain_mismatch and self.tenant is not None:
+            raise ValueError(
+                "idempotency explain_mismatch cannot be combined with a route's own tenant=: its callers (a provider's "
+                "webhooks, under one tenant) share one namespace, so a caller who guessed another's key would learn "
+                "which fields of that caller's request differ from its own (set explain_mismatch=False on that route)"
+            )
         object.__setattr__(self, "recorded", frozenset(range(100, 500)) - self.released_statuses)
 
     def key_refusal(self, key: str) -> str | None:

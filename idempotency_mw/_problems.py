@@ -9,6 +9,7 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from starlette.responses import Response
@@ -16,6 +17,7 @@ from starlette.types import Scope, Send
 
 from idempotency_mw._events import Notices, Outcome
 from idempotency_mw._keys import ROUTE_TENANTS, KeyFunctionFailed, requirement, unknown_tenant_advice
+from idempotency_mw._parts import Changes, RequestParts, explain
 from idempotency_mw._policy import Policy
 from idempotency_mw._wire import PROBLEM_HEADER, ProblemCode
 from idempotency_mw.store import Claim, ClaimOutcome
@@ -30,7 +32,8 @@ class Problem:
 
     ``status`` is the HTTP status it goes out with; ``code`` its stable :class:`ProblemCode` (a ``str``); ``title``
     a short summary and ``detail`` what happened and what the client can do, in English; ``retry_after`` the seconds
-    of its ``Retry-After`` header, or None when the client should not retry it unchanged.
+    of its ``Retry-After`` header, or None when the client should not retry it unchanged; ``changed``, on a reused
+    key's answer from a route with ``explain_mismatch``, what differs from the first request (docs/semantics.md).
     """
 
     status: int
@@ -38,18 +41,21 @@ class Problem:
     title: str
     detail: str
     retry_after: int | None = None
+    changed: dict[str, Any] | None = None  # a reused key's, on a route that explains it: what differs
 
     def body(self) -> bytes:
-        """The default body: RFC 9457 problem details, with the code as an extension member."""
-        return orjson.dumps(
-            {
-                "type": TYPE_BASE + self.code,
-                "title": self.title,
-                "status": self.status,
-                "detail": self.detail,
-                "code": self.code,
-            }
-        )
+        """The default body: RFC 9457 problem details, with the code (and a reused key's ``changed``) as extension
+        members."""
+        document: dict[str, Any] = {
+            "type": TYPE_BASE + self.code,
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+            "code": self.code,
+        }
+        if self.changed is not None:
+            document["changed"] = self.changed
+        return orjson.dumps(document)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """What goes with the problem in any envelope: its code, and its ``Retry-After`` if it has one."""
@@ -166,14 +172,20 @@ def key_invalid(reason: str) -> Problem:
     return Problem(400, ProblemCode.KEY_INVALID, "Invalid Idempotency-Key", reason + ".")
 
 
-def key_reused(status: int = 422) -> Problem:
-    """``status``: the route's ``reused_key_status`` (422, the IETF draft's; 409; or 400, Stripe's)."""
+def key_reused(status: int = 422, changes: Changes | None = None) -> Problem:
+    """``status``: the route's ``reused_key_status`` (422, the IETF draft's; 409; or 400, Stripe's). ``changes``: what
+    differs from the first request with the key (``explain_mismatch``), said in the detail and in the ``changed``
+    member; without them the detail names the parts that may differ."""
+    if changes is None:
+        what = " (method, path, query or body)."
+    else:
+        what = f": {changes.words()} from the first request with this key."
     return Problem(
         status,
         ProblemCode.KEY_REUSED,
         "Idempotency-Key already used",
-        "This Idempotency-Key was already used with a different request (method, path, query or "
-        "body). Use a new key for a new request.",
+        f"This Idempotency-Key was already used with a different request{what} Use a new key for a new request.",
+        changed=None if changes is None else changes.member(),
     )
 
 
@@ -249,12 +261,12 @@ def key_expired(max_age: int) -> Problem:
 Refusal = tuple[Problem, Outcome]
 
 
-def answer_to(claim: Claim, retry_after: int, policy: Policy) -> Refusal:
+def answer_to(claim: Claim, retry_after: int, policy: Policy, parts: RequestParts | None = None) -> Refusal:
     """The refusal of a claim that is not the request's, and that cannot be replayed: a different request (422, or
-    the route's ``reused_key_status``), one still running (409), one completed whose response was not stored in full
-    (409)."""
+    the route's ``reused_key_status``; it says what differs where the request has ``parts`` to compare with the
+    record's), one still running (409), one completed whose response was not stored in full (409)."""
     if claim.outcome is ClaimOutcome.MISMATCH:
-        return key_reused(policy.reused_key_status), Outcome.KEY_REUSED
+        return key_reused(policy.reused_key_status, explain(parts, claim.parts)), Outcome.KEY_REUSED
     if claim.outcome is ClaimOutcome.IN_PROGRESS:
         return in_progress(retry_after), Outcome.IN_PROGRESS
     response = claim.response

@@ -328,7 +328,7 @@ class IdempotentRequest:
         """A claim that is not ours: 7. replayed, or refused (``problems.answer_to``)."""
         middleware, response = self.middleware, claim.response
         if claim.outcome is not ClaimOutcome.COMPLETED or response is None or response.body is None:
-            return await self._refuse(*problems.answer_to(claim, middleware.retry_after, self.policy))
+            return await self._refuse(*problems.answer_to(claim, middleware.retry_after, self.policy, self.ask.parts))
         if middleware.on_replay is not None:
             response = await replayed(middleware.on_replay, self.scope, response)
         self._decide(Outcome.REPLAYED, response.status)

@@ -128,13 +128,14 @@ class TransactionalRun:
         ttl: float,
         matching: tuple[bytes, ...] = (),
         request: str | None = None,
+        parts: bytes | None = None,
     ) -> Claim:
         """Take this request's connection and claim the key on it. A claim that is not ours gives the connection
         back at once: the middleware answers without a transaction."""
         transaction = self.transaction or await self._lend()
         try:
             claim = await transaction.claim(
-                tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching, request=request
+                tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching, request=request, parts=parts
             )
         except BaseException:
             await self.close()

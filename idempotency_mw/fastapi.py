@@ -33,6 +33,7 @@ from starlette.responses import Response
 from idempotency_mw._context import IdempotencyContext, claim, idempotency_context, mark_not_executed
 from idempotency_mw._keys import TenantFromApp
 from idempotency_mw._middleware import IdempotencyMiddleware
+from idempotency_mw._parts import COMPARED, MAX_FIELDS
 from idempotency_mw._policy import Policy, idempotent, iter_routes
 from idempotency_mw._problems import TYPE_BASE
 from idempotency_mw._wire import EXPIRES_HEADER, MAX_KEY_LENGTH, PROBLEM_HEADER, ProblemCode
@@ -178,6 +179,25 @@ KEY_SCHEMA = {
     "pattern": f"^(?:{_BARE_KEY}|{_QUOTED_KEY})$",
 }
 
+CHANGED_SCHEMA = {
+    "type": "object",
+    "description": "With idempotency_key_reused, on an operation that explains it (explain_mismatch): what differs "
+    "from the first request with the key. fields names the body fields this request sent that differ or were not "
+    "in the first (a JSON Pointer for a JSON body, the field name for a form); missing_fields counts the first "
+    "request's fields that this one lacks; compared says how the bodies were compared: field by field, by "
+    "top-level member (a JSON body of more than 64 fields), or whole",
+    "required": ["method", "path", "query", "body", "fields", "missing_fields", "compared"],
+    "properties": {
+        "method": {"type": "boolean"},
+        "path": {"type": "boolean"},
+        "query": {"type": "boolean"},
+        "body": {"type": "boolean"},
+        "fields": {"type": "array", "items": {"type": "string"}, "maxItems": MAX_FIELDS},
+        "missing_fields": {"type": "integer", "minimum": 0, "maximum": MAX_FIELDS},
+        "compared": {"type": "string", "enum": sorted(set(COMPARED.values()))},
+    },
+    "additionalProperties": False,
+}
 PROBLEM_SCHEMA = {
     "type": "object",
     "description": "RFC 9457 problem details, as the idempotency middleware answers",
@@ -188,6 +208,7 @@ PROBLEM_SCHEMA = {
         "status": {"type": "integer"},
         "detail": {"type": "string"},
         "code": {"type": "string", "enum": [code.value for code in ProblemCode]},
+        "changed": CHANGED_SCHEMA,
     },
 }
 RETRY_AFTER = {
@@ -248,7 +269,12 @@ def _problems(policy: Policy) -> dict[str, _Answer]:
             else []
         ),
         (413, ProblemCode.REQUEST_TOO_LARGE, "request body over the idempotency size limit"),
-        (policy.reused_key_status, ProblemCode.KEY_REUSED, "this Idempotency-Key was used with another request"),
+        (
+            policy.reused_key_status,
+            ProblemCode.KEY_REUSED,
+            "this Idempotency-Key was used with another request"
+            + (", and the answer's changed member says what differs" if policy.explain_mismatch else ""),
+        ),
         *(
             [(422, ProblemCode.KEY_EXPIRED, f"a UUIDv7 key older than the {int(policy.ttl)}-second retention")]
             if policy.check_uuid7_age

@@ -247,6 +247,7 @@ class SQLAlchemyTransaction:
         ttl: float,
         matching: tuple[bytes, ...] = (),
         request: str | None = None,
+        parts: bytes | None = None,
     ) -> Claim:
         """The claim, on this connection's driver connection, before the transaction begins (SQLAlchemy's adapter
         has begun nothing yet: its BEGIN goes with the first statement)."""
@@ -261,7 +262,7 @@ class SQLAlchemyTransaction:
         try:
             fingerprints = (fingerprint, *matching)
             return await self._records.claim(
-                run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=False, request=request
+                run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=False, request=request, parts=parts
             )
         except StoreUnavailable as error:
             if not isinstance(error, StoreNotMigrated):

@@ -76,6 +76,9 @@ class Claim:
     # OWNED and COMPLETED: when the record expires (epoch seconds), as the store wrote it (a lease taken over keeps the
     # record's expiry); sent to the client as Idempotency-Expires. None from a store that does not tell: no header.
     expires_at: float | None = None
+    # MISMATCH only: the record's request parts (keyed digests, ``parts=`` of the claim that wrote it), when it has
+    # them and they were written with its fingerprint; the caller compares them with its own to say what changed.
+    parts: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,7 @@ class RecordInfo:
     replays: int = 0  # replays of its response written so far (counted in batches: the last seconds' may be missing)
     last_replayed_at: float | None = None  # within the batch interval (PostgresStore: 5 s) of the last replay
     last_step: str | None = None  # the last recovery point of a request that runs in steps (docs/design.md §10)
+    parts: bytes | None = None  # its request parts, keyed digests (explain_mismatch); None when none were written
 
 
 @dataclass(frozen=True)
@@ -261,10 +265,13 @@ class Store(Protocol):
         ttl: float,
         matching: tuple[bytes, ...] = (),
         request: str | None = None,
+        parts: bytes | None = None,
     ) -> Claim:
         """Insert an ``in_progress`` record or report the existing one, atomically, in one round trip.
         ``fingerprint`` is what a new record holds; a record holding it or any of ``matching`` (the request's
-        fingerprint under previous keys) is the same request."""
+        fingerprint under previous keys) is the same request. ``request`` (its method and route template) and
+        ``parts`` (its parts as keyed digests, from a route that explains a mismatch) are written with a new record,
+        and a different request's answer carries the record's ``parts``; a store keeps them as opaque bytes."""
 
     async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:
         """Extend the lease of a claim still held under ``fence``; False if it was taken over."""
@@ -309,6 +316,7 @@ class Transaction(Protocol):
         ttl: float,
         matching: tuple[bytes, ...] = (),
         request: str | None = None,
+        parts: bytes | None = None,
     ) -> Claim:
         """:meth:`Store.claim`, on this connection, before the transaction begins."""
 

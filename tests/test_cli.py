@@ -118,6 +118,7 @@ async def completed(store: PostgresStore, tenant: str, key: str, body: bytes, *,
 def test_migrate_creates_the_schema_then_is_up_to_date(capsys: pytest.CaptureFixture[str], empty_db: Database) -> None:
     applied = (
         "applied 0001_initial.sql\napplied 0002_responses.sql\napplied 0003_request_line.sql\n"
+        "applied 0004_request_parts.sql\n"
         "applied 0005_recovery_points.sql\n"
     )
     assert cli(capsys, *empty_db.options, "migrate") == (0, applied, "")
@@ -164,7 +165,10 @@ def test_migrate_check_exits_4_and_names_what_is_pending(
     capsys: pytest.CaptureFixture[str], empty_db: Database
 ) -> None:
     """A CI gate or an init container asks without changing anything: the schema is not even created."""
-    pending = "pending: 0001_initial.sql, 0002_responses.sql, 0003_request_line.sql, 0005_recovery_points.sql\n"
+    pending = (
+        "pending: 0001_initial.sql, 0002_responses.sql, 0003_request_line.sql, 0004_request_parts.sql, "
+        "0005_recovery_points.sql\n"
+    )
     assert cli(capsys, *empty_db.options, "migrate", "--check") == (4, pending, "")
     assert sql(empty_db.url, "SELECT to_regnamespace($1) IS NULL", empty_db.schema, fetch=True) == "True"
     cli(capsys, *empty_db.options, "migrate")
@@ -205,7 +209,8 @@ def test_tables_another_tool_created_are_stamped_not_recreated(
     assert f"record them with `idempotency-mw --schema {empty_db.schema} migrate --stamp`" in err
     stamped = (
         "recorded 0001_initial.sql as applied\nrecorded 0002_responses.sql as applied\n"
-        "recorded 0003_request_line.sql as applied\nrecorded 0005_recovery_points.sql as applied\n"
+        "recorded 0003_request_line.sql as applied\nrecorded 0004_request_parts.sql as applied\n"
+        "recorded 0005_recovery_points.sql as applied\n"
     )
     assert cli(capsys, *empty_db.options, "migrate", "--stamp") == (0, stamped, "")
     assert cli(capsys, *empty_db.options, "migrate") == (0, "up to date\n", "")
@@ -297,6 +302,29 @@ def test_inspect_shows_the_request_and_its_replays(
     )
     shown = json.loads(out)
     assert (shown["request"], shown["replays"], shown["attempts"]) == ("POST /charge", 2, 0)
+
+
+def test_inspect_shows_that_request_parts_are_stored_and_nothing_of_them(
+    capsys: pytest.CaptureFixture[str], db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A route that explains a mismatch stores the request's parts, keyed digests: inspect says they are there, how
+    many body fields, under which key; never a digest."""
+
+    async def serve() -> None:
+        async with PostgresStore(db.url, min_size=1, max_size=2, schema=db.schema) as store:
+            app = build_app(store, Probe(), explain_mismatch=True, fingerprint_keys="2026-11:" + "k" * 32)
+            body = {"amount": 10, "currency": "eur"}
+            await client_for(app, token="sk_test_erin").post("/charge", json=body, headers={"Idempotency-Key": "p"})
+
+    asyncio.run(serve())
+    monkeypatch.setenv("CLIENT_AUTHORIZATION", "Bearer sk_test_erin")
+    code, out, _ = cli(capsys, *db.options, "inspect", "--authorization-from", "CLIENT_AUTHORIZATION", "p")
+    assert code == 0
+    (shown,) = [line for line in out.splitlines() if line.startswith("request parts")]
+    assert shown == "request parts  83 bytes: method, path, query, body (2 fields), under key '2026-11'"
+    code, out, _ = cli(capsys, *db.options, "inspect", "--authorization-from", "CLIENT_AUTHORIZATION", "p", "--json")
+    parts = {"key": "2026-11", "fields": 2, "body_compared": "fields", "bytes": 83}
+    assert json.loads(out)["request_parts"] == parts
 
 
 def test_inspect_json(capsys: pytest.CaptureFixture[str], db: Database) -> None:

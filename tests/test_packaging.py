@@ -54,6 +54,7 @@ def test_the_wheel_holds_the_library_alone(wheel: zipfile.ZipFile) -> None:
         "idempotency_mw/postgres/sql/migrations/0002_responses.sql",
         "idempotency_mw/postgres/sql/migrations/0003_request_line.sql",
         "idempotency_mw/postgres/sql/migrations/0005_recovery_points.sql",
+        "idempotency_mw/postgres/sql/migrations/0004_request_parts.sql",
     } <= set(names)
 
 

@@ -252,8 +252,11 @@ class SettlesAfterTheFirstClaim(PostgresStore):
         ttl: float,
         matching: tuple[bytes, ...] = (),
         request: str | None = None,
+        parts: bytes | None = None,
     ) -> Claim:
-        claim = await super().claim(tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching, request=request)
+        claim = await super().claim(
+            tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching, request=request, parts=parts
+        )
         hook, self.before_answer = self.before_answer, None
         if hook is not None and claim.outcome is ClaimOutcome.IN_PROGRESS:
             await hook()

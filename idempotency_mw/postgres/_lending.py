@@ -253,11 +253,12 @@ class PostgresTransaction:
         ttl: float,
         matching: tuple[bytes, ...] = (),
         request: str | None = None,
+        parts: bytes | None = None,
     ) -> Claim:
         fingerprints = (fingerprint, *matching)
         try:
             return await self._records.claim(
-                self._run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=False, request=request
+                self._run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=False, request=request, parts=parts
             )
         except StoreNotMigrated:
             raise

@@ -184,6 +184,7 @@ class Records:
         ttl: float,
         flush: bool,
         request: str | None = None,
+        parts: bytes | None = None,
     ) -> Claim:
         """The claim of ``(tenant, key)`` by ``run`` (``sql/queries.sql``: ``claim``, then ``claim_or_take_over``
         when it answers nothing, then ``claim_locked`` after a race). Without ``flush`` (a transactional request's)
@@ -193,7 +194,7 @@ class Records:
             raise StoreUnavailable("the idempotency store is closing: it takes no new claims")
         # max: a record never expires under a live lease (sql/queries.sql, renew)
         lease, ttl, synchronous_commit = float(lease), float(max(ttl, lease)), None if flush else "off"
-        args = (tenant, key, fingerprints, lease, ttl, new_fence(), synchronous_commit, request)
+        args = (tenant, key, fingerprints, lease, ttl, new_fence(), synchronous_commit, request, parts)
         row = await run("claim", args)  # a fresh key, a replay, a 409 or a 422
         if row is None:  # an expired record or a lapsed lease to take over, or a race
             row = await run("claim_or_take_over", args)
@@ -285,8 +286,13 @@ def claim_from_row(row: asyncpg.Record, tenant: str, key: str, cipher: ResponseC
     if row["owned"]:
         return Claim(ClaimOutcome.OWNED, fence=row["fence"], attempts=attempts, expires_at=row["expires_at"])
     if not row["same_request"]:
-        unkeyed = row["unkeyed"]
-        return Claim(ClaimOutcome.MISMATCH, attempts=attempts, unkeyed=None if unkeyed is None else bytes(unkeyed))
+        unkeyed, parts = row["unkeyed"], row["parts"]
+        return Claim(
+            ClaimOutcome.MISMATCH,
+            attempts=attempts,
+            unkeyed=None if unkeyed is None else bytes(unkeyed),
+            parts=None if parts is None else bytes(parts),
+        )
     if not row["completed"]:
         return Claim(ClaimOutcome.IN_PROGRESS, fence=row["fence"], attempts=attempts)
     response = response_from_row(row, tenant, key, cipher)
@@ -331,6 +337,7 @@ def record_from_row(row: asyncpg.Record, cipher: ResponseCipher | None = None) -
         replays=row["replays"],
         last_replayed_at=row["last_replayed_at"],
         last_step=row["last_step"],
+        parts=None if row["request_parts"] is None else bytes(row["request_parts"]),
     )
 
 

@@ -207,10 +207,11 @@ class PostgresStore:
         ttl: float,
         matching: tuple[bytes, ...] = (),
         request: str | None = None,
+        parts: bytes | None = None,
     ) -> Claim:
         run, fingerprints = self._connector.run, (fingerprint, *matching)
         return await self._records.claim(
-            run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=True, request=request
+            run, tenant, key, fingerprints, lease=lease, ttl=ttl, flush=True, request=request, parts=parts
         )
 
     async def renew(self, tenant: str, key: str, fence: int, *, lease: float) -> bool:

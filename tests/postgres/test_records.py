@@ -41,12 +41,14 @@ async def answer_row(db: asyncpg.Connection, **columns: Any) -> asyncpg.Record:
         "sealed_with": None,
         "unkeyed": None,
         "expires_at": None,
+        "parts": None,
         **columns,
     }
     row = await db.fetchrow(
         "SELECT $1::boolean AS owned, $2::boolean AS same_request, $3::boolean AS completed, $4::bigint AS fence, "
         "$5::int AS attempts, $6::int AS status, $7::text AS headers, $8::bytea AS body, $9::int AS body_size, "
-        "$10::bytea AS sealed, $11::text AS sealed_with, $12::bytea AS unkeyed, $13::float8 AS expires_at",
+        "$10::bytea AS sealed, $11::text AS sealed_with, $12::bytea AS unkeyed, $13::float8 AS expires_at, "
+        "$14::bytea AS parts",
         *values.values(),
     )
     assert row is not None
@@ -88,6 +90,8 @@ async def test_another_request_under_the_key_is_a_mismatch(db: asyncpg.Connectio
     assert claim_from_row(row, "t", "k") == Claim(ClaimOutcome.MISMATCH, attempts=2)
     unkeyed = await answer_row(db, same_request=False, unkeyed=bytes(32))  # a fingerprint written before keying
     assert claim_from_row(unkeyed, "t", "k") == Claim(ClaimOutcome.MISMATCH, attempts=2, unkeyed=bytes(32))
+    explained = await answer_row(db, same_request=False, parts=b"parts")  # written by a route that explains
+    assert claim_from_row(explained, "t", "k") == Claim(ClaimOutcome.MISMATCH, attempts=2, parts=b"parts")
 
 
 async def test_the_same_request_still_running_is_in_progress(db: asyncpg.Connection) -> None:

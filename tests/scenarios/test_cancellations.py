@@ -164,8 +164,11 @@ class ClaimLandsThenStallsStore(PostgresStore):
         ttl: float,
         matching: tuple[bytes, ...] = (),
         request: str | None = None,
+        parts: bytes | None = None,
     ) -> Claim:
-        claim = await super().claim(tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching, request=request)
+        claim = await super().claim(
+            tenant, key, fingerprint, lease=lease, ttl=ttl, matching=matching, request=request, parts=parts
+        )
         self.landed.set()
         await self.reply.wait()  # the reply is still on its way when the request is cancelled
         return claim

@@ -27,17 +27,20 @@
 -- FingerprintKeys): the first is written, and a record holding any of them is the same request, so a rotation of
 -- the keys turns no retry into a 422. A different request's answer carries the record's fingerprint when it is a
 -- bare SHA-256 (unkeyed, written before fingerprints were keyed), which the store compares with the request's own:
--- only a digest already stored in the table is ever sent back to it.
+-- only a digest already stored in the table is ever sent back to it. It also carries the record's request parts
+-- (keyed digests, _parts.py; NULL for a record written without them), when they were written with its fingerprint:
+-- they begin with its last 8 bytes (migrations/0004).
 -- $1 tenant, $2 key, $3 fingerprints, $4 lease seconds, $5 ttl seconds (at least $4, see renew), $6 fence,
--- $7 synchronous_commit, $8 the request (method and route template, for inspect)
+-- $7 synchronous_commit, $8 the request (method and route template, for inspect), $9 its parts (NULL: none)
 -- A record that is this request's, or that it replays, comes back with its expires_at (the Idempotency-Expires
 -- header): set here, when the record is claimed, and moved only by a renewal or a takeover (never by a completion).
 WITH commit_setting AS MATERIALIZED (
     SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
 ), inserted AS (
     INSERT INTO {schema}.idempotency_records AS r
-        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at, request)
-    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5), $8
+        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at, request, request_parts)
+    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5), $8,
+           $9
     FROM commit_setting
     ON CONFLICT (tenant, key) DO NOTHING
     RETURNING r.fence, r.attempts, r.expires_at
@@ -53,20 +56,23 @@ WITH commit_setting AS MATERIALIZED (
     FROM existing AS e
     WHERE r.tenant = $1 AND r.key = $2 AND r.expires_at > now()
       AND (r.fingerprint <> ALL ($3) OR (NOT e.completed AND r.lease_expires_at > now()))
-    RETURNING r.fence, r.fingerprint, r.attempts, e.completed
+    RETURNING r.fence, r.fingerprint, r.attempts, e.completed, r.request_parts
 )
 SELECT true AS owned, false AS completed, true AS same_request, i.attempts,
        NULL::smallint AS status, NULL::jsonb AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
        NULL::bytea AS sealed, NULL::text AS sealed_with, i.fence, NULL::bytea AS unkeyed,
-       extract(epoch FROM i.expires_at)::float8 AS expires_at
+       extract(epoch FROM i.expires_at)::float8 AS expires_at, NULL::bytea AS parts
 FROM inserted AS i
 UNION ALL
 SELECT false, c.completed, c.fingerprint = ANY ($3), c.attempts, NULL, NULL, NULL, NULL, NULL, NULL, c.fence,
-       CASE WHEN length(c.fingerprint) = 32 AND c.fingerprint <> ALL ($3) THEN c.fingerprint END, NULL
+       CASE WHEN length(c.fingerprint) = 32 AND c.fingerprint <> ALL ($3) THEN c.fingerprint END, NULL,
+       CASE WHEN c.fingerprint <> ALL ($3)
+             AND substring(c.request_parts FOR 8) = substring(c.fingerprint FROM length(c.fingerprint) - 7)
+            THEN c.request_parts END
 FROM counted AS c
 UNION ALL
 SELECT false, true, true, e.attempts, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with, e.fence,
-       NULL, extract(epoch FROM e.expires_at)::float8
+       NULL, extract(epoch FROM e.expires_at)::float8, NULL
 FROM existing AS e
 WHERE e.completed AND e.fingerprint = ANY ($3) AND NOT e.expired;
 
@@ -88,8 +94,9 @@ WITH commit_setting AS MATERIALIZED (
     SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
 ), inserted AS (
     INSERT INTO {schema}.idempotency_records AS r
-        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at, request)
-    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5), $8
+        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at, request, request_parts)
+    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5), $8,
+           $9
     FROM commit_setting
     ON CONFLICT (tenant, key) DO NOTHING
     RETURNING r.fence, r.fingerprint, r.attempts, r.expires_at
@@ -116,13 +123,14 @@ WITH commit_setting AS MATERIALIZED (
         attempts         = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.attempts + 1 END,
         request          = CASE WHEN r.expires_at <= now() THEN $8 ELSE r.request END,
         replays          = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.replays END,
-        last_replayed_at = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.last_replayed_at END
+        last_replayed_at = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.last_replayed_at END,
+        request_parts    = CASE WHEN r.expires_at <= now() THEN $9 ELSE r.request_parts END
     FROM existing AS e
     WHERE r.tenant = $1 AND r.key = $2
       AND NOT (e.completed AND r.fingerprint = ANY ($3) AND r.expires_at > now())
     RETURNING r.fence, r.fingerprint, r.attempts, r.expires_at, r.lease_expires_at IS NULL AS ended,
               e.completed, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with,
-              e.fence AS previous_fence
+              e.fence AS previous_fence, r.request_parts
 ), woken AS (
     -- A lapsed lease taken over: requests that wait for the claim that lapsed (on_conflict="wait", _waiting.py) are
     -- told, and wait for this one instead. The attempts count this request: above 1, another one came.
@@ -132,16 +140,16 @@ WITH commit_setting AS MATERIALIZED (
 ), found AS (
     SELECT i.fence, i.fingerprint, i.attempts, i.expires_at, false AS completed,
            NULL::smallint AS status, NULL::jsonb AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
-           NULL::bytea AS sealed, NULL::text AS sealed_with
+           NULL::bytea AS sealed, NULL::text AS sealed_with, NULL::bytea AS request_parts
     FROM inserted AS i
     UNION ALL
     SELECT u.fence, u.fingerprint, u.attempts, u.expires_at, u.completed AND u.fence <> $6, u.status, u.headers, u.body,
-           u.body_size, u.sealed, u.sealed_with
+           u.body_size, u.sealed, u.sealed_with, u.request_parts
     FROM updated AS u
     WHERE u.fence = $6 OR u.completed OR NOT u.ended  -- ended, but not completed in the snapshot: a race
     UNION ALL
     SELECT e.fence, e.fingerprint, e.attempts, e.expires_at, true, e.status, e.headers, e.body, e.body_size, e.sealed,
-           e.sealed_with
+           e.sealed_with, NULL
     FROM existing AS e
     WHERE NOT EXISTS (SELECT FROM updated) AND e.completed AND NOT e.expired AND e.fingerprint = ANY ($3)
 )
@@ -160,7 +168,10 @@ SELECT
     CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.sealed_with END AS sealed_with,
     f.fence,
     CASE WHEN length(f.fingerprint) = 32 AND f.fingerprint <> ALL ($3) THEN f.fingerprint END AS unkeyed,
-    extract(epoch FROM f.expires_at)::float8 AS expires_at  -- read by the store for a claim it owns or replays
+    extract(epoch FROM f.expires_at)::float8 AS expires_at,  -- read by the store for a claim it owns or replays
+    CASE WHEN f.fingerprint <> ALL ($3)
+          AND substring(f.request_parts FOR 8) = substring(f.fingerprint FROM length(f.fingerprint) - 7)
+         THEN f.request_parts END AS parts
 FROM found AS f, (SELECT count(*) FROM woken) AS notified;  -- a SELECT in WITH runs only where it is read
 
 -- name: claim_locked
@@ -168,7 +179,7 @@ FROM found AS f, (SELECT count(*) FROM woken) AS notified;  -- a SELECT in WITH 
 -- with a concurrent claim or completion, see above): DO UPDATE locks and returns the current row even when it was
 -- committed after this statement's snapshot, so it always answers. It writes the record row in every case, a
 -- replay too (without counting it). A response is read from this statement's snapshot, taken after the others'.
--- $1 tenant, $2 key, $3 fingerprints, $4 lease seconds, $5 ttl seconds, $6 fence, $7 synchronous_commit (see claim)
+-- $1 to $9 as for claim
 WITH commit_setting AS MATERIALIZED (
     SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
 ), cleared AS (
@@ -181,8 +192,9 @@ WITH commit_setting AS MATERIALIZED (
     WHERE s.tenant = $1 AND s.key = $2
 ), claimed AS (
     INSERT INTO {schema}.idempotency_records AS r
-        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at, request)
-    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5), $8
+        (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at, request, request_parts)
+    SELECT $1, $2, ($3::bytea[])[1], $6, now() + make_interval(secs => $4), now(), now() + make_interval(secs => $5), $8,
+           $9
     FROM commit_setting
     ON CONFLICT (tenant, key) DO UPDATE SET
         fingerprint      = CASE WHEN r.expires_at <= now() THEN excluded.fingerprint ELSE r.fingerprint END,
@@ -197,8 +209,9 @@ WITH commit_setting AS MATERIALIZED (
                                 ELSE r.attempts + 1 END,
         request          = CASE WHEN r.expires_at <= now() THEN excluded.request ELSE r.request END,
         replays          = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.replays END,
-        last_replayed_at = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.last_replayed_at END
-    RETURNING r.fence, r.fingerprint, r.attempts, r.expires_at
+        last_replayed_at = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.last_replayed_at END,
+        request_parts    = CASE WHEN r.expires_at <= now() THEN excluded.request_parts ELSE r.request_parts END
+    RETURNING r.fence, r.fingerprint, r.attempts, r.expires_at, r.request_parts
 )
 SELECT
     c.fence = $6 AS owned,
@@ -213,7 +226,10 @@ SELECT
     CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN s.sealed_with END AS sealed_with,
     c.fence,
     CASE WHEN length(c.fingerprint) = 32 AND c.fingerprint <> ALL ($3) THEN c.fingerprint END AS unkeyed,
-    extract(epoch FROM c.expires_at)::float8 AS expires_at
+    extract(epoch FROM c.expires_at)::float8 AS expires_at,
+    CASE WHEN c.fingerprint <> ALL ($3)
+          AND substring(c.request_parts FOR 8) = substring(c.fingerprint FROM length(c.fingerprint) - 7)
+         THEN c.request_parts END AS parts
 FROM claimed AS c LEFT JOIN response AS s ON true;
 
 -- name: renew
@@ -327,7 +343,9 @@ SELECT r.tenant, r.key, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'complet
        (SELECT p.step || CASE WHEN p.done THEN '' ELSE ' (began, outcome unknown)' END
         FROM {schema}.idempotency_recovery_points AS p
         WHERE p.tenant = r.tenant AND p.key = r.key AND p.life = r.created_at
-        ORDER BY p.position DESC LIMIT 1) AS last_step
+        ORDER BY p.position DESC LIMIT 1) AS last_step,
+       CASE WHEN substring(r.request_parts FOR 8) = substring(r.fingerprint FROM length(r.fingerprint) - 7)
+            THEN r.request_parts END AS request_parts  -- only parts written with its fingerprint (see claim)
 FROM {schema}.idempotency_records AS r
 LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
 WHERE r.tenant = $1 AND r.key = $2;
@@ -437,8 +455,12 @@ LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key =
 -- name: migrated
 -- open() runs this once: a database that was never migrated (or a store pointed at the wrong schema) fails at
 -- startup with the command that fixes it, instead of at every request.
--- The newest migration's table is the sign: a schema an older version migrated is refused until migrate runs.
-SELECT to_regclass('{schema}.idempotency_recovery_points') IS NOT NULL;
+-- The newest migrations' table and column are the sign: a schema an older version migrated is refused until migrate
+-- runs.
+SELECT to_regclass('{schema}.idempotency_recovery_points') IS NOT NULL AND EXISTS (
+    SELECT FROM pg_attribute
+    WHERE attrelid = to_regclass('{schema}.idempotency_records') AND attname = 'request_parts' AND NOT attisdropped
+);
 
 -- name: database_identity
 -- SQLAlchemyStore.open() compares this on the store's connection and on the app's engine: the handlers'
