@@ -35,6 +35,7 @@ from idempotency_mw import AuthorizationTenant, IdempotencyMiddleware, Policy, P
 from idempotency_mw.cli import build_parser
 from idempotency_mw.client import AsyncIdempotentClient, IdempotentClient, Retry
 from idempotency_mw.testing import run_lifespan
+from tests.conftest import tenant_of
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "examples" / "README.md"])
@@ -331,7 +332,7 @@ async def serving(app: Any, **headers: str) -> AsyncIterator[httpx.AsyncClient]:
 
 
 def test_the_guide_has_its_recipes() -> None:
-    assert set(guide_recipes()) == {"shop", "webhooks", "stamped", "impatient"}
+    assert set(guide_recipes()) == {"shop", "webhooks", "stamped", "explained", "impatient"}
 
 
 async def test_recipe_fastapi_sqlalchemy_and_your_own_authentication(
@@ -416,6 +417,31 @@ async def test_recipe_clients_that_stamp_each_attempt(
             assert retry.json()["first_sent_at"] == 1
             other = await client.post("/v1/payments", json={"amount": 6, "sent_at": 3}, headers=headers)
             assert other.json()["code"] == "idempotency_key_reused"
+
+
+async def test_recipe_say_what_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idempotency_database_url: str
+) -> None:
+    with recipe("explained", tmp_path, monkeypatch, DATABASE_URL=idempotency_database_url) as explained:
+        async with serving(explained.app, authorization="Bearer sk_test_recipes") as client:
+            headers = {"Idempotency-Key": str(uuid.uuid4())}
+            first = await client.post(
+                "/v1/charges", json={"amount": 500, "currency": "eur", "sent_at": 1}, headers=headers
+            )
+            assert first.status_code == 201
+            retry = await client.post("/v1/charges", json={"amount": 501, "sent_at": 2}, headers=headers)
+            assert retry.status_code == 422
+            changed = {"method": False, "path": False, "query": False, "body": True, "fields": ["/amount"]}
+            assert retry.json()["changed"] == {**changed, "missing_fields": 1, "compared": "fields"}
+            snippet = [code for _, code in PYTHON if "def why_refused" in code]
+            namespace: dict[str, Any] = {}
+            exec(snippet[0], namespace)  # the guide's client snippet, on the answer it describes
+            assert namespace["why_refused"](retry) == "/amount, 1 field(s) no longer sent"
+            assert namespace["why_refused"](first) is None
+            record = await explained.store.inspect(tenant_of("sk_test_recipes"), headers["Idempotency-Key"])
+            assert record is not None
+            assert record.parts is not None  # sent_at left out: 2 fields; its derived key's id has 26 characters
+            assert len(record.parts) == 51 + (26 - 7) + 2 * 16
 
 
 async def test_recipe_wait_for_the_original(

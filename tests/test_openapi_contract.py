@@ -75,7 +75,8 @@ class ChargeOut(BaseModel):
 def bare_app(**options: Any) -> FastAPI:
     """What a user writes: a create (201, with Location, which schemathesis' stateful phase follows), its reads, a
     route whose key is required, one that takes UUID keys only, and one that only observes. GET and POST share a
-    path, as FastAPI apps do. ``options``: the middleware's, and ``problem_schema`` for ``setup``."""
+    path, as FastAPI apps do. A reused key's 422 says what changed (explain_mismatch), so its ``changed`` member is
+    held to the schema too. ``options``: the middleware's, and ``problem_schema`` for ``setup``."""
     problem_schema = options.pop("problem_schema", None)
     app = FastAPI(title="bare app behind the middleware")
     charges: dict[str, int] = {}
@@ -112,7 +113,7 @@ def bare_app(**options: Any) -> FastAPI:
     async def create_quote(body: Charge) -> ChargeOut:
         return ChargeOut(id="qt_" + uuid.uuid4().hex, amount=body.amount)
 
-    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), **options)
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), **{"explain_mismatch": True, **options})
     setup(app, problem_schema=problem_schema)
     return app
 
@@ -154,6 +155,7 @@ class Answer:
     status: int
     replayed: bool
     code: str | None  # the problem's code, or the code in Stripe's envelope
+    explained: bool = False  # a problem that says what changed (its changed member)
 
 
 def answer_code(body: bytes) -> str | None:
@@ -197,7 +199,8 @@ def with_keys(app: ASGIApp, keys: str, answers: Counter[Answer]) -> ASGIApp:
                 if not message.get("more_body", False):
                     headers = dict(start.get("headers", ()))
                     replayed = headers.get(b"idempotent-replayed") == b"true"
-                    answers[Answer(start["status"], replayed, answer_code(bytes(body)))] += 1
+                    explained = b'"changed":{' in body
+                    answers[Answer(start["status"], replayed, answer_code(bytes(body)), explained)] += 1
             await send(message)
 
         await app(scope, receive, counted)
@@ -444,11 +447,13 @@ def test_schemathesis_finds_nothing_but_the_accepted_deviations(
     assert run.requests > 200
     replays = sum(n for answer, n in run.answers.items() if answer.replayed)
     reused = sum(n for answer, n in run.answers.items() if answer.code == "idempotency_key_reused")
+    explained = sum(n for answer, n in run.answers.items() if answer.explained)
     if keys == "fresh":
         assert (replays, reused) == (0, 0)  # no request met another's record
     else:
         assert replays > 0
         assert reused > 0
+        assert (explained > 0) == (target == "bare")  # the bare app says what changed; the example does not
     assert not any(answer.status >= 500 for answer in run.answers)
     unexpected = [f for f in run.failures if not accepted(f)]
     assert unexpected == [], "\n".join(str(f) for f in unexpected[:20])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
@@ -466,3 +467,16 @@ async def test_openapi_documents_the_changed_member() -> None:
     payouts = schema["paths"]["/v1/payouts"]["post"]["responses"]["422"]["description"]
     assert "its changed member says what differs" in charges
     assert "changed member" not in payouts
+
+
+async def test_the_answer_docs_semantics_shows_is_the_answer() -> None:
+    text = (Path(__file__).parents[1] / "docs" / "semantics.md").read_text()
+    start = text.index('```json\n{"type": "urn:idempotency-mw:problem:idempotency_key_reused"')
+    documented = orjson.loads(text[start + len("```json") : text.index("```", start + 3)])
+    async with client_for(shop(MemoryStore(), False, Counter())) as client:
+        headers = {"Idempotency-Key": f"documented-{uuid.uuid4()}"}
+        first = {"amount": 500, "currency": "eur", "customer": {"email": "ada@example.com"}}
+        await client.post("/v1/charges", json=first, headers=headers)
+        other = {"amount": 501, "customer": {"email": "bob@example.com"}}
+        answer = await client.post("/v1/charges?expand=customer", json=other, headers=headers)
+    assert answer.json() == documented

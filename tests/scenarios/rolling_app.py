@@ -1,14 +1,17 @@
 """The app of tests/scenarios/test_rolling_deploy.py, served both by the previous release's library and by this
-one: only what both offer (the middleware, PostgresStore, the default tenant resolver). Each run of the handler
-writes one row, outside the store, so a request that ran twice shows as two."""
+one: only what both offer (the middleware, PostgresStore, the default tenant resolver), and where the library has
+it, what the previous one must leave alone in the records (the request's parts, ``explain_mismatch``). Each run of
+the handler writes one row, outside the store, so a request that ran twice shows as two."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import asyncpg
 from starlette.applications import Starlette
@@ -49,4 +52,7 @@ app = Starlette(
     routes=[Route("/charges", charge, methods=["POST"]), Route("/version", version)],
     lifespan=lifespan,
 )
-app.add_middleware(IdempotencyMiddleware, store=store)
+newer: dict[str, Any] = {}
+if "explain_mismatch" in inspect.signature(IdempotencyMiddleware).parameters:  # this version, not the previous one
+    newer["explain_mismatch"] = True
+app.add_middleware(IdempotencyMiddleware, store=store, **newer)
