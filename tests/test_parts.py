@@ -43,6 +43,7 @@ from idempotency_mw.sqlalchemy import SQLAlchemyStore
 from idempotency_mw.store import RecordInfo, Store
 from tests.conftest import client_for, http_scope, tenant_of
 from tests.orm import sqlalchemy_url
+from tests.test_fastapi import build_with_auth
 
 KEYS = "k1:" + "a" * 32
 ORDER: dict[str, Any] = {
@@ -480,3 +481,19 @@ async def test_the_answer_docs_semantics_shows_is_the_answer() -> None:
         other = {"amount": 501, "customer": {"email": "bob@example.com"}}
         answer = await client.post("/v1/charges?expand=customer", json=other, headers=headers)
     assert answer.json() == documented
+
+
+async def test_a_tenant_the_app_tells_gets_the_answer_too() -> None:
+    """With the tenant from the app's own authentication (TenantDependency), the claim waits for it, and the 422
+    that follows says what changed all the same."""
+    calls: list[str] = []
+    app = build_with_auth(MemoryStore(), calls, explain_mismatch=True)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        headers = {"Idempotency-Key": f"told-{uuid.uuid4()}", "X-API-Key": "key_alice"}
+        assert (await client.post("/orders", json={"amount": 5}, headers=headers)).status_code == 201
+        assert changed(await client.post("/orders", json={"amount": 6}, headers=headers)) == nothing_but(
+            body=True, fields=["/amount"]
+        )
+        unauthenticated = await client.post("/orders", json={"amount": 6}, headers={**headers, "X-API-Key": "x"})
+        assert unauthenticated.status_code == 401  # the app's answer first, as ever
+    assert calls == ["acct_alice"]
