@@ -424,7 +424,7 @@ def test_parts_in_another_format_are_not_read() -> None:
     for other in (b"", stored[:20], stored[:-1], stored[:8] + b"\x02" + stored[9:], stored + b"\0" * 16):
         assert read_parts(other) is None
         assert explain(parts_of(b"{}"), other) is None
-    assert key_reused(None).changed is None
+    assert key_reused(changes=None).changed is None
 
 
 def test_inspect_shows_that_parts_are_stored_and_nothing_of_them() -> None:
@@ -466,7 +466,7 @@ async def test_openapi_documents_the_changed_member() -> None:
     assert problem["properties"]["changed"]["properties"]["compared"]["enum"] == ["fields", "members", "whole"]
     charges = schema["paths"]["/v1/charges"]["post"]["responses"]["422"]["description"]
     payouts = schema["paths"]["/v1/payouts"]["post"]["responses"]["422"]["description"]
-    assert "its changed member says what differs" in charges
+    assert "changed member says what differs" in charges
     assert "changed member" not in payouts
 
 
