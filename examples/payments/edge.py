@@ -66,6 +66,13 @@ TRANSLATIONS: dict[str, Translation] = {
         "the request with this Idempotency-Key ran, but its answer cannot be replayed: do not retry",
         False,
     ),
+    "idempotency_step_not_resumable": Translation(
+        409,
+        "idempotency_error",
+        "idempotency_step_not_resumable",
+        "an earlier attempt began a step that cannot be repeated and its outcome is unknown: do not retry",
+        False,
+    ),
     "idempotency_key_invalid": Translation(
         400, "invalid_request_error", "idempotency_key_invalid", "the Idempotency-Key is malformed", False
     ),
