@@ -30,7 +30,7 @@ from idempotency_mw._claim import (
     start_eagerly,
     store_failure,
 )
-from idempotency_mw._context import PENDING_KEY, STATE_KEY, ClaimAnswered, IdempotencyContext, resumed_from
+from idempotency_mw._context import PENDING_KEY, STATE_KEY, ClaimAnswered, IdempotencyContext, finished, resumed_from
 from idempotency_mw._events import (
     LOG_LEVELS,
     Event,
@@ -421,7 +421,7 @@ class IdempotentRequest:
             elif self.owned is not None:
                 self._decide(Outcome.STORE_ERROR, status)
         self.ran = None
-        self.scope.get("state", {}).pop(PENDING_KEY, None)
+        finished(self.scope.get("state", {}))
 
     def _decide_after(self, settled: asyncio.Future[Outcome], status: int | None) -> None:
         if not settled.cancelled() and settled.exception() is None:
