@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import MutableMapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from idempotency_mw.store import Transaction
@@ -141,13 +141,3 @@ def mark_not_executed(request: HTTPConnection) -> None:
     request validation errors.
     """
     request.scope.setdefault("state", {})[NOT_EXECUTED_KEY] = True
-
-
-def finished(state: MutableMapping[str, Any]) -> None:
-    """The request has ended (its ``scope["state"]``): its pending claim goes, and its run goes from its context (its
-    steps end with it), so that nothing the app keeps of ``request.state`` refers back to the request, which is then
-    freed as it ends rather than by the cycle collector (tests/test_cycles.py)."""
-    state.pop(PENDING_KEY, None)
-    context = state.get(STATE_KEY)
-    if isinstance(context, IdempotencyContext) and context.recovery is not None:
-        state[STATE_KEY] = replace(context, recovery=None)
