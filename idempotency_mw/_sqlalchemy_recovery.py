@@ -9,20 +9,38 @@ stay loaded (``expire_on_commit=False``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from typing import Any, Protocol
 
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from idempotency_mw.postgres._lending import FENCED_OUT
-from idempotency_mw.postgres._records import run_unprepared
+from idempotency_mw.postgres._records import Records, caused_by, run_unprepared
 from idempotency_mw.postgres._recovery import point_arguments, points_from_rows
 from idempotency_mw.store import RecoveryPoint, StoreNotMigrated, StoreUnavailable
 
-if TYPE_CHECKING:
-    from idempotency_mw.sqlalchemy import SQLAlchemyTransaction
+
+class Lent(Protocol):
+    """What the steps use of a transaction lent on a SQLAlchemy engine (``SQLAlchemyTransaction``, whose module
+    imports this one): its connection and session, the store's statements, and its guards of our statements."""
+
+    connection: AsyncConnection
+    session: AsyncSession
+    lost: bool
+    _records: Records
+    _explicit: bool
+
+    def _reachable(self, schema: str | None = None) -> AbstractContextManager[None]: ...
+
+    def _deadline(self) -> AbstractAsyncContextManager[None]: ...
+
+    async def _end_session(self) -> None: ...
+
+    async def _refuse_if_ended(self) -> None: ...
 
 
-async def recovery_points(lent: SQLAlchemyTransaction, tenant: str, key: str, fence: int) -> list[RecoveryPoint]:
+async def recovery_points(lent: Lent, tenant: str, key: str, fence: int) -> list[RecoveryPoint]:
     """The points of the record's current life, read in the lent transaction before the handler's writes."""
     records = lent._records
     with lent._reachable(records.schema):
@@ -31,9 +49,7 @@ async def recovery_points(lent: SQLAlchemyTransaction, tenant: str, key: str, fe
     return points_from_rows(result.mappings().all(), tenant, key, records.cipher)
 
 
-async def record_steps(
-    lent: SQLAlchemyTransaction, tenant: str, key: str, fence: int, points: list[RecoveryPoint]
-) -> bool:
+async def record_steps(lent: Lent, tenant: str, key: str, fence: int, points: list[RecoveryPoint]) -> bool:
     """The session flushed, the points written (fenced: False when fenced out), and the session's savepoint ended."""
     await lent._end_session()
     await lent._refuse_if_ended()
@@ -44,7 +60,7 @@ async def record_steps(
             async with lent._deadline():
                 result = await lent.connection.exec_driver_sql(records.sql["record_steps"], args)
     except sa_exc.DBAPIError as error:
-        if not _caused_by(error, FENCED_OUT):
+        if not caused_by(error, FENCED_OUT):
             raise
         return False  # another claim's point of a step, or the record deleted meanwhile
     if result.rowcount != len(points):
@@ -54,7 +70,7 @@ async def record_steps(
     return True
 
 
-async def lapse(lent: SQLAlchemyTransaction, tenant: str, key: str, fence: int) -> bool:
+async def lapse(lent: Lent, tenant: str, key: str, fence: int) -> bool:
     """Outside a transaction, on the driver's connection (as the claim runs): the lease lapsed now."""
     if lent.lost or lent.connection.invalidated:
         raise StoreUnavailable("the connection of the handler's transaction was lost")
@@ -71,12 +87,3 @@ async def lapse(lent: SQLAlchemyTransaction, tenant: str, key: str, fence: int) 
     finally:
         records.settled(tenant, key, fence)
     return bool(row is not None and row["lapsed"] == 1)
-
-
-def _caused_by(error: BaseException, types: tuple[type[BaseException], ...]) -> bool:
-    cause: BaseException | None = error
-    while cause is not None:
-        if isinstance(cause, types):
-            return True
-        cause = cause.__cause__
-    return False

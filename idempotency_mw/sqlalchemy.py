@@ -38,7 +38,7 @@ from idempotency_mw import _sqlalchemy_recovery as recovery
 from idempotency_mw._context import idempotency_context
 from idempotency_mw.postgres._connector import Connector, Listener, default_isolation
 from idempotency_mw.postgres._lending import FENCED_OUT, Settlement, remember, reset_sql
-from idempotency_mw.postgres._records import NOT_MIGRATED, UNAVAILABLE, Records, run_unprepared
+from idempotency_mw.postgres._records import NOT_MIGRATED, UNAVAILABLE, Records, caused_by, run_unprepared
 from idempotency_mw.postgres._sql import check_schema
 from idempotency_mw.postgres._store import PostgresStore
 from idempotency_mw.store import (
@@ -286,7 +286,7 @@ class SQLAlchemyTransaction:
                     )
             done = result.rowcount == 1
         except sa_exc.DBAPIError as error:
-            if not _caused_by(error, FENCED_OUT):
+            if not caused_by(error, FENCED_OUT):
                 raise
             done = False  # another claim's response, or a record deleted meanwhile (sql/queries.sql)
         return self.settlement.completed(tenant, key, fence, done)
@@ -517,16 +517,6 @@ def _reachable(timeout: float, schema: str | None = None) -> Iterator[None]:
                 raise StoreNotMigrated(schema, str(cause)) from error
             cause = cause.__cause__
         raise
-
-
-def _caused_by(error: BaseException, types: tuple[type[BaseException], ...]) -> bool:
-    """Whether ``error`` or an error it was raised from is one of ``types`` (SQLAlchemy wraps the driver's)."""
-    cause: BaseException | None = error
-    while cause is not None:
-        if isinstance(cause, types):
-            return True
-        cause = cause.__cause__
-    return False
 
 
 def idempotency_session(request: HTTPConnection) -> AsyncSession:

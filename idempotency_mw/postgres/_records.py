@@ -71,6 +71,16 @@ UNAVAILABLE = (
 NOT_MIGRATED = (asyncpg.exceptions.UndefinedTableError, asyncpg.exceptions.InvalidSchemaNameError)
 
 
+def caused_by(error: BaseException, types: tuple[type[BaseException], ...]) -> bool:
+    """Whether ``error`` or an error it was raised from is one of ``types`` (SQLAlchemy wraps the driver's)."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, types):
+            return True
+        cause = cause.__cause__
+    return False
+
+
 @contextlib.contextmanager
 def reachable(schema: str | None = None) -> Iterator[None]:
     """Turn "the database cannot be reached" (see ``UNAVAILABLE``) into :class:`StoreUnavailable` and, around the

@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from idempotency_mw.postgres._connector import Connector
 from idempotency_mw.postgres._records import reachable
 from idempotency_mw.postgres._sql import queries
 from idempotency_mw.store import PlainResponseRefused, RecoveryPoint, StalledRequest, UnknownKeyId
 
 if TYPE_CHECKING:
     from idempotency_mw.encryption import ResponseCipher
-    from idempotency_mw.postgres._store import PostgresStore
 
 
 def point_arguments(
@@ -63,12 +63,14 @@ def points_from_rows(rows: Iterable[Any], tenant: str, key: str, cipher: Respons
     return points
 
 
-async def stalled_requests(store: PostgresStore, *, lapsed_for: float = 0.0, limit: int = 100) -> list[StalledRequest]:
+async def stalled_requests(
+    connector: Connector, schema: str, seconds: float, *, lapsed_for: float = 0.0, limit: int = 100
+) -> list[StalledRequest]:
     """Requests stopped at a recovery point whose lease lapsed at least ``lapsed_for`` seconds ago and that nobody
-    has resumed, oldest lapse first, at most ``limit`` (``idempotency-mw stalled``). It reads every recovery point:
-    an operator's command, not a request's."""
-    sql = queries(store.schema)["stalled"]
-    async with store.connector.session() as connection:
-        with reachable(store.schema):
-            rows = await connection.fetch(sql, float(lapsed_for), limit, timeout=store.timeout)
+    has resumed, oldest lapse first, at most ``limit`` (``idempotency-mw stalled``; a store's ``connector``,
+    ``schema`` and ``seconds``, its timeout). It reads every recovery point: an operator's command, not a request's."""
+    sql = queries(schema)["stalled"]
+    async with connector.session() as connection:
+        with reachable(schema):
+            rows = await connection.fetch(sql, float(lapsed_for), limit, timeout=seconds)
     return [StalledRequest(**dict(row)) for row in rows]
