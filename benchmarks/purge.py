@@ -1,14 +1,17 @@
 """Measurement 5: garbage collection under traffic. Purge expired records in batches while requests keep coming.
 
-Two rounds, each on 1,000,000 freshly bulk-loaded expired rows (both modes; the quick mode only shortens the
-quiet runs): the purge loop ``idempotency-mw gc`` runs (``PostgresStore.purge_expired(batch_size=1000)`` until a
-batch comes back empty, one connection, in this process), first back to back, then paced with a pause between
-batches (``gc --pause``). A server with idempotency_mw takes fresh-key traffic throughout: quiet before, during
-the purge, quiet after. The load run during the purge starts a moment before it (wrk must have its connections
-open) and is stopped as soon as the purge ends; the share of that window the purge covered is reported. The purge
-rate is records per second of the whole purge; the p99 during the purge is compared with the mean of the two
-quiet p99s around it. CPU time of each part (server, PostgreSQL, the purge loop, wrk) is read around every run,
-to tell waiting on locks from waiting for a core.
+Four rounds, each on 1,000,000 freshly bulk-loaded expired rows (both modes; the quick mode only shortens the
+quiet runs), two on each shape of the schema: as this release's migrate leaves it (the foreign keys to the
+records still there, for the previous release running beside it, each checked for every deleted record) and with
+the contract step applied (``sql/contract/``, which the next release runs as a migration). In each, the purge loop
+``idempotency-mw gc`` runs (``PostgresStore.purge_expired(batch_size=1000)`` until a batch comes back empty, one
+connection, in this process), first back to back, then paced with a pause between batches (``gc --pause``). A
+server with idempotency_mw takes fresh-key traffic throughout: quiet before, during the purge, quiet after. The
+load run during the purge starts a moment before it (wrk must have its connections open) and is stopped as soon as
+the purge ends; the share of that window the purge covered is reported. The purge rate is records per second of
+the whole purge; the p99 during the purge is compared with the mean of the two quiet p99s around it. CPU time of
+each part (server, PostgreSQL, the purge loop, wrk) is read around every run, to tell waiting on locks from
+waiting for a core.
 """
 
 from __future__ import annotations
@@ -20,18 +23,21 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import asyncpg
 import loadgen
 from common import Context, Target, add_records, ratio, reset, table, target_table, wal_position
 from endtoend import check
 from servers import CpuMeter, Server
 
 from idempotency_mw import PostgresStore
+from idempotency_mw.postgres._sql import contract_statements
 
 CONNECTIONS = 8
 BATCH = 1000
 PURGE_LIMIT_SECONDS = 900
 RECORDS = 1_000_000
 PAUSES = (0.0, 0.01)  # seconds between batches: back to back, then paced
+SHAPES = ("as migrated", "contracted")  # the foreign keys still there; dropped by the contract step
 LIMIT = 2.0  # the target: p99 during the purge at most twice the quiet p99
 LEAD_IN = 0.2  # seconds between starting wrk and starting the purge
 SETTLE = 3  # seconds of unmeasured traffic between the bulk load and the first quiet run
@@ -58,7 +64,29 @@ def own_cpu() -> float:
     return times.user + times.system
 
 
-def measure_round(ctx: Context, server: Server, pause: float, tag: str) -> dict[str, Any]:
+async def foreign_keys(url: str) -> list[tuple[str, str, str]]:
+    """(table, name, definition) of the foreign keys to the records, to put back after the contracted rounds."""
+    connection = await asyncpg.connect(url)
+    try:
+        rows = await connection.fetch(
+            "SELECT conrelid::regclass::text AS table_name, conname, pg_get_constraintdef(oid) AS definition "
+            "FROM pg_constraint WHERE contype = 'f' AND confrelid = 'idempotency_records'::regclass"
+        )
+        return [(row["table_name"], row["conname"], row["definition"]) for row in rows]
+    finally:
+        await connection.close()
+
+
+async def run_all(url: str, statements: list[str]) -> None:
+    connection = await asyncpg.connect(url)
+    try:
+        for statement in statements:
+            await connection.execute(statement)
+    finally:
+        await connection.close()
+
+
+def measure_round(ctx: Context, server: Server, shape: str, pause: float, tag: str) -> dict[str, Any]:
     reset(ctx.db.url)
     load_seconds = asyncio.run(add_records(ctx.db.url, 0, RECORDS, prefix="expired", expired=True))
     meter = CpuMeter(server.pid, ctx.db.postmaster_pid)
@@ -101,6 +129,7 @@ def measure_round(ctx: Context, server: Server, pause: float, tag: str) -> dict[
     timed("quiet after", lambda: quiet(f"qa-{tag}"))
     purged, batches, seconds = purge
     return {
+        "shape": shape,
         "pause": pause,
         "records": RECORDS,
         "load_seconds": load_seconds,
@@ -119,8 +148,17 @@ def measure(ctx: Context) -> dict[str, Any]:
     reset(ctx.db.url)
     with Server(ctx.python, "ours", ctx.db.url, log_name="purge") as server:
         loadgen.run(server.url, mode="fresh", prefix=f"warm-{tag}", connections=CONNECTIONS, seconds=2)
-        for n, pause in enumerate(PAUSES):
-            rounds.append(measure_round(ctx, server, pause, f"{tag}-{n}"))
+        kept = asyncio.run(foreign_keys(ctx.db.url))
+        try:
+            for shape in SHAPES:
+                if shape == "contracted":
+                    asyncio.run(run_all(ctx.db.url, contract_statements()))
+                for pause in PAUSES:
+                    rounds.append(measure_round(ctx, server, shape, pause, f"{tag}-{len(rounds)}"))
+        finally:  # the schema as migrate left it, for the measurements that follow (the tables are emptied first)
+            reset(ctx.db.url)
+            asyncio.run(run_all(ctx.db.url, [f"ALTER TABLE {t} DROP CONSTRAINT IF EXISTS {n}" for t, n, _ in kept]))
+            asyncio.run(run_all(ctx.db.url, [f"ALTER TABLE {t} ADD CONSTRAINT {n} {d}" for t, n, d in kept]))
     return {"connections": CONNECTIONS, "seconds": ctx.seconds, "rounds": rounds}
 
 
@@ -131,7 +169,8 @@ def p99_ratio(round_: dict[str, Any]) -> float:
 
 
 def describe(round_: dict[str, Any]) -> str:
-    return "back to back" if not round_["pause"] else f"paced, {round_['pause'] * 1000:g} ms between batches"
+    pace = "back to back" if not round_["pause"] else f"paced, {round_['pause'] * 1000:g} ms between batches"
+    return f"{round_.get('shape', 'as migrated')}, {pace}"
 
 
 def targets(result: dict[str, Any]) -> list[Target]:
@@ -200,7 +239,10 @@ def render(result: dict[str, Any], ctx: Context) -> str:
             "# Garbage collection under traffic",
             f"Each round: {RECORDS:,} expired records bulk-loaded, then `PostgresStore.purge_expired("
             f"batch_size={BATCH})` called on one connection until a batch came back empty (back to back, then with "
-            f"a pause between batches, as `idempotency-mw gc --pause` does), while wrk sent fresh-key requests "
+            f"a pause between batches, as `idempotency-mw gc --pause` does), on the schema as this release's "
+            f"migrate leaves it (the foreign keys to the records still there, for the previous release running "
+            f"beside it) and with the contract step applied (`sql/contract/`, a migration of the next release), "
+            f"while wrk sent fresh-key requests "
             f"({result['connections']} connections) to a server with idempotency_mw. wrk starts {LEAD_IN} s before "
             f"the purge and stops when it ends; quiet runs of {result['seconds']:.0f} s before and after bracket it "
             f"(the one before follows {SETTLE} s of unmeasured traffic after the bulk load).",

@@ -277,10 +277,13 @@ def test_the_statements_are_what_migrate_runs() -> None:
         """INSERT INTO "billing".idempotency_schema_migrations (version, name) VALUES (4, '0004_request_parts.sql')""",
         """INSERT INTO "billing".idempotency_schema_migrations (version, name) """
         """VALUES (5, '0005_recovery_points.sql')""",
+        """INSERT INTO "billing".idempotency_schema_migrations (version, name) VALUES (6, '0006_response_life.sql')""",
     ]
     assert not any("--" in s or s.endswith(";") for s in statements)
     assert "CREATE SCHEMA" not in " ".join(migration_statements())  # public always exists
-    assert migration_statements(applied={1, 2, 3, 4, 5})[-1].startswith("CREATE TABLE IF NOT EXISTS")  # nothing to do
+    assert migration_statements(applied={1, 2, 3, 4, 5, 6})[-1].startswith(
+        "CREATE TABLE IF NOT EXISTS"
+    )  # nothing to do
     removal = removal_statements()
     assert removal.index('DROP TABLE IF EXISTS "public".idempotency_recovery_points') < removal.index(
         'DROP TABLE IF EXISTS "public".idempotency_records'

@@ -119,7 +119,7 @@ def test_migrate_creates_the_schema_then_is_up_to_date(capsys: pytest.CaptureFix
     applied = (
         "applied 0001_initial.sql\napplied 0002_responses.sql\napplied 0003_request_line.sql\n"
         "applied 0004_request_parts.sql\n"
-        "applied 0005_recovery_points.sql\n"
+        "applied 0005_recovery_points.sql\napplied 0006_response_life.sql\n"
     )
     assert cli(capsys, *empty_db.options, "migrate") == (0, applied, "")
     assert cli(capsys, *empty_db.options, "migrate") == (0, "up to date\n", "")
@@ -167,7 +167,7 @@ def test_migrate_check_exits_4_and_names_what_is_pending(
     """A CI gate or an init container asks without changing anything: the schema is not even created."""
     pending = (
         "pending: 0001_initial.sql, 0002_responses.sql, 0003_request_line.sql, 0004_request_parts.sql, "
-        "0005_recovery_points.sql\n"
+        "0005_recovery_points.sql, 0006_response_life.sql\n"
     )
     assert cli(capsys, *empty_db.options, "migrate", "--check") == (4, pending, "")
     assert sql(empty_db.url, "SELECT to_regnamespace($1) IS NULL", empty_db.schema, fetch=True) == "True"
@@ -210,7 +210,7 @@ def test_tables_another_tool_created_are_stamped_not_recreated(
     stamped = (
         "recorded 0001_initial.sql as applied\nrecorded 0002_responses.sql as applied\n"
         "recorded 0003_request_line.sql as applied\nrecorded 0004_request_parts.sql as applied\n"
-        "recorded 0005_recovery_points.sql as applied\n"
+        "recorded 0005_recovery_points.sql as applied\nrecorded 0006_response_life.sql as applied\n"
     )
     assert cli(capsys, *empty_db.options, "migrate", "--stamp") == (0, stamped, "")
     assert cli(capsys, *empty_db.options, "migrate") == (0, "up to date\n", "")
@@ -485,8 +485,11 @@ def test_list_finds_a_customer_by_the_tag_in_a_log_line(
     served(db, "sk_live_bob", "pay-1")
     line = next(r for r in caplog.records if vars(r).get("idempotency_outcome") == "executed")
     tag, key_hash = vars(line)["idempotency_tenant_tag"], vars(line)["idempotency_key_hash"]
-    sql(
-        db.url, f"UPDATE {db.schema}.idempotency_records SET created_at = now() - interval '3 days' WHERE key = 'pay-2'"
+    sql(  # claimed 3 days ago: its response is of that life (migrations/0006)
+        db.url,
+        f"WITH moved AS (UPDATE {db.schema}.idempotency_responses SET life = now() - interval '3 days' "
+        f"WHERE key = 'pay-2') "
+        f"UPDATE {db.schema}.idempotency_records SET created_at = now() - interval '3 days' WHERE key = 'pay-2'",
     )
     code, out, err = cli(capsys, *db.options, "list", "--tag", tag, "--since", "2h", "--json")
     assert (code, err) == (0, "")

@@ -110,6 +110,17 @@ def migration_statements(schema: str = "public", *, applied: Collection[int] = (
     return found
 
 
+def contract_statements(schema: str = "public") -> list[str]:
+    """The contract step of migration 0006 (``contract/``): what the next release runs as a migration once no
+    instance of a release relying on the foreign keys can be running. Not run by :func:`migrate` in this one; the
+    tests and the purge benchmark apply it to run the statements on the shape they are written for."""
+    found = []
+    for entry in sorted(_SQL.joinpath("contract").iterdir(), key=lambda entry: entry.name):
+        if entry.name.endswith(".sql"):
+            found += statements(_load(f"contract/{entry.name}", schema))
+    return found
+
+
 def removal_statements(schema: str = "public") -> list[str]:
     """The statements that remove the store's tables from ``schema``, in the order their keys allow."""
     return statements(_load("remove.sql", schema))

@@ -101,4 +101,9 @@ async def test_the_previous_release_and_this_one_side_by_side_run_nothing_twice(
     assert set(answers) <= {(name, status) for name in ("old", "new") for status in (201, 409, 422)}
     assert answers["new", 422] == 0  # the new instance matches what the old one fingerprinted
     async with PostgresStore(migrated_url, min_size=1, max_size=1) as store:
-        assert (await store.stats())["completed"] == len(keys)
+        assert (await store.stats())["completed"] == len(keys)  # the old instance's responses have no life (0006)
+        async with store.connection() as connection:
+            await connection.execute("UPDATE idempotency_records SET expires_at = now() - interval '1 s'")
+        assert await store.purge_expired() == len(keys)  # both instances' records, with their responses
+        async with store.connection() as connection:
+            assert await connection.fetchval("SELECT count(*) FROM idempotency_responses") == 0

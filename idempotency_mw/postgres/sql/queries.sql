@@ -50,6 +50,7 @@ WITH commit_setting AS MATERIALIZED (
            s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
     FROM {schema}.idempotency_records AS r
     LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
+        AND (s.life = r.created_at OR s.life IS NULL)  -- of this life only (migrations/0006)
     WHERE r.tenant = $1 AND r.key = $2 AND NOT EXISTS (SELECT FROM inserted)
 ), counted AS (
     UPDATE {schema}.idempotency_records AS r SET attempts = r.attempts + 1
@@ -106,6 +107,7 @@ WITH commit_setting AS MATERIALIZED (
            s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
     FROM {schema}.idempotency_records AS r
     LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
+        AND (s.life = r.created_at OR s.life IS NULL)  -- of this life only (migrations/0006)
     WHERE r.tenant = $1 AND r.key = $2 AND NOT EXISTS (SELECT FROM inserted)
 ), cleared AS (
     -- An expired record starts afresh, without the response of its earlier life.
@@ -189,7 +191,8 @@ WITH commit_setting AS MATERIALIZED (
 ), response AS (
     SELECT s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
     FROM {schema}.idempotency_responses AS s
-    WHERE s.tenant = $1 AND s.key = $2
+    JOIN {schema}.idempotency_records AS r ON r.tenant = s.tenant AND r.key = s.key
+    WHERE s.tenant = $1 AND s.key = $2 AND (s.life = r.created_at OR s.life IS NULL)  -- of its life (0006)
 ), claimed AS (
     INSERT INTO {schema}.idempotency_records AS r
         (tenant, key, fingerprint, fence, lease_expires_at, created_at, expires_at, request, request_parts)
@@ -248,7 +251,9 @@ WHERE tenant = $1 AND key = $2 AND fence = $3 AND lease_expires_at IS NOT NULL;
 -- name: complete
 -- The completion of a request whose effect is outside the database. It ends the lease on the record row in the
 -- same statement, so a concurrent claim that would take a lapsed lease over waits for it and then finds the lease
--- ended; a response that exists already (a handler's transaction that completed the record first) is kept.
+-- ended; a response that exists already (a handler's transaction that completed the record first) is kept. The
+-- response is of the record's life (migrations/0006): one of an earlier life, which a completion that raced a
+-- takeover can leave (see complete_in_transaction), is replaced, and no read ever takes it for this life's.
 -- A record that had duplicates (attempts) may have waiters in other processes (_waiting.py, _listener.py): it notifies them, as it
 -- commits, naming the claim by its fence, a random number that means nothing outside the store (LISTEN needs no
 -- privilege). One without costs nothing (a notification takes a lock as it commits).
@@ -258,49 +263,74 @@ WITH owned AS (
     UPDATE {schema}.idempotency_records AS r
     SET lease_expires_at = NULL
     WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
-    RETURNING r.tenant, r.key, r.attempts
+    RETURNING r.tenant, r.key, r.attempts, r.created_at
 )
-INSERT INTO {schema}.idempotency_responses
-    (tenant, key, fence, status, headers, body, body_size, sealed, sealed_with, completed_at)
-SELECT r.tenant, r.key, $3, $4, $5, $6, $7, $8, $9, now()
+INSERT INTO {schema}.idempotency_responses AS s
+    (tenant, key, fence, status, headers, body, body_size, sealed, sealed_with, completed_at, life)
+SELECT r.tenant, r.key, $3, $4, $5, $6, $7, $8, $9, now(), r.created_at
 FROM owned AS r, LATERAL (
     SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || $3) END
 ) AS notified
-ON CONFLICT (tenant, key) DO NOTHING;
+ON CONFLICT (tenant, key) DO UPDATE
+    SET fence = excluded.fence, status = excluded.status, headers = excluded.headers, body = excluded.body,
+        body_size = excluded.body_size, sealed = excluded.sealed, sealed_with = excluded.sealed_with,
+        completed_at = excluded.completed_at, life = excluded.life
+    WHERE s.life < excluded.life;
 
 -- name: complete_in_transaction
 -- The completion in a transactional handler's transaction, which commits it with the handler's writes. It reads
 -- the record row and inserts the response, and writes nothing that renewals or duplicates write meanwhile, so it
--- holds under any isolation level. Under READ COMMITTED a claim that took the key over is seen (no row: fenced
--- out); under REPEATABLE READ and SERIALIZABLE the snapshot may predate the takeover, and then of the two claims
--- the first to commit its response wins: the other's insert meets the primary key, or its foreign key check meets
--- a record deleted meanwhile, and its whole transaction rolls back.
+-- holds under any isolation level. It locks the row FOR KEY SHARE (the lock a foreign key's check takes, which
+-- renewals and duplicates' updates do not wait for): no purge, release or forget deletes the record until the
+-- transaction ends (the purge passes it over), and one that deleted it first leaves no row here under READ
+-- COMMITTED, or fails the transaction under REPEATABLE READ and SERIALIZABLE (a serialization failure). Under READ
+-- COMMITTED a claim that took the key over is seen (no row: fenced out); under REPEATABLE READ and SERIALIZABLE the
+-- snapshot may predate the takeover, and then of the two claims the first to commit its response wins: the other's
+-- insert meets the primary key and its whole transaction rolls back. A takeover of an expired record starts a new
+-- life (created_at): a response of the earlier life written after it is never read for the new one, which
+-- replaces it when it completes (see complete), and goes with the record when it is purged or released.
 -- It notifies no waiter: the attempts it could read are those of its snapshot, which under REPEATABLE READ predates
 -- every duplicate. The waiters hear of it after the COMMIT (notify_waiters).
 -- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size,
 -- $8 the sealed response and $9 the id of its key (see complete)
-INSERT INTO {schema}.idempotency_responses
-    (tenant, key, fence, status, headers, body, body_size, sealed, sealed_with, completed_at)
-SELECT r.tenant, r.key, $3, $4, $5, $6, $7, $8, $9, now()
+INSERT INTO {schema}.idempotency_responses AS s
+    (tenant, key, fence, status, headers, body, body_size, sealed, sealed_with, completed_at, life)
+SELECT r.tenant, r.key, $3, $4, $5, $6, $7, $8, $9, now(), r.created_at
 FROM {schema}.idempotency_records AS r
 WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
-ON CONFLICT (tenant, key) DO NOTHING;
+FOR KEY SHARE
+ON CONFLICT (tenant, key) DO UPDATE
+    SET fence = excluded.fence, status = excluded.status, headers = excluded.headers, body = excluded.body,
+        body_size = excluded.body_size, sealed = excluded.sealed, sealed_with = excluded.sealed_with,
+        completed_at = excluded.completed_at, life = excluded.life
+    WHERE s.life < excluded.life;
 
 -- name: release
--- A record with a response is never released: the foreign key refuses to delete one whose response committed
--- while this statement ran (the store answers False). Nor is one at a recovery point (a step of its request
--- committed, migrations/0005): its retry resumes from there (see lapse). Waiters of a record that had duplicates
--- are notified, as for a completion: one of them claims the key afresh.
+-- A record with a response is never released, nor one at a recovery point (a step of its request committed,
+-- migrations/0005): its retry resumes from there (see lapse). The record row is locked first, waiting for a
+-- completion or a step still in its transaction (they hold it FOR KEY SHARE), and only then does
+-- idempotency_settled look for this life's response or point, with a snapshot of its own (migrations/0006): one
+-- that committed while this statement waited, or in the moment before, is seen, and the record stays (the store
+-- answers False), as the foreign key's check used to make sure. Responses and points of the key's earlier lives go
+-- with it. Waiters of a record that had duplicates are notified, as for a completion: one of them claims the key
+-- afresh.
 -- $1 tenant, $2 key, $3 fence
-WITH released AS (
+WITH locked AS MATERIALIZED (
+    SELECT r.created_at FROM {schema}.idempotency_records AS r
+    WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
+    FOR UPDATE
+), released AS (
     DELETE FROM {schema}.idempotency_records AS r
     WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
-      AND NOT EXISTS (SELECT FROM {schema}.idempotency_responses AS s WHERE s.tenant = $1 AND s.key = $2)
-      AND NOT EXISTS (
-          SELECT FROM {schema}.idempotency_recovery_points AS p
-          WHERE p.tenant = $1 AND p.key = $2 AND p.life = r.created_at
-      )
-    RETURNING r.tenant, r.key, r.attempts
+      AND r.created_at = (SELECT l.created_at FROM locked AS l)
+      AND NOT {schema}.idempotency_settled($1, $2, (SELECT l.created_at FROM locked AS l))  -- after the lock
+    RETURNING r.attempts
+), responses AS (
+    DELETE FROM {schema}.idempotency_responses AS s
+    WHERE s.tenant = $1 AND s.key = $2 AND EXISTS (SELECT FROM released)
+), points AS (
+    DELETE FROM {schema}.idempotency_recovery_points AS p
+    WHERE p.tenant = $1 AND p.key = $2 AND EXISTS (SELECT FROM released)
 )
 SELECT count(*) AS released
 FROM released AS r, LATERAL (
@@ -322,9 +352,12 @@ WHERE tenant = convert_from(decode('{tenant_hex}', 'hex'), 'UTF8') COLLATE "defa
   AND fence = {fence} AND attempts > 0;
 
 -- name: forget
+-- The record with its responses and recovery points, of every life.
 -- $1 tenant, $2 key
 WITH response AS (
     DELETE FROM {schema}.idempotency_responses WHERE tenant = $1 AND key = $2
+), points AS (
+    DELETE FROM {schema}.idempotency_recovery_points WHERE tenant = $1 AND key = $2
 )
 DELETE FROM {schema}.idempotency_records WHERE tenant = $1 AND key = $2;
 
@@ -348,6 +381,7 @@ SELECT r.tenant, r.key, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'complet
             THEN r.request_parts END AS request_parts  -- only parts written with its fingerprint (see claim)
 FROM {schema}.idempotency_records AS r
 LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
+    AND (s.life = r.created_at OR s.life IS NULL)  -- of this life only (migrations/0006)
 WHERE r.tenant = $1 AND r.key = $2;
 
 -- name: count_replays
@@ -378,19 +412,37 @@ SELECT r.key, r.request, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'comple
        s.status, s.sealed_with, s.body_size
 FROM {schema}.idempotency_records AS r
 LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
+    AND (s.life = r.created_at OR s.life IS NULL)
 WHERE r.tenant = $1 AND r.created_at >= to_timestamp($2) AND r.created_at < to_timestamp($3)
 ORDER BY r.created_at
 LIMIT $4;
 
 -- name: purge_expired
--- Batched so that a large backlog never holds locks for long; the expires_at index finds the batch.
+-- Batched so that a large backlog never holds locks for long; the expires_at index finds the batch, and rows locked
+-- by live requests are passed over (SKIP LOCKED), a completion or a step still in its transaction too (it holds
+-- the record FOR KEY SHARE): the next batch takes them. The responses and recovery points of the batch's keys, of
+-- every life, go in the same statement, each found through its primary key (one index probe per key: the OFFSET 0
+-- keeps the planner from reading the whole table into a hash instead), and nothing checks each deleted record for
+-- rows that refer to it once the foreign keys are gone (migrations/0006, contract/0007).
 -- $1 batch size
 WITH doomed AS MATERIALIZED (
     SELECT ctid, tenant, key FROM {schema}.idempotency_records WHERE expires_at <= now()
     ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED
 ), responses AS (
-    DELETE FROM {schema}.idempotency_responses AS s
-    USING doomed AS d WHERE s.tenant = d.tenant AND s.key = d.key
+    DELETE FROM {schema}.idempotency_responses
+    WHERE ctid = ANY (ARRAY(
+        SELECT found.ctid FROM doomed AS d CROSS JOIN LATERAL (
+            SELECT s.ctid FROM {schema}.idempotency_responses AS s WHERE s.tenant = d.tenant AND s.key = d.key OFFSET 0
+        ) AS found
+    ))
+), points AS (
+    DELETE FROM {schema}.idempotency_recovery_points
+    WHERE ctid = ANY (ARRAY(
+        SELECT found.ctid FROM doomed AS d CROSS JOIN LATERAL (
+            SELECT p.ctid FROM {schema}.idempotency_recovery_points AS p
+            WHERE p.tenant = d.tenant AND p.key = d.key OFFSET 0
+        ) AS found
+    ))
 )
 DELETE FROM {schema}.idempotency_records
 WHERE ctid = ANY (ARRAY(SELECT ctid FROM doomed));
@@ -447,19 +499,23 @@ SELECT
      FROM {schema}.idempotency_recovery_points AS p
      JOIN {schema}.idempotency_records AS q ON q.tenant = p.tenant AND q.key = p.key AND q.created_at = p.life
      WHERE q.lease_expires_at <= now()
-       AND NOT EXISTS (SELECT FROM {schema}.idempotency_responses AS t WHERE t.tenant = p.tenant AND t.key = p.key)
+       AND NOT EXISTS (
+           SELECT FROM {schema}.idempotency_responses AS t
+           WHERE t.tenant = p.tenant AND t.key = p.key AND (t.life = q.created_at OR t.life IS NULL)
+       )
     ) AS stalled
 FROM {schema}.idempotency_records AS r
-LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key;
+LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
+    AND (s.life = r.created_at OR s.life IS NULL);
 
 -- name: migrated
 -- open() runs this once: a database that was never migrated (or a store pointed at the wrong schema) fails at
 -- startup with the command that fixes it, instead of at every request.
 -- The newest migrations' table and column are the sign: a schema an older version migrated is refused until migrate
 -- runs.
-SELECT to_regclass('{schema}.idempotency_recovery_points') IS NOT NULL AND EXISTS (
+SELECT to_regprocedure('{schema}.idempotency_settled(text, text, timestamptz)') IS NOT NULL AND EXISTS (
     SELECT FROM pg_attribute
-    WHERE attrelid = to_regclass('{schema}.idempotency_records') AND attname = 'request_parts' AND NOT attisdropped
+    WHERE attrelid = to_regclass('{schema}.idempotency_responses') AND attname = 'life' AND NOT attisdropped
 );
 
 -- name: database_identity
@@ -484,6 +540,7 @@ FROM {schema}.idempotency_records AS r,
      unnest($4::text[], $5::int[], $6::bool[], $7::text[], $8::bytea[], $9::text[])
          AS s (step, position, done, result, sealed, sealed_with)
 WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
+FOR KEY SHARE OF r  -- as complete_in_transaction: no release or purge deletes the record meanwhile
 ON CONFLICT (tenant, key, life, step) DO UPDATE
     SET done = true, result = excluded.result, sealed = excluded.sealed, sealed_with = excluded.sealed_with,
         committed_at = excluded.committed_at
@@ -507,7 +564,10 @@ ORDER BY p.position;
 WITH lapsed AS (
     UPDATE {schema}.idempotency_records AS r SET lease_expires_at = now()
     WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
-      AND NOT EXISTS (SELECT FROM {schema}.idempotency_responses AS s WHERE s.tenant = $1 AND s.key = $2)
+      AND NOT EXISTS (
+          SELECT FROM {schema}.idempotency_responses AS s
+          WHERE s.tenant = $1 AND s.key = $2 AND (s.life = r.created_at OR s.life IS NULL)
+      )
     RETURNING r.attempts
 )
 SELECT count(*) AS lapsed
@@ -535,6 +595,9 @@ JOIN LATERAL (
     ORDER BY p.position DESC LIMIT 1
 ) AS last ON true
 WHERE r.lease_expires_at <= now() - make_interval(secs => $1)
-  AND NOT EXISTS (SELECT FROM {schema}.idempotency_responses AS s WHERE s.tenant = r.tenant AND s.key = r.key)
+  AND NOT EXISTS (
+      SELECT FROM {schema}.idempotency_responses AS s
+      WHERE s.tenant = r.tenant AND s.key = r.key AND (s.life = r.created_at OR s.life IS NULL)
+  )
 ORDER BY r.lease_expires_at
 LIMIT $2;
