@@ -33,6 +33,7 @@ from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, id
 from idempotency_mw._events import Outcome
 from idempotency_mw.fastapi import IdempotencyConnection, setup
 from idempotency_mw.metrics import PrometheusMetrics
+from idempotency_mw.postgres._sql import contract_statements
 from idempotency_mw.sqlalchemy import IdempotencySession, SQLAlchemyConnector, SQLAlchemyStore, idempotency_session
 from idempotency_mw.store import StoredResponse, TransactionalStore
 from tests.conftest import client_for, tenant_of
@@ -672,3 +673,42 @@ async def test_a_kept_session_refuses_use_after_its_request(store: SQLAlchemySto
     finally:
         gate.go.set()
         await other
+
+
+@pytest.mark.parametrize("contracted", [False, True], ids=["expanded", "contracted"])
+async def test_the_purge_and_a_release_meet_a_completion_in_the_engines_transaction(
+    idempotency_database_url: str, engine: AsyncEngine, db: asyncpg.Connection, contracted: bool
+) -> None:
+    """The completion in a handler's transaction on the engine locks its record as the store's own does (the same
+    statement, migrations/0006): the purge passes the record over, a release waits for the transaction and keeps the
+    completion it committed; then the purge takes the record with its response."""
+    schema = f"imw_sqla_purge_{uuid.uuid4().hex[:8]}"
+    store = SQLAlchemyStore(PostgresStore(idempotency_database_url, max_size=3, schema=schema), engine)
+    try:
+        await store.migrate()
+        for statement in contract_statements(schema) if contracted else []:  # the next release's shape
+            await db.execute(statement)
+        await store.open()
+        response = StoredResponse(201, [], b"{}", 2)
+        async with store.transaction() as transaction:
+            claim = await transaction.claim("t", "k", b"f" * 32, lease=30, ttl=60)
+            await db.execute(
+                f"UPDATE {schema}.idempotency_records SET expires_at = now() - interval '1 s', "
+                "lease_expires_at = now() - interval '1 s'"
+            )
+            await transaction.begin()
+            assert await transaction.complete("t", "k", claim.fence, response)
+            assert await asyncio.wait_for(store.purge_expired(), 10) == 0
+            releasing = asyncio.create_task(store.release("t", "k", claim.fence))
+            for _ in range(100):  # until the release waits for the transaction's lock
+                await asyncio.sleep(0.02)
+                if await db.fetchval("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'transactionid'"):
+                    break
+            await transaction.commit()
+        assert not await releasing
+        assert (await store.inspect("t", "k")) is not None
+        assert await store.purge_expired() == 1
+        assert await db.fetchval(f"SELECT count(*) FROM {schema}.idempotency_responses") == 0
+    finally:
+        await store.close(grace=0)
+        await db.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
