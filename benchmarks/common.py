@@ -37,7 +37,13 @@ from servers import HERE, REPO, WORK, bench_env
 os.environ.setdefault("IDEMPOTENCY_TENANT_SECRET", "benchmark-tenant-secret-0123456789abcdef")
 
 LIBRARIES = WORK / "library"  # copies of the library at git revisions, one directory per commit
-TABLES = ("idempotency_records", "idempotency_responses", "idempotency_keys", "fastapi_idempotency_requests")
+TABLES = (
+    "idempotency_records",
+    "idempotency_responses",
+    "idempotency_recovery_points",  # refers to the records: truncated with them
+    "idempotency_keys",
+    "fastapi_idempotency_requests",
+)
 RESULTS = HERE / "results"
 RAW = RESULTS / "raw"
 # What run.py runs, in the order the summary lists it: each backs a claim of the project's README.
