@@ -38,7 +38,7 @@ async def shaped_url(request: pytest.FixtureRequest, migrated_url: str) -> str:
     return migrated_url
 
 
-@pytest.fixture(params=["read committed", "repeatable read"])
+@pytest.fixture(params=["read committed", "repeatable read", "serializable"])
 async def isolation(request: pytest.FixtureRequest, shaped_url: str) -> str:
     """The isolation level of the handlers' transactions: the database's default, which a lent transaction takes."""
     level: str = request.param
@@ -96,8 +96,8 @@ async def test_a_completion_after_the_purge_leaves_no_response(
     isolation: str, store: PostgresStore, admin: asyncpg.Connection
 ) -> None:
     """The purge deleted the record first: the completion finds it gone (READ COMMITTED: fenced out) or fails its
-    transaction (REPEATABLE READ, whose snapshot still has the record), and no response is left without a record,
-    for a claim of the key afresh to find."""
+    transaction (REPEATABLE READ, SERIALIZABLE: its snapshot still has the record), and no response is left without
+    a record, for a claim of the key afresh to find."""
     async with store.transaction() as transaction:
         assert isinstance(transaction, PostgresTransaction)
         claim = await transaction.claim("t", "k", FINGERPRINT, lease=30, ttl=60)
@@ -122,8 +122,8 @@ async def test_a_completion_racing_a_takeover_never_answers_for_the_new_life(
 ) -> None:
     """The record expired under a stuck handler and a new request took the key over (a new life) while the stuck
     handler's transaction was still open. Its completion is fenced out (READ COMMITTED), or lands as a response of
-    the earlier life (REPEATABLE READ, whose snapshot predates the takeover): never read for the new life, replaced
-    by the new life's completion, purged with the record."""
+    the earlier life (REPEATABLE READ, SERIALIZABLE: its snapshot predates the takeover): never read for the new
+    life, replaced by the new life's completion, purged with the record."""
     async with store.transaction() as transaction:
         assert isinstance(transaction, PostgresTransaction)
         stuck = await transaction.claim("t", "k", FINGERPRINT, lease=30, ttl=60)
@@ -216,3 +216,23 @@ async def test_forget_takes_the_points_too(store: PostgresStore, admin: asyncpg.
     )
     assert await store.forget("t", "k")
     assert await rows(admin, "recovery_points", "k") == 0
+
+
+async def test_a_completion_after_renewals_and_duplicates_still_lands(
+    isolation: str, store: PostgresStore, admin: asyncpg.Connection
+) -> None:
+    """The lock a completion takes (FOR KEY SHARE) waits for no renewal or duplicate's count, and under REPEATABLE
+    READ a row they updated after the snapshot does not fail it: they change no key."""
+    async with store.transaction() as transaction:
+        assert isinstance(transaction, PostgresTransaction)
+        claim = await transaction.claim("t", "k", FINGERPRINT, lease=30, ttl=60)
+        await transaction.begin()
+        assert await transaction.connection.fetchval("SELECT count(*) FROM idempotency_records") == 1  # a snapshot
+        assert await store.renew("t", "k", claim.fence, lease=30)
+        assert (await store.claim("t", "k", FINGERPRINT, lease=30, ttl=60)).outcome is ClaimOutcome.IN_PROGRESS
+        assert await transaction.complete("t", "k", claim.fence, RESPONSE)
+        renewing = asyncio.create_task(store.renew("t", "k", claim.fence, lease=30))
+        assert await asyncio.wait_for(renewing, 10)  # not waiting for the completion's transaction
+        await transaction.commit()
+    replay = await store.claim("t", "k", FINGERPRINT, lease=30, ttl=60)
+    assert (replay.outcome, replay.response) == (ClaimOutcome.COMPLETED, RESPONSE)
