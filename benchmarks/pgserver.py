@@ -70,9 +70,10 @@ def _pg_bin(name: str) -> Path:
 
 
 @contextlib.contextmanager
-def database() -> Iterator[Database]:
-    """Yield the benchmark database; an embedded one is stopped and deleted afterwards."""
-    url = os.environ.get("DATABASE_URL")
+def database(*, from_environment: bool = True) -> Iterator[Database]:
+    """Yield the benchmark database; an embedded one is stopped and deleted afterwards. ``from_environment=False``
+    always starts one (a test that reads the server's log and statistics needs a server of its own)."""
+    url = os.environ.get("DATABASE_URL") if from_environment else None
     if url:
         yield Database(url, embedded=False, settings={})
         return

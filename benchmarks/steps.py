@@ -42,10 +42,11 @@ from starlette.routing import Route
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, idempotency_context
 
 os.environ.setdefault("IDEMPOTENCY_TENANT_SECRET", "benchmark-tenant-secret-0123456789abcdef")
-# A lent connection's reset is one simple-query message (sql/reset_session.sql, its pool's state again, and the
-# waiters' notice): its statements after the first ride in the same round trip.
-RESET_TAIL = ("RESET ALL", "CLOSE ALL", "UNLISTEN *", "SELECT pg_advisory_unlock_all()", "DISCARD", "DO $$",
-              "SELECT set_config($1, $2, $3)", "SELECT pg_notify($1, $2)\nFROM")  # fmt: skip
+# A lent connection's reset (sql/reset_session.sql, its pool's state again, and the waiters' notice) rides in the
+# round trip of the transaction's COMMIT, in one simple-query message: every statement of it is in that round trip.
+RESET_TAIL = ("SET SESSION AUTHORIZATION DEFAULT", "RESET ALL", "CLOSE ALL", "UNLISTEN *",
+              "SELECT pg_advisory_unlock_all()", "DISCARD", "DO $$", "SELECT set_config($1, $2, $3)",
+              "SELECT pg_notify($1, $2)\nFROM")  # fmt: skip
 Handler = Callable[[Request], Awaitable[Response]]
 
 

@@ -75,7 +75,9 @@ class AppPool(Lender):
     def begin_isolation(self) -> str | None:
         return None  # the app's sessions keep their own default
 
-    async def give_back(self, connection: asyncpg.Connection, *, lost: bool, then: str = "") -> None:
+    async def give_back(
+        self, connection: asyncpg.Connection, *, lost: bool, then: str = "", clean: bool = False
+    ) -> None:
         healthy = False
         try:
             if not lost and not connection.is_closed():

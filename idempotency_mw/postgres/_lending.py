@@ -84,12 +84,16 @@ class LentConnection:
     """An asyncpg connection for the length of a loan: every method of ``asyncpg.Connection`` works on the
     connection until :meth:`end`, and raises ``asyncpg.InterfaceError`` after it (a method looked up before the end
     and called after it too). Like asyncpg's pool proxy, it guards the connection's methods, not the objects they
-    returned during the loan (a prepared statement, a cursor)."""
+    returned during the loan (a prepared statement, a cursor).
 
-    __slots__ = ("_connection",)
+    ``client_state`` says the handler added listeners the driver keeps on its side (``add_listener``,
+    ``add_log_listener``): only asyncpg's own ``reset()`` forgets those, so the connection comes back through it."""
+
+    __slots__ = ("_connection", "client_state")
 
     def __init__(self, connection: asyncpg.Connection) -> None:
         self._connection: asyncpg.Connection | None = connection
+        self.client_state = False
 
     def end(self) -> None:
         self._connection = None
@@ -118,9 +122,20 @@ def _forwarding(name: str) -> Any:
     return functools.update_wrapper(method, getattr(asyncpg.Connection, name))
 
 
+def _noting_client_state(name: str) -> Any:
+    def method(self: LentConnection, *args: Any, **kwargs: Any) -> Any:
+        found = getattr(self._live(name), name)
+        self.client_state = True
+        return found(*args, **kwargs)
+
+    return functools.update_wrapper(method, getattr(asyncpg.Connection, name))
+
+
+CLIENT_STATE = ("add_listener", "add_log_listener")  # what the driver keeps on its side of a session
+
 for _name, _member in inspect.getmembers(asyncpg.Connection, inspect.isfunction):
     if not _name.startswith("_"):
-        setattr(LentConnection, _name, _forwarding(_name))
+        setattr(LentConnection, _name, (_noting_client_state if _name in CLIENT_STATE else _forwarding)(_name))
 
 
 class Lender(abc.ABC):
@@ -135,6 +150,11 @@ class Lender(abc.ABC):
         """A connection from the share of ordinary work; :class:`PoolExhausted` when none comes free in time."""
 
     @abc.abstractmethod
+    async def run(self, name: str, args: tuple[Any, ...], *, urgent: bool = False, status: bool = False) -> Any:
+        """One of the store's statements, its first row (its status with ``status``), on a connection of the
+        pool's own; ``urgent`` work is served first (it finishes a request)."""
+
+    @abc.abstractmethod
     def begin_isolation(self) -> str | None:
         """The isolation level (asyncpg's spelling) to begin a lent connection's transaction with, when its session
         default is not the database's; None to begin with the session's default."""
@@ -144,9 +164,19 @@ class Lender(abc.ABC):
         """One of the store's statements, its first row, on a lent connection, outside a transaction."""
 
     @abc.abstractmethod
-    async def give_back(self, connection: asyncpg.Connection, *, lost: bool, then: str = "") -> None:
+    async def give_back(
+        self, connection: asyncpg.Connection, *, lost: bool, then: str = "", clean: bool = False
+    ) -> None:
         """Take a lent connection back as its pool gave it; closed if ``lost`` or if its reset fails. ``then`` is SQL
-        to run after the reset, in its round trip (``notify_waiters``, after a transactional request's COMMIT)."""
+        to run after the reset, in its round trip (``notify_waiters``, after a transactional request's COMMIT);
+        ``clean``: the reset already ran, in the COMMIT's round trip (:meth:`commit`)."""
+
+    async def commit(self, connection: asyncpg.Connection, transaction: Any, then: str) -> bool:
+        """COMMIT a lent connection's ``transaction``; True when the connection's reset, then ``then``, ran after it
+        in the same round trip (a connection of the store's own pool), False when they are left to :meth:`give_back`
+        (an app's pool, whose connections the store cannot make send more than asyncpg's COMMIT)."""
+        await transaction.commit()
+        return False
 
     def transaction(self, records: Records) -> contextlib.AbstractAsyncContextManager[PostgresTransaction]:
         return lend_transaction(self, records)
@@ -167,13 +197,14 @@ async def lend_transaction(lender: Lender, records: Records) -> AsyncIterator[Po
     begins on it; committed or rolled back by the caller. It comes back with a clean session, and after a commit
     the waiters of the record in other processes are told, in the same round trip."""
     connection = await lender.lend()
-    run = functools.partial(lender.run_on, connection)
-    transaction = PostgresTransaction(records, connection, run, isolation=lender.begin_isolation())
+    transaction = PostgresTransaction(records, connection, lender)
     try:
         yield transaction
     finally:
         transaction.lent.end()
-        await lender.give_back(connection, lost=transaction.lost, then=transaction.settlement.notice)
+        clean = transaction.clean and not transaction.lent.client_state
+        notice = "" if clean else transaction.settlement.notice
+        await lender.give_back(connection, lost=transaction.lost, then=notice, clean=clean)
 
 
 @contextlib.asynccontextmanager
@@ -208,21 +239,26 @@ class Settlement:
 
     def __init__(self, records: Records) -> None:
         self._records = records
-        self._completed: tuple[str, str, int] | None = None
+        self.completion: tuple[str, str, int] | None = None  # the claim completed in the transaction
         self.notice = ""
 
     def completed(self, tenant: str, key: str, fence: int, done: bool) -> bool:
         """Note the outcome of the completion statement; returns ``done``."""
         if done:
-            self._completed = (tenant, key, fence)
+            self.completion = (tenant, key, fence)
         else:
             self._records.settled(tenant, key, fence)
         return done
 
-    def committed(self) -> None:
-        if self._completed is not None:
-            self.notice = self._records.notice(*self._completed)
-            self._records.settled(*self._completed)
+    def notice_sql(self) -> str:
+        """The SQL that tells the waiters of the completed claim, for after the COMMIT; "" if nothing completed."""
+        return "" if self.completion is None else self._records.notice(*self.completion)
+
+    def committed(self, notice: str | None = None) -> None:
+        """The completion committed; ``notice`` is its :meth:`notice_sql` when that was made already."""
+        if self.completion is not None:
+            self.notice = self.notice_sql() if notice is None else notice
+            self._records.settled(*self.completion)
 
 
 class PostgresTransaction:
@@ -233,14 +269,16 @@ class PostgresTransaction:
     the connection ``lost`` (it goes back closed, without a reset that would wait out another deadline).
     """
 
-    def __init__(self, records: Records, connection: asyncpg.Connection, run: Any, *, isolation: str | None) -> None:
+    def __init__(self, records: Records, connection: asyncpg.Connection, lender: Lender) -> None:
         self.connection = connection
         self.lent = LentConnection(connection)
         self.lost = False
+        self.clean = False  # reset in the COMMIT's round trip, with the waiters told (Lender.commit)
         self.settlement = Settlement(records)
         self._records = records
-        self._run = run  # the store's statements on this connection
-        self._isolation = isolation
+        self._lender = lender
+        self._run = functools.partial(lender.run_on, connection)  # the store's statements on this connection
+        self._isolation = lender.begin_isolation()
         self._transaction: asyncpg.transaction.Transaction | None = None
 
     async def claim(
@@ -333,12 +371,38 @@ class PostgresTransaction:
         return bool(row is not None and row["lapsed"] == 1)
 
     async def commit(self) -> None:
+        """COMMIT; with a completion to commit, the connection's reset and the waiters' notice ride in its round trip.
+
+        A simple query stops at its first error, so an error of that round trip, the connection lost included, is the
+        COMMIT's own or one of the reset after it. The stored response tells them apart, asked on another connection:
+        if it committed, so did the request, whatever failed after it, and this connection (its session in doubt)
+        goes back closed."""
         assert self._transaction is not None
+        completion = self.settlement.completion
+        notice = None
         try:
-            await self._transaction.commit()
-        except UNAVAILABLE as error:
-            raise self._unreachable(error) from error
-        self.settlement.committed()
+            if completion is None:  # nothing to tell a failed reset from a failed COMMIT by: the reset comes later
+                await self._transaction.commit()
+            else:
+                notice = self.settlement.notice_sql()
+                self.clean = await self._lender.commit(self.connection, self._transaction, notice)
+        except Exception as error:
+            if completion is None or not await self._landed(*completion):
+                if isinstance(error, UNAVAILABLE):
+                    raise self._unreachable(error) from error
+                raise
+            self.lost = True  # committed; what failed came after the COMMIT
+        self.settlement.committed(notice)
+
+    async def _landed(self, tenant: str, key: str, fence: int) -> bool:
+        """Whether the completion under ``fence`` committed (asked after an error in the COMMIT's round trip)."""
+        if not self.connection.is_closed() and self.connection.is_in_transaction():
+            return False  # still open: it did not commit
+        try:
+            row = await self._lender.run("committed", (tenant, key, fence), urgent=True)
+        except Exception:
+            return False  # not known: taken as not committed, and the key's release tells (refused if it did)
+        return bool(row is not None and row["committed"])
 
     async def rollback(self) -> None:
         assert self._transaction is not None

@@ -18,7 +18,7 @@ import collections
 import contextlib
 import importlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import asyncpg
@@ -468,7 +468,17 @@ class OwnPool(Lender):
             return None  # the session's default is the database's
         return ASYNCPG_ISOLATION[level]
 
-    async def give_back(self, connection: asyncpg.Connection, *, lost: bool, then: str = "") -> None:
+    async def commit(self, connection: asyncpg.Connection, transaction: Any, then: str) -> bool:
+        store_connection: StoreConnection = connection  # type: ignore[assignment]  # the pool opens no other kind
+        await store_connection.commit_then(transaction, reset_sql(connection) + "\n" + then)
+        return True
+
+    async def give_back(
+        self, connection: asyncpg.Connection, *, lost: bool, then: str = "", clean: bool = False
+    ) -> None:
+        if clean and not lost and not connection.is_closed():
+            self._release(connection)  # reset in its COMMIT's round trip
+            return
         healthy = False
         try:
             if not lost and not connection.is_closed():
@@ -506,15 +516,35 @@ class OwnPool(Lender):
             connection.terminate()
 
 
+_execute = asyncpg.Connection.execute
+
+
 class StoreConnection(asyncpg.Connection):
     """The connections an :class:`OwnPool` opens: the statements prepared on them, and their reset (when a lent one
-    comes back): the full one of ``_lending.py``, in one round trip, instead of asyncpg's partial one."""
+    comes back): the full one of ``_lending.py``, in one round trip, instead of asyncpg's partial one; after a
+    transactional request's COMMIT, in the COMMIT's round trip (:meth:`commit_then`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # The store's statements, prepared on this connection as first used, unless the store keeps no prepared
         # statements (a transaction-pooling proxy).
         self.statements: dict[str, asyncpg.prepared_stmt.PreparedStatement] = {}
+        self._after_commit = ""  # SQL for the COMMIT that commit_then() is sending, after it, in its message
+
+    async def commit_then(self, transaction: asyncpg.transaction.Transaction, then: str) -> None:
+        """Commit ``transaction`` (asyncpg's, so that its state and a handler's savepoints in it stay asyncpg's to
+        keep) and run ``then`` after the COMMIT in the same simple query: one round trip."""
+        self._after_commit = then
+        try:
+            await transaction.commit()
+        finally:
+            self._after_commit = ""
+
+    def execute(self, query: str, *args: Any, timeout: float | None = None) -> Coroutine[Any, Any, str]:
+        # A plain function returning asyncpg's coroutine: no coroutine level of its own on the handler's statements.
+        if self._after_commit and query == "COMMIT;":  # asyncpg's Transaction.commit(), sent by commit_then()
+            query = "COMMIT;\n" + self._after_commit
+        return _execute(self, query, *args, timeout=timeout)
 
     then = ""  # SQL to run after the next reset, in its round trip (see Lender.give_back), once
 

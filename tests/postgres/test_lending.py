@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, idempotency_context
+from idempotency_mw.postgres import _lending
 from tests.conftest import client_for
 from tests.sessions import SESSION_LEAKS, SESSION_STATE
 
@@ -164,3 +165,66 @@ async def test_a_lent_connection_refuses_use_after_its_request(pg_store: Postgre
         await fetchval("SELECT 1")
     with pytest.raises(asyncpg.InterfaceError, match="request that has ended"):
         connection.is_in_transaction()
+
+
+async def test_a_reset_that_fails_after_the_commit_keeps_the_committed_answer(
+    idempotency_database_url: str, db: asyncpg.Connection, key: str
+) -> None:
+    """The reset of a lent connection rides in its COMMIT's round trip. If a statement of the reset fails there (here
+    the restore of the pool's session state), the COMMIT went through: the answer is the committed one, a retry
+    replays it, and the connection, its session in doubt, is closed rather than lent again."""
+    await db.execute("CREATE TABLE IF NOT EXISTS lending_effects (key text)")
+    backends: list[int] = []
+
+    async def write(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        backends.append(await context.connection.fetchval("SELECT pg_backend_pid()"))
+        await context.connection.execute("INSERT INTO lending_effects (key) VALUES ($1)", key)
+        for connection in list(_lending._restores):  # the restore fails: a real error, after the COMMIT
+            _lending._restores[connection] = "SELECT 1 / 0;"
+        return JSONResponse({"ok": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/write", write, methods=["POST"])])
+    async with PostgresStore(idempotency_database_url, min_size=1, max_size=2) as store:
+        app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+        client = client_for(app)
+        first = await client.post("/write", headers={"Idempotency-Key": key})
+        assert first.status_code == 201, first.text
+        again = await client.post("/write", headers={"Idempotency-Key": key})
+        assert again.status_code == 201
+        assert again.headers["idempotent-replayed"] == "true"
+        assert await db.fetchval("SELECT count(*) FROM lending_effects WHERE key = $1", key) == 1
+        gone = await db.fetchval("SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = $1", backends[0])
+        assert gone
+
+
+async def test_a_listener_the_handler_added_does_not_follow_the_connection(
+    idempotency_database_url: str, db: asyncpg.Connection
+) -> None:
+    """asyncpg keeps a listener's callback on its side of the connection, where no SQL reset reaches: a connection
+    whose handler added one comes back through asyncpg's own reset too. Otherwise the next user of the connection
+    would get the handler's callback, and no LISTEN of its own (asyncpg sends none for a channel it knows)."""
+    heard: list[str] = []
+
+    async def listen(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await context.connection.add_listener("imw_lending_chan", lambda *_: heard.append("handler"))
+        return JSONResponse({"listened": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/listen", listen, methods=["POST"])])
+    async with PostgresStore(idempotency_database_url, min_size=1, max_size=2) as store:  # one connection to lend
+        app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+        answer = await client_for(app).post("/listen", headers={"Idempotency-Key": str(uuid.uuid4())})
+        assert answer.status_code == 201
+        async with store.connection() as connection:  # the same connection, lent again
+            await connection.add_listener("imw_lending_chan", lambda *_: heard.append("next"))
+            await db.execute("NOTIFY imw_lending_chan")
+            for _ in range(100):  # a bounded wait for the notification to reach this connection
+                if heard:
+                    break
+                await connection.execute("SELECT pg_sleep(0.01)")
+    assert heard == ["next"]

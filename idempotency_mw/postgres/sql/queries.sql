@@ -351,6 +351,14 @@ WHERE tenant = convert_from(decode('{tenant_hex}', 'hex'), 'UTF8') COLLATE "defa
   AND key = convert_from(decode('{key_hex}', 'hex'), 'UTF8') COLLATE "default"
   AND fence = {fence} AND attempts > 0;
 
+-- name: committed
+-- Whether a transactional request's completion committed: asked only after an error in the round trip of its
+-- COMMIT, which also carries the connection's reset (a failed reset after a COMMIT that went through).
+-- $1 tenant, $2 key, $3 fence
+SELECT EXISTS (
+    SELECT FROM {schema}.idempotency_responses WHERE tenant = $1 AND key = $2 AND fence = $3
+) AS committed;
+
 -- name: forget
 -- The record with its responses and recovery points, of every life.
 -- $1 tenant, $2 key
