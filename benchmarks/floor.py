@@ -40,13 +40,14 @@ async def worker(dsn: str, run: str, deadline: float, latencies: list[float], sw
     connection = await asyncpg.connect(dsn)
     try:
         claim, complete = await connection.prepare(sql["claim"]), await connection.prepare(sql["complete"])
+        unused = (None,) * (len(claim.get_parameters()) - 7)  # the claim's later parameters: none stored (NULL)
         backend = connection.get_server_pid()
         first = switches(backend)
         i = 0
         while time.perf_counter() < deadline:
             i += 1
             started = time.perf_counter()
-            row = await claim.fetchrow(TENANT, f"{run}-{i}", [FINGERPRINT], 60.0, 86400.0, new_fence(), None)
+            row = await claim.fetchrow(TENANT, f"{run}-{i}", [FINGERPRINT], 60.0, 86400.0, new_fence(), None, *unused)
             assert row is not None
             assert row["owned"]  # a new key: inserted, ours
             await complete.fetch(TENANT, f"{run}-{i}", row["fence"], 201, HEADERS, BODY, len(BODY), None, None)

@@ -47,6 +47,7 @@ class Connections:
         self.size = size
         self.idle: list[Entry] = []
         self.waiters: list[asyncio.Future[Entry]] = []
+        self.claim_parameters = 0  # of the claim statements, known once they are prepared
 
     async def open(self) -> None:
         sql = queries("public")
@@ -54,6 +55,7 @@ class Connections:
             connection = await asyncpg.connect(self.dsn)
             prepared = [await connection.prepare(sql[name]) for name in STATEMENTS]
             self.idle.append((connection, *prepared))
+            self.claim_parameters = len(prepared[0].get_parameters())
 
     async def close(self) -> None:
         await asyncio.gather(*(entry[0].close() for entry in self.idle))
@@ -85,7 +87,10 @@ def idempotent(
             return await handler(request)
         tenant = request.headers.get("authorization", "")
         fingerprint = hashlib.sha256(await request.body()).digest()
-        args = (tenant, key, [fingerprint], LEASE, TTL, new_fence(), None)
+        args: tuple[Any, ...] = (tenant, key, [fingerprint], LEASE, TTL, new_fence(), None)
+        # The claim statement's later parameters (what inspect shows, the request's parts) are NULL: nothing this
+        # app does not use is stored, as in durableapp.py.
+        args += (None,) * (connections.claim_parameters - len(args))
         entry = await connections.take()
         try:
             row = await entry[1].fetchrow(*args)  # a fresh key, a replay, a 409 or a 422 (see sql/queries.sql)
