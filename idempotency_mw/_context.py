@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -42,14 +42,15 @@ class IdempotencyContext:
     @property
     def steps(self) -> Steps:
         """The steps of a transactional request (docs/guide.md, "Requests with steps outside the database"): each
-        commits with a recovery point, and a retry resumes after the last one. LookupError on a route that is not
-        transactional, or for a request without a key."""
+        commits with a recovery point, and a retry resumes after the last one. Switched off or observing, every step
+        runs and none is recorded. LookupError on a route that is not transactional, or for a request without a key
+        (while enforcing)."""
         if self.recovery is None:
             raise LookupError(
                 "steps are for transactional routes: use @idempotent(transactional=True) or "
                 "IdempotencyMiddleware(transactional=True), with a PostgresStore or SQLAlchemyStore"
             )
-        return self.recovery.steps()
+        return self.recovery.steps(None if self.key is None else self.downstream_key)
 
     @property
     def connection(self) -> asyncpg.Connection | None:
@@ -85,7 +86,8 @@ class StepsSource(Protocol):
     def resumed_from(self) -> str | None:
         """The last step an earlier attempt committed, when the request resumed after it."""
 
-    def steps(self) -> Steps: ...
+    def steps(self, downstream_key: Callable[[str], str] | None) -> Steps:
+        """The request's steps, whose outside calls get their keys from ``downstream_key`` (None: it has no key)."""
 
 
 def resumed_from(scope: MutableMapping[str, Any]) -> str | None:

@@ -57,8 +57,8 @@ from idempotency_mw._request import (
     take_pending,
     wait_for_the_app,
 )
-from idempotency_mw._stepped import SteppedRun
-from idempotency_mw._transactional import DID_NOT_COMMIT, TransactionalRun
+from idempotency_mw._stepped import RunSteps, SteppedRun, UnrecordedRun
+from idempotency_mw._transactional import DID_NOT_COMMIT
 from idempotency_mw.store import ClaimOutcome, Transaction, TransactionalStore
 
 
@@ -99,7 +99,7 @@ class ObservingRequest(IdempotentRequest):
         self.would: Outcome | None = None  # what enforcing would have answered instead of running the handler
         self.status: int | None = None  # the status that went out
         self.from_app = middleware.tenant_from_app is not None and self.policy.tenant is None  # told from inside
-        self.transaction: TransactionalRun | None = None  # a transactional route's, as when switched off
+        self.transaction: UnrecordedRun | None = None  # a transactional route's, as when switched off
         self.cannot_run = False  # its transaction could not begin: answered 503, and what the app sends is dropped
         self.scoped = False  # the key has its tenant: the handler's context carries it
 
@@ -270,7 +270,7 @@ class ObservingRequest(IdempotentRequest):
         switched off (503, or the database's error)."""
         store = self.middleware.store
         assert isinstance(store, TransactionalStore)  # checked when the middleware was built
-        ran = self.transaction = TransactionalRun(store, self.policy, send)
+        ran = self.transaction = UnrecordedRun(store, self.policy, send)
         if not self.from_app and not await self._begin_observed(ran):
             return
         try:
@@ -282,11 +282,11 @@ class ObservingRequest(IdempotentRequest):
         if state in DID_NOT_COMMIT:
             await not_committed(ran, self.middleware)[0].send(send)
 
-    async def _begin_observed(self, ran: TransactionalRun) -> bool:
+    async def _begin_observed(self, ran: UnrecordedRun) -> bool:
         """Begin the handler's transaction, without a record in it; False when it could not begin (the database is
         down): then answered 503 as when switched off, reported, and what the app sends after is dropped."""
-        if await ran.begin(None):
-            return self._set_context(ran.transaction)
+        if await ran.begin(None, self.ask.owner):
+            return self._set_context(ran.transaction, ran)
         assert ran.failure is not None
         self.middleware.failures.failed("run the handler's transaction", ran.failure)
         self.would = self.would or store_failure(ran.failure)
@@ -295,10 +295,11 @@ class ObservingRequest(IdempotentRequest):
         return False
 
     def _set_context(self, transaction: Transaction | None = None, ran: SteppedRun | None = None) -> bool:
-        """The handler's context, as when switched off: a key without a tenant scopes nothing (and no steps: observing
-        records no recovery point)."""
+        """The handler's context, as when switched off: a key without a tenant scopes nothing, and a transactional
+        route's steps all run, none recorded (``UnrecordedRun``)."""
         key = self.ask.key if self.scoped else None
-        self.scope.setdefault("state", {})[STATE_KEY] = IdempotencyContext(self.ask.owner, key, transaction)
+        steps = None if ran is None else RunSteps(ran)
+        self.scope.setdefault("state", {})[STATE_KEY] = IdempotencyContext(self.ask.owner, key, transaction, steps)
         return True
 
     # -- the report -------------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ from idempotency_mw._keys import (
 )
 from idempotency_mw._plain import PlainRun, Unprotected
 from idempotency_mw._policy import RouteMatch
-from idempotency_mw._stepped import SteppedRun
+from idempotency_mw._stepped import RunSteps, SteppedRun, UnrecordedRun
 from idempotency_mw._transactional import DID_NOT_COMMIT, State, TransactionalRun, refusal
 from idempotency_mw.cutover import EarlierLookup
 from idempotency_mw.store import Claim, ClaimOutcome, Store, StoreUnavailable, Transaction, TransactionalStore
@@ -442,7 +442,7 @@ class IdempotentRequest:
         return self.ran
 
     def _set_context(self, transaction: Transaction | None = None, ran: SteppedRun | None = None) -> bool:
-        context = IdempotencyContext(self.ask.owner, self.ask.key, transaction, ran)
+        context = IdempotencyContext(self.ask.owner, self.ask.key, transaction, None if ran is None else RunSteps(ran))
         self.scope.setdefault("state", {})[STATE_KEY] = context
         return True
 
@@ -485,7 +485,8 @@ class TenantFromAppRequest(IdempotentRequest):
 class SwitchedOffRequest(IdempotentRequest):
     """The off switch: nothing is claimed, recorded or answered here. The handler runs as it would without the
     middleware, with its context (the key and tenant read leniently: ``downstream_key`` gives what it gives when
-    switched on), and a transactional route still gets its transaction, committed when its answer is final."""
+    switched on), and a transactional route still gets its transaction, committed when its answer is final, and its
+    steps, which all run and are never recorded."""
 
     async def run(self) -> None:
         try:
@@ -518,6 +519,14 @@ class SwitchedOffRequest(IdempotentRequest):
         context = state.get(STATE_KEY)
         assert isinstance(context, IdempotencyContext)
         return context
+
+    def _transaction(self) -> SteppedRun:
+        """A transactional route's run, which records nothing: its steps all run, none recorded."""
+        if not isinstance(self.ran, UnrecordedRun):
+            store = self.middleware.store
+            assert isinstance(store, TransactionalStore)  # checked when the middleware was built
+            self.ran = UnrecordedRun(store, self.policy, self._send_out)
+        return self.ran
 
     def _scope_to(self, tenant: str | None) -> None:
         """The tenant the context carries; without one the key scopes nothing."""

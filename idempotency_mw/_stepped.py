@@ -6,17 +6,21 @@ writes with its recovery point, then a new transaction begins; a step's commit r
 request cancelled meanwhile lands it or not before the run ends. A record at a recovery point is never released: a run
 that ends without its final answer leaves it there, its lease lapsed, so that the retry takes it over at once and
 resumes (:class:`Points`). The run's state says how it ended, as for any transactional run.
+
+A request the middleware does not enforce (switched off, observing) has an :class:`UnrecordedRun`: its steps all run,
+none recorded. The handler's context holds its run weakly (:class:`RunSteps`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Coroutine
+import secrets
+import weakref
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from idempotency_mw._claim import OwnedClaim, outlasting, start_eagerly, store_failure
-from idempotency_mw._context import IdempotencyContext
 from idempotency_mw._events import Outcome
 from idempotency_mw._steps import Phase, Steps, StepsEnded
 from idempotency_mw._transactional import State, TransactionalRun, wait_through_cancellation
@@ -58,16 +62,18 @@ class SteppedRun(TransactionalRun):
         """The step that made the request not resumable (state NOT_RESUMABLE)."""
         return None if self._steps is None else self._steps.unresumable
 
-    def steps(self) -> Steps:
-        """The handler's steps (``IdempotencyContext.steps``), made when it first asks for them."""
-        owned = self._owned
-        if owned is None:
+    def steps(self, downstream_key: Callable[[str], str] | None) -> Steps:
+        """The handler's steps (``IdempotencyContext.steps``), made when it first asks for them; their outside calls
+        get their keys from ``downstream_key``, the context's."""
+        if self._owned is None or downstream_key is None:
             raise LookupError("this request carries no Idempotency-Key: its handler cannot run in steps")
+        return self._made(downstream_key, took_over=self.points is Points.UNKNOWN)
+
+    def _made(self, downstream_key: Callable[[str], str], *, took_over: bool) -> Steps:
         if not isinstance(self.transaction, RecoveringTransaction):
             raise LookupError(f"{type(self.transaction).__name__} keeps no recovery points: steps need PostgresStore")
         if self._steps is None:
-            downstream = IdempotencyContext(self.owner, owned.key).downstream_key
-            self._steps = Steps(self, downstream, took_over=self.points is Points.UNKNOWN)
+            self._steps = Steps(self, downstream_key, took_over=took_over)
             self.stepped = True
         return self._steps
 
@@ -107,11 +113,16 @@ class SteppedRun(TransactionalRun):
         self._points = Points.SOME if points else Points.NONE
         return points
 
-    async def _commit_step(self, points: list[RecoveryPoint]) -> None:
-        owned, transaction = self._owned, self._recovering()
+    async def _write_points(self, points: list[RecoveryPoint]) -> bool:
+        """Write ``points`` in the request's transaction; False when a newer claim owns the key."""
+        owned = self._owned
         assert owned is not None
+        return await self._recovering().record_steps(owned.tenant, owned.key, owned.fence, points)
+
+    async def _commit_step(self, points: list[RecoveryPoint]) -> None:
+        transaction = self._recovering()
         try:
-            if not await transaction.record_steps(owned.tenant, owned.key, owned.fence, points):
+            if not await self._write_points(points):
                 await self._roll_back(State.FENCED_OUT)
                 raise StepsEnded("a newer claim owns the key: this attempt's steps are not its to commit")
             await transaction.commit()
@@ -174,3 +185,46 @@ class SteppedRun(TransactionalRun):
         if self._steps is not None and self._steps.phase is Phase.NOT_RESUMABLE:
             return State.NOT_RESUMABLE
         return State.ROLLED_BACK
+
+
+class RunSteps:
+    """What a handler's context (``IdempotencyContext.recovery``) holds of its transactional run: a weak reference.
+    The context stays in the request's scope, and the run refers back to the request (its ``send``): held strongly,
+    a request's objects would wait for the cycle collector instead of going as it ends (tests/test_cycles.py). The
+    request holds its run while the handler runs."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: SteppedRun) -> None:
+        self._run = weakref.ref(run)
+
+    @property
+    def resumed_from(self) -> str | None:
+        run = self._run()
+        return None if run is None else run.resumed_from
+
+    def steps(self, downstream_key: Callable[[str], str] | None) -> Steps:
+        run = self._run()
+        if run is None:
+            raise LookupError("the request has ended: its steps ran while it did")
+        return run.steps(downstream_key)
+
+
+class UnrecordedRun(SteppedRun):
+    """The transactional run of a request the middleware does not enforce (switched off, or a route that observes):
+    its handler runs as without the middleware. Its steps all run, in order: a local one commits its writes (with no
+    recovery point) and a new transaction begins, as when enforcing, so that the handler's writes land as it laid
+    them out; an outside one calls with the request's downstream key, or, for a request without a key, a key of its
+    own drawn for that call (nothing to derive one from: the other side sees a new call, as without the
+    middleware). Nothing is read back, skipped or recorded."""
+
+    def steps(self, downstream_key: Callable[[str], str] | None) -> Steps:
+        return self._made(downstream_key or _drawn_key, took_over=False)
+
+    async def _write_points(self, points: list[RecoveryPoint]) -> bool:
+        return True  # nothing is recorded
+
+
+def _drawn_key(name: str) -> str:
+    """A key for one outside call of a request without a key: 64 hex digits, as ``downstream_key`` gives."""
+    return secrets.token_hex(32)

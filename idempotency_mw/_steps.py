@@ -17,6 +17,7 @@ at a recovery point, it is never released, only left for the retry (its lease la
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -84,7 +85,7 @@ class Steps:
         self.phase = Phase.UNREAD if took_over else Phase.NONE
         self.resumed_from: str | None = None  # the last step an earlier attempt committed, once read
         self.unresumable: str | None = None  # the unrepeatable step an earlier attempt left without an outcome
-        self._committer = committer
+        self._committer = weakref.ref(committer)  # the run holds its steps: no cycle between them
         self._downstream_key = downstream_key
         self._recorded: dict[str, RecoveryPoint] = {}  # committed, by this attempt or an earlier one
         self._pending: list[RecoveryPoint] = []  # outside steps' results, for the next commit
@@ -113,7 +114,7 @@ class Steps:
         try:
             result, text = _as_json(name, await run())
             point = RecoveryPoint(name, self._position(), text)
-            await self._committer.commit_step([*self._pending, point])
+            await self._commit().commit_step([*self._pending, point])
             for each in (*self._pending, point):
                 self._recorded[each.step] = each
             self._pending.clear()
@@ -138,7 +139,7 @@ class Steps:
         try:
             if not repeatable:  # its start is committed before the call, with whatever waits for a commit
                 began = RecoveryPoint(name, self._position(), None)
-                await self._committer.commit_step([*self._pending, began])
+                await self._commit().commit_step([*self._pending, began])
                 for each in (*self._pending, began):
                     self._recorded[each.step] = each
                 self._pending.clear()
@@ -177,7 +178,7 @@ class Steps:
         if self.phase is Phase.UNREAD:
             self._busy = True
             try:
-                for point in await self._committer.recovery_points():
+                for point in await self._commit().recovery_points():
                     self._recorded[point.step] = point
                     self.resumed_from = point.step
             finally:
@@ -194,6 +195,12 @@ class Steps:
             return (orjson.loads(recorded.result),)
         self._busy = True
         return None
+
+    def _commit(self) -> Committer:
+        committer = self._committer()
+        if committer is None:
+            raise StepsEnded("the request has ended: no step can run in it")
+        return committer
 
     def _position(self) -> int:
         """The next step's place in the request's order."""

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message
 
-from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, idempotency_context
 from tests.conftest import http_scope
 
 TENANT = "tenant-cycles"
@@ -41,11 +41,30 @@ def app_on(store: Store, **options: Any) -> Starlette:
     async def boom(request: Request) -> Response:
         raise RuntimeError("the handler failed")
 
+    async def in_steps(request: Request) -> Response:
+        """A local step, an outside one, another local one (transactional routes); ``/steps/stop`` fails after them."""
+        context = idempotency_context(request)
+        assert context is not None
+        steps = context.steps
+
+        async def local() -> dict[str, int]:
+            return {"n": 1}
+
+        async def outside(downstream_key: str) -> str:
+            return downstream_key[:8]
+
+        answer = [await steps.local("a", local), await steps.outside("b", outside), await steps.local("c", local)]
+        if request.url.path.endswith("/stop"):
+            raise RuntimeError("the handler failed after its steps")
+        return JSONResponse(answer, status_code=201)
+
     app = Starlette(
         routes=[
             Route("/charge", charge, methods=["POST"]),
             Route("/status/{code:int}", status, methods=["POST"]),
             Route("/boom", boom, methods=["POST"]),
+            Route("/steps", in_steps, methods=["POST"]),
+            Route("/steps/stop", in_steps, methods=["POST"]),
         ]
     )
     app.add_middleware(IdempotencyMiddleware, store=store, tenant=lambda scope: TENANT, **options)
@@ -148,3 +167,21 @@ async def test_no_cycles_on_postgres(opened_store: PostgresStore, flow: str, tra
     app = app_on(opened_store, transactional=transactional)
     await warmed_up(app)
     assert await left_to_the_collector(flows(app)[flow]) == Counter()
+
+
+@pytest.mark.parametrize("switch", [{}, {"enabled": False}, {"observe": True}], ids=["enforcing", "off", "observing"])
+async def test_no_cycles_of_a_request_in_steps(opened_store: PostgresStore, switch: dict[str, bool]) -> None:
+    """A handler in steps: run through, stopped after its steps and resumed, replayed; the run its context refers to,
+    and the steps that refer back to their run, go as the request ends."""
+    app = app_on(opened_store, transactional=True, **switch)
+    await warmed_up(app)
+
+    async def in_steps() -> None:
+        key = str(uuid.uuid4())
+        assert await call(app, "/steps", key) == 201
+        assert await call(app, "/steps", key) == 201  # a replay (enforcing), every step again (not enforcing)
+        stopped = str(uuid.uuid4())
+        assert await call(app, "/steps/stop", stopped) == 500
+        assert await call(app, "/steps/stop", stopped) == 500  # resumed after its last step, and stopped again
+
+    assert await left_to_the_collector(in_steps) == Counter()

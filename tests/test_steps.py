@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from idempotency_mw import Event, IdempotencyMiddleware, Outcome, idempotency_context
+from idempotency_mw import Event, IdempotencyContext, IdempotencyMiddleware, Outcome, idempotency_context
 from idempotency_mw._steps import MAX_RESULT_BYTES
 from idempotency_mw.cli import main
 from idempotency_mw.encryption import ResponseCipher
@@ -92,9 +92,8 @@ def payments(flavour: Flavour, provider: Provider, plan: Plan, **options: Any) -
     async def pay(request: Request) -> Response:
         context = idempotency_context(request)
         assert context is not None
-        assert context.key is not None
         steps = context.steps
-        key = context.key
+        key = context.key or request.headers["x-order"]  # a keyless request (switched off, observing) names its rows
 
         async def create() -> dict[str, Any]:
             await flavour.write(request, key, "created", flush=True)
@@ -394,6 +393,43 @@ async def test_steps_are_for_transactional_routes_with_a_key(idempotency_databas
             async with client_for(app) as client:
                 answer = await client.post("/x", headers=headers)
             assert expected in answer.json()["error"]
+
+
+@pytest.mark.parametrize("switch", ["enabled=False", "observe=True"])
+async def test_switched_off_or_observing_every_step_runs_and_none_is_recorded(flavour: Flavour, switch: str) -> None:
+    """Not enforcing, a handler in steps runs as without the middleware: a failed attempt's committed step is run
+    again by the next, nothing is read back or recorded; a local step still commits its writes, and an outside one
+    calls with the key enforcing would send (a keyless request: a key drawn for the call)."""
+    provider, plan = Provider(), Plan()
+    options = {"enabled": False} if switch == "enabled=False" else {"observe": True}
+    key, order = str(uuid.uuid4()), str(uuid.uuid4())
+    async with client_for(payments(flavour, provider, plan, **options)) as client:
+        plan.crash_after = "provider_charge"
+        with pytest.raises(RuntimeError):
+            await pay(client, key)
+        assert await effects(flavour, key) == {"created": 1}  # its first step committed, as when enforcing
+        plan.crash_after = None
+        answer = await pay(client, key)
+        keyless = await client.post("/pay", headers={"X-Order": order})
+    assert (answer.status_code, answer.json()) == (201, first_answer(key))
+    assert await effects(flavour, key) == {"created": 2, "recorded ch_1": 1}  # nothing was skipped
+    assert (keyless.status_code, keyless.json()["provider"]) == (201, "ch_2")
+    assert await effects(flavour, order) == {"created": 1, "recorded ch_2": 1}
+    downstream = IdempotencyContext(tenant_of(), key).downstream_key("provider_charge")
+    assert provider.calls == 3
+    assert len(provider.charges) == 2
+    assert downstream in provider.charges  # the same key on both attempts
+    drawn = next(each for each in provider.charges if each != downstream)
+    assert len(drawn) == 64
+    assert int(drawn, 16) >= 0
+    points = "SELECT count(*) FROM idempotency_recovery_points WHERE key = any($1::text[])"
+    assert await flavour.db.fetchval(points, [key, order]) == 0
+    info = await flavour.store.inspect(tenant_of(), key)
+    if switch == "enabled=False":
+        assert info is None
+    else:  # observing records a fresh claim's answer, so that enforcing replays it; no step of it
+        assert info is not None
+        assert (info.state, info.last_step) == ("completed", None)
 
 
 async def test_the_guides_steps_recipe(
