@@ -146,25 +146,29 @@ def plural(count: int) -> str:
     return "" if count == 1 else "s"
 
 
-def by_key(counts: dict[str | None, int], cipher: ResponseCipher, seal_plain: bool, *, dry_run: bool) -> str:
-    """What is stored under which key, and what a run does (or did not do) about it."""
+def by_key(
+    counts: dict[str | None, int], cipher: ResponseCipher, seal_plain: bool, *, dry_run: bool, noun: str = "response"
+) -> str:
+    """What is stored under which key, and what a run does (or did not do) about it: ``noun`` the responses, or the
+    step results."""
     lines = []
     for key_id, count in counts.items():
+        things = f"{count} {noun}{plural(count)}"
         if key_id is None:
             if seal_plain:
                 what = "to seal" if dry_run else "plain (new ones stored by a store without a cipher)"
             else:
                 what = "left plain (--seal-plain seals them)"
-            lines.append(f"plain: {count} response{plural(count)}, {what}")
+            lines.append(f"plain: {things}, {what}")
         elif key_id == cipher.current:
-            lines.append(f"under {key_id!r} (current): {count} response{plural(count)}")
+            lines.append(f"under {key_id!r} (current): {things}")
         elif key_id in cipher.key_ids:
             what = "to re-seal" if dry_run else "not re-sealed yet (locked by another run? run again)"
-            lines.append(f"under {key_id!r}: {count} response{plural(count)}, {what}")
+            lines.append(f"under {key_id!r}: {things}, {what}")
         else:
             what = "a key not given: they cannot be opened here"
-            lines.append(f"under {key_id!r}: {count} response{plural(count)}, {what}")
-    return "\n".join(lines) or "no stored responses"
+            lines.append(f"under {key_id!r}: {things}, {what}")
+    return "\n".join(lines) or f"no stored {noun}s"
 
 
 def listing_to_dict(tenant: str, lines: list[RecordLine]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
@@ -53,10 +53,15 @@ from idempotency_mw._cli_errors import (
 )
 from idempotency_mw._cli_tenants import record_id, tenants_to_list
 from idempotency_mw._keys import PREFIX, SECRET_VARIABLE
-from idempotency_mw.postgres._recovery import stalled_requests
+from idempotency_mw.postgres._recovery import (
+    ResealedResults,
+    reseal_step_results,
+    stalled_requests,
+    step_results_by_key,
+)
 from idempotency_mw.postgres._sql import check_schema, migration_statements, migrations
 from idempotency_mw.postgres._store import PostgresStore
-from idempotency_mw.store import SealedResponseError, StoreNotMigrated
+from idempotency_mw.store import ResealedBatch, SealedResponseError, StoreNotMigrated
 
 if TYPE_CHECKING:
     from idempotency_mw.encryption import ResponseCipher
@@ -481,42 +486,77 @@ async def cmd_stalled(store: PostgresStore, args: argparse.Namespace) -> int:
 
 
 async def cmd_reencrypt(store: PostgresStore, args: argparse.Namespace) -> int:
+    """Re-seal the responses, then the step results (recovery points, docs/design.md §10): both are sealed under the
+    store's cipher, and an old key can only go once neither needs it."""
     cipher = store.cipher
     assert cipher is not None  # _cipher gives reencrypt one, or stops
     if args.dry_run:
         say(by_key(await store.responses_by_key(), cipher, args.seal_plain, dry_run=True))
+        if results := await step_results_by_key(store):
+            say(by_key(results, cipher, args.seal_plain, dry_run=True, noun="step result"))
         return EXIT_OK
+    total, unreadable = await _reseal(store, args, "responses")
+    say(f"re-sealed {total} response{plural(total)} under key {cipher.current!r}")
+    counts = await store.responses_by_key()
+    say(by_key(counts, cipher, args.seal_plain, dry_run=False))
+    unreadable += _passed_over(counts, cipher, "response")
+    left_results = 0
+    results = await step_results_by_key(store)
+    if any(key_id != cipher.current for key_id in results):  # something to re-seal (or to report as passed over)
+        total, left_results = await _reseal(store, args, "step results")
+        say(f"re-sealed {total} step result{plural(total)} under key {cipher.current!r}")
+        results = await step_results_by_key(store)
+    if results:
+        say(by_key(results, cipher, args.seal_plain, dry_run=False, noun="step result"))
+        left_results += _passed_over(results, cipher, "step result")
+    left = [f"{n} {noun}{plural(n)}" for n, noun in ((unreadable, "response"), (left_results, "step result")) if n]
+    if left:
+        raise CommandError(f"{' and '.join(left)} could not be opened and were left as they are")
+    return EXIT_OK
+
+
+async def _reseal(store: PostgresStore, args: argparse.Namespace, what: str) -> tuple[int, int]:
+    """Re-seal ``what`` (the responses, or the step results) in batches: how many, and how many did not open."""
     total = batches = unreadable = 0
-    after: tuple[str, str] | None = None
+    after: Any = None
     while args.max_batches is None or batches < args.max_batches:
-        batch = await store.reencrypt(batch_size=args.batch_size, seal_plain=args.seal_plain, after=after)
+        if what == "responses":
+            batch: ResealedBatch | ResealedResults = await store.reencrypt(
+                batch_size=args.batch_size, seal_plain=args.seal_plain, after=after
+            )
+        else:
+            batch = await reseal_step_results(
+                store, batch_size=args.batch_size, seal_plain=args.seal_plain, after=after
+            )
         batches += 1
         total += batch.resealed
         for tenant, key, why in batch.unreadable:
             unreadable += 1
             print(f"{PROG}: left key {key!r} of tenant {tenant!r} as it is: {why}", file=sys.stderr, flush=True)
-        print(f"batch {batches}: re-sealed {batch.resealed} ({total} so far)", file=sys.stderr, flush=True)
+        label = "batch" if what == "responses" else "step results batch"
+        print(f"{label} {batches}: re-sealed {batch.resealed} ({total} so far)", file=sys.stderr, flush=True)
         after = batch.after
-        if after is None:  # every response was looked at
+        if after is None:  # every one was looked at
             break
         if args.pause:
             await asyncio.sleep(args.pause)
-    say(f"re-sealed {total} response{plural(total)} under key {cipher.current!r}")
-    counts = await store.responses_by_key()
-    say(by_key(counts, cipher, args.seal_plain, dry_run=False))
-    for key_id, count in counts.items():  # passed over: what they are sealed under was not given
+    return total, unreadable
+
+
+def _passed_over(counts: dict[str | None, int], cipher: ResponseCipher, noun: str) -> int:
+    """Those sealed under a key that was not given (passed over: they cannot be opened here), reported on stderr."""
+    left = 0
+    for key_id, count in counts.items():
         if key_id is not None and key_id not in cipher.key_ids:
-            unreadable += count
+            left += count
             they, are = ("it", "is") if count == 1 else ("they", "are")
             print(
-                f"{PROG}: left {count} response{plural(count)} sealed under key {key_id!r} as {they} {are}: that key "
+                f"{PROG}: left {count} {noun}{plural(count)} sealed under key {key_id!r} as {they} {are}: that key "
                 f"was not given, so {they} cannot be opened here (give it after the current key)",
                 file=sys.stderr,
                 flush=True,
             )
-    if unreadable:
-        raise CommandError(f"{unreadable} response{plural(unreadable)} could not be opened and were left as they are")
-    return EXIT_OK
+    return left
 
 
 def _not_found(args: argparse.Namespace, tenant: str, key: str) -> CommandError:

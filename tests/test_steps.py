@@ -318,6 +318,46 @@ async def test_step_results_are_sealed_under_the_stores_cipher(idempotency_datab
     assert (retry.status_code, retry.json()) == (201, first_answer(key))
 
 
+async def test_reencrypt_reseals_step_results_and_the_request_resumes_under_the_new_key(
+    migrated_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``idempotency-mw reencrypt`` re-seals step results as it does responses: after it, a store that holds only the
+    new key resumes a request stopped under the old one; a plain result is sealed with ``--seal-plain``."""
+    old, new = ResponseCipher.new_key(), ResponseCipher.new_key()
+    provider, plan = Provider(), Plan()
+    plan.crash_after = "provider_charge"
+    keys = [str(uuid.uuid4()) for _ in range(3)]
+    async with flavour_on("asyncpg", migrated_url) as flavour:
+        assert isinstance(flavour.store, PostgresStore)
+        async with client_for(payments(flavour, provider, plan)) as client:
+            ciphers = (ResponseCipher({"old": old}), ResponseCipher({"old": old}), None)
+            for key, cipher in zip(keys, ciphers, strict=True):
+                flavour.store.cipher = cipher  # two stopped under the old key, one stored plain
+                with pytest.raises(RuntimeError):
+                    await pay(client, key)
+        sealed_with = "SELECT sealed_with FROM idempotency_recovery_points WHERE key = $1"
+        assert [await flavour.db.fetchval(sealed_with, key) for key in keys] == ["old", "old", None]
+        monkeypatch.setenv("IDEMPOTENCY_RESPONSE_KEYS", f"new:{new},old:{old}")
+        options = ["--database-url", flavour.url, "reencrypt", "--batch-size", "1"]
+        assert await asyncio.to_thread(main, [*options, "--dry-run"]) == 0
+        assert "under 'old': 2 step results, to re-seal" in capsys.readouterr().out.splitlines()
+        assert await asyncio.to_thread(main, options) == 0
+        out, err = capsys.readouterr()
+        assert "re-sealed 2 step results under key 'new'" in out.splitlines()
+        assert "step results batch 2: re-sealed 1 (2 so far)" in err
+        assert [await flavour.db.fetchval(sealed_with, key) for key in keys] == ["new", "new", None]
+        assert await asyncio.to_thread(main, [*options, "--seal-plain"]) == 0
+        assert "under 'new' (current): 3 step results" in capsys.readouterr().out.splitlines()
+        assert [await flavour.db.fetchval(sealed_with, key) for key in keys] == ["new"] * 3
+        flavour.store.cipher = ResponseCipher({"new": new})  # the old key is gone
+        plan.crash_after = None
+        async with client_for(payments(flavour, provider, plan)) as client:
+            answers = [await pay(client, key) for key in keys]
+    assert [(answer.status_code, answer.json()) for answer in answers] == [
+        (201, first_answer(key, f"ch_{n}")) for n, key in enumerate(keys, 1)
+    ]
+
+
 async def test_an_expired_record_claimed_afresh_does_not_resume_its_earlier_life(flavour: Flavour) -> None:
     provider, plan = Provider(), Plan()
     plan.crash_after = "provider_charge"

@@ -6,12 +6,20 @@ and step (``idempotency_mw.encryption``)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from idempotency_mw.postgres._connector import Connector
 from idempotency_mw.postgres._records import reachable
 from idempotency_mw.postgres._sql import queries
-from idempotency_mw.store import PlainResponseRefused, RecoveryPoint, StalledRequest, UnknownKeyId
+from idempotency_mw.store import (
+    PlainResponseRefused,
+    RecoveryPoint,
+    SealedResponseError,
+    StalledRequest,
+    UnknownKeyId,
+)
 
 if TYPE_CHECKING:
     from idempotency_mw.encryption import ResponseCipher
@@ -74,3 +82,64 @@ async def stalled_requests(
         with reachable(schema):
             rows = await connection.fetch(sql, float(lapsed_for), limit, timeout=seconds)
     return [StalledRequest(**dict(row)) for row in rows]
+
+
+PointCursor = tuple[str, str, datetime, str]  # (tenant, key, life, step): where a re-sealing batch ended
+_START: PointCursor = ("", "", datetime.fromtimestamp(0, UTC), "")
+
+
+@dataclass(frozen=True, slots=True)
+class ResealedResults:
+    """One batch of re-sealing step results (:func:`reseal_step_results`): how many were re-sealed under the current
+    key, those that could not be opened (``(tenant, key, why)``, left as they are), and where the next batch starts
+    (None once every result was looked at)."""
+
+    resealed: int
+    unreadable: list[tuple[str, str, str]]
+    after: PointCursor | None
+
+
+async def reseal_step_results(
+    store: PostgresStore, *, batch_size: int, seal_plain: bool, after: PointCursor | None
+) -> ResealedResults:
+    """Re-seal up to ``batch_size`` step results under the cipher's current key, as ``PostgresStore.reencrypt`` does
+    responses: one transaction that locks them (``reseal_points_batch``), opens and seals them here, and writes them
+    back (``reseal_points``), safe beside live traffic. A result that does not open is left as it is and reported."""
+    cipher, sql = store.cipher, queries(store.schema)
+    if cipher is None:
+        raise ValueError("re-sealing step results needs a PostgresStore with a cipher: PostgresStore(..., cipher=...)")
+    older = [key_id for key_id in cipher.key_ids if key_id != cipher.current]
+    resealed: list[tuple[str, str, datetime, str, bytes]] = []
+    unreadable: list[tuple[str, str, str]] = []
+    async with store.connector.session() as connection:
+        with reachable(store.schema):
+            async with connection.transaction(isolation="read_committed"):
+                rows = await connection.fetch(
+                    sql["reseal_points_batch"], *(after or _START), after is None, older, seal_plain, batch_size,
+                    timeout=store.timeout,
+                )  # fmt: skip
+                for row in rows:
+                    tenant, key, step = row["tenant"], row["key"], row["step"]
+                    try:
+                        if row["sealed"] is None:
+                            result = row["result"].encode()
+                        else:
+                            result = cipher.open_step(tenant, key, step, row["sealed_with"], bytes(row["sealed"]))
+                    except SealedResponseError as error:
+                        unreadable.append((tenant, key, f"step {step!r}: {error}"))
+                        continue
+                    resealed.append((tenant, key, row["life"], step, cipher.seal_step(tenant, key, step, result)[1]))
+                if resealed:
+                    columns = [list(column) for column in zip(*resealed, strict=True)]
+                    await connection.execute(sql["reseal_points"], cipher.current, *columns, timeout=store.timeout)
+    last = rows[-1] if len(rows) == batch_size else None
+    cursor = None if last is None else (last["tenant"], last["key"], last["life"], last["step"])
+    return ResealedResults(len(resealed), unreadable, cursor)
+
+
+async def step_results_by_key(store: PostgresStore) -> dict[str | None, int]:
+    """How many step results are sealed under each key id (None: stored plain); one scan of the table."""
+    async with store.connector.session() as connection:
+        with reachable(store.schema):
+            rows = await connection.fetch(queries(store.schema)["points_by_key"], timeout=store.timeout)
+    return {row["sealed_with"]: row["results"] for row in rows}

@@ -609,3 +609,39 @@ WHERE r.lease_expires_at <= now() - make_interval(secs => $1)
   )
 ORDER BY r.lease_expires_at
 LIMIT $2;
+
+-- name: reseal_points_batch
+-- The next step results (recovery points, migrations/0005) to re-seal under the current key (idempotency-mw
+-- reencrypt), as reseal_batch does for responses: those sealed under another key the cipher has, and with $7 those
+-- stored plain, walked in primary-key order from where the last batch ended. A point under a key the cipher does not
+-- have is passed over, and so is one that began without an outcome (it has no result). The rows are locked until the
+-- batch's transaction commits with their new form (reseal_points); SKIP LOCKED passes over those another run holds. A
+-- step's commit only inserts points (or fills in one its own claim began, which has no result to re-seal): it never
+-- waits for a batch; the claim, forget and purge that delete a record (and its points, ON DELETE CASCADE) wait for one
+-- batch at most.
+-- $1 tenant, $2 key, $3 life and $4 step to start after, $5 the first batch (start at the beginning), $6 the ids of
+-- the cipher's older keys, $7 seal plain results too, $8 batch size
+SELECT p.tenant, p.key, p.life, p.step, p.result, p.sealed, p.sealed_with
+FROM {schema}.idempotency_recovery_points AS p
+WHERE ($5 OR (p.tenant, p.key, p.life, p.step) > ($1::text, $2::text, $3::timestamptz, $4::text))
+  AND p.done
+  AND (p.sealed_with = ANY ($6::text[]) OR ($7 AND p.sealed IS NULL))
+ORDER BY p.tenant, p.key, p.life, p.step
+LIMIT $8
+FOR UPDATE SKIP LOCKED;
+
+-- name: reseal_points
+-- The batch's step results in their new form, in the transaction that locked them (reseal_points_batch).
+-- $1 the current key's id, $2 tenants, $3 keys, $4 lives, $5 steps, $6 the results sealed under $1
+UPDATE {schema}.idempotency_recovery_points AS p
+SET result = NULL, sealed = u.sealed, sealed_with = $1
+FROM unnest($2::text[], $3::text[], $4::timestamptz[], $5::text[], $6::bytea[]) AS u (tenant, key, life, step, sealed)
+WHERE p.tenant = u.tenant AND p.key = u.key AND p.life = u.life AND p.step = u.step;
+
+-- name: points_by_key
+-- How many step results are stored under each key (NULL: plain), for reencrypt to report what is left.
+SELECT p.sealed_with, count(*) AS results
+FROM {schema}.idempotency_recovery_points AS p
+WHERE p.done
+GROUP BY p.sealed_with
+ORDER BY p.sealed_with NULLS FIRST;
