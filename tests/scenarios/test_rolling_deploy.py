@@ -6,8 +6,10 @@ answer 422, as the changelog says, never with a second run."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
+import sys
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -107,3 +109,66 @@ async def test_the_previous_release_and_this_one_side_by_side_run_nothing_twice(
         assert await store.purge_expired() == len(keys)  # both instances' records, with their responses
         async with store.connection() as connection:
             assert await connection.fetchval("SELECT count(*) FROM idempotency_responses") == 0
+
+
+async def test_the_previous_release_leaves_a_request_at_a_recovery_point_alone(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The previous release knows nothing of recovery points (docs/operations.md, "Handlers in steps and the previous
+    release"), and never needs to: a retry it gets of a request this release left at a recovery point is answered 422
+    (it cannot match a fingerprint this release stored keyed), so it neither runs the request from its start nor
+    releases it with its points; the retry on this release resumes it. An expired one it claims afresh, as this
+    release does (a new life: the old points are never resumed), and its purge removes a record in steps, points and
+    all (the foreign key cascades)."""
+    _, commit = previous_release()
+    monkeypatch.syspath_prepend(str(REPOSITORY / "benchmarks"))
+    from common import library_copy  # type: ignore[import-not-found]
+
+    _, old_library = library_copy(commit)
+    connection = await asyncpg.connect(migrated_url)
+    try:
+        await connection.execute("CREATE TABLE rolling_effects (key text NOT NULL)")
+        env = {"ROLLING_DSN": migrated_url}
+        app, headers = "tests.scenarios.rolling_app:app", {"Authorization": "Bearer sk_live_rolling"}
+        stopped, expired, purged = (f"steps-{uuid.uuid4().hex[:8]}-{n}" for n in range(3))
+        points = "SELECT count(*) FROM idempotency_recovery_points WHERE key = $1"
+        effects = "SELECT count(*) FROM rolling_effects WHERE key = $1"
+        async with (
+            ServerProcess(app, env=env, library=old_library) as old,
+            ServerProcess(app, env=env) as new,
+            httpx.AsyncClient(timeout=30, headers=headers) as http,
+        ):
+
+            async def pay(server: ServerProcess, key: str, **more: str) -> httpx.Response:
+                return await http.post(server.base_url + "/pay", headers={"Idempotency-Key": key, **more})
+
+            for key in (stopped, expired, purged):  # each left at its recovery point by this release
+                assert (await pay(new, key, **{"X-Stop": "create_charge"})).status_code == 500
+                assert (await connection.fetchval(points, key), await connection.fetchval(effects, key)) == (1, 1)
+            assert (await pay(old, stopped)).status_code == 422  # neither run again nor released
+            assert await connection.fetchval(points, stopped) == 1
+            resumed = await pay(new, stopped)
+            assert (resumed.status_code, resumed.json()) == (201, {"charge": stopped, "state": "succeeded"})
+            assert await connection.fetchval(effects, stopped) == 1  # its first step ran once
+
+            await connection.execute(
+                "UPDATE idempotency_records SET expires_at = now() - interval '1 second' WHERE key = $1", expired
+            )
+            assert (await pay(old, expired)).status_code == 201  # an expired key is absent: a new life
+            assert await connection.fetchval(effects, expired) == 2
+            replayed = await pay(new, expired)
+            assert (replayed.status_code, replayed.headers.get("idempotent-replayed")) == (201, "true")
+
+        await connection.execute(
+            "UPDATE idempotency_records SET expires_at = now() - interval '1 second' WHERE key = $1", purged
+        )
+        command = [sys.executable, "-m", "idempotency_mw.cli", "--database-url", migrated_url, "gc"]
+        gc = await asyncio.create_subprocess_exec(
+            *command, env={**os.environ, "PYTHONPATH": str(old_library)}, cwd=old_library,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, errors = await asyncio.wait_for(gc.communicate(), 60)
+        assert gc.returncode == 0, errors.decode()
+        assert await connection.fetchval(points, purged) == 0  # the previous release's purge: points and all
+    finally:
+        await connection.close()
