@@ -2,7 +2,8 @@
 that keeps retrying.
 
 It starts PostgreSQL (embedded, unless ``DATABASE_URL`` is set), serves the payments example with uvicorn in a child
-process on loopback, puts the lossy proxy in front of it, and sends logical payments through
+process on loopback, and beside it the payout provider (a process of its own, whose answers fail now and then),
+puts the lossy proxy in front of the app, and sends logical payments through
 ``AsyncIdempotentClient``, concurrently. Then it audits the ledger against what the client was told and prints a
 table. The exit status is 0 only when no operation took effect twice, none was lost, and the balances agree.
 
@@ -30,6 +31,8 @@ from idempotency_mw.client import AsyncIdempotentClient, Retry
 from idempotency_mw.devdb import local_database
 
 APP = "examples.payments.app:app"
+PROVIDER = "examples.payments.provider:app"  # the payout provider, a process of its own
+DEMO_PAYOUT_RATE = 0.3  # payments followed by a payout: a handler in steps, with the payout provider between them
 CLIENT_RETRY = Retry(attempts=8, deadline=30.0, backoff=0.05, max_backoff=2.0)
 
 
@@ -38,6 +41,8 @@ class Network:
     drop_rate: float = 0.2
     reset_rate: float = 0.1
     cut_rate: float = 0.05
+    provider_fail_rate: float = 0.1  # the payout provider's 503s before it transfers
+    provider_lose_rate: float = 0.1  # and after it transferred (its answer lost)
 
 
 @dataclass
@@ -49,6 +54,7 @@ class Report:
     audit: Audit
     seconds: float
     server_log: str
+    provider: dict[str, int]  # the payout provider's own counts (GET /v1/stats)
 
 
 async def run_demo(mix: Mix, network: Network, dsn: str, *, stream: TextIO = sys.stderr) -> Report:
@@ -61,7 +67,15 @@ async def run_demo(mix: Mix, network: Network, dsn: str, *, stream: TextIO = sys
     if not os.environ.get("IDEMPOTENCY_FINGERPRINT_KEYS"):
         env["IDEMPOTENCY_FINGERPRINT_KEYS"] = f"demo-{run}:{secrets.token_hex(32)}"
     started = time.monotonic()
-    async with ServerProcess(APP, env=env) as server:
+    bank = {
+        "PROVIDER_FAIL_RATE": str(network.provider_fail_rate),
+        "PROVIDER_LOSE_RATE": str(network.provider_lose_rate),
+        "PROVIDER_SEED": str(mix.seed),
+    }
+    async with (
+        ServerProcess(PROVIDER, env=bank) as provider,
+        ServerProcess(APP, env={**env, "PAYMENTS_PROVIDER_URL": provider.base_url}) as server,
+    ):
         async with LossyProxy(
             server.port,
             drop_rate=network.drop_rate,
@@ -87,9 +101,13 @@ async def run_demo(mix: Mix, network: Network, dsn: str, *, stream: TextIO = sys
                     await client.aclose()
             progress.finish(workload, proxy.stats)
         seconds = time.monotonic() - started
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=10.0) as direct:  # not through the proxy
-            result = await audit(workload, dsn, direct)
-        return Report(mix, network, workload, proxy.stats, result, seconds, server.log_tail())
+        async with (
+            httpx.AsyncClient(base_url=server.base_url, timeout=10.0) as direct,  # not through the proxy
+            httpx.AsyncClient(base_url=provider.base_url, timeout=10.0) as bank_api,
+        ):
+            result = await audit(workload, dsn, direct, bank_api)
+            counts = (await bank_api.get("/v1/stats")).json()
+        return Report(mix, network, workload, proxy.stats, result, seconds, server.log_tail(), counts)
 
 
 class Progress:
@@ -148,12 +166,17 @@ def _per_currency(totals: dict[tuple[str, str], int]) -> dict[str, int]:
 
 def render(report: Report) -> str:
     mix, net, work, proxy, result = report.mix, report.network, report.workload, report.proxy, report.audit
-    kinds = {kind: sum(op.kind == kind for op in work.operations) for kind in ("customer", "payment_intent", "refund")}
+    kinds = {
+        kind: sum(op.kind == kind for op in work.operations)
+        for kind in ("customer", "payment_intent", "refund", "payout")
+    }
+    bank = report.provider
     rows = [
         (
             "logical operations",
             len(work.operations),
-            f"{kinds['payment_intent']} payment intents, {kinds['customer']} customers, {kinds['refund']} refunds",
+            f"{kinds['payment_intent']} payment intents, {kinds['customer']} customers, {kinds['refund']} refunds, "
+            f"{kinds['payout']} payouts",
         ),
         ("HTTP attempts", work.attempts, "every attempt of an operation carried its one Idempotency-Key"),
         ("replays received", sum(op.replayed for op in work.operations), "final answers the server replayed"),
@@ -164,6 +187,17 @@ def render(report: Report) -> str:
         ("requests cut", proxy.cut, "client hung up while the server was still working"),
         ("sent again later", sum(op.gave_up for op in work.operations), "after the client gave up, same key"),
         ("card declines", sum(op.declined for op in work.operations), "402, recorded and replayed like any answer"),
+        (
+            "provider transfers",
+            result.provider_transfers,
+            f"made by the payout provider, in {bank.get('calls', 0)} calls ({bank.get('failed', 0)} answered 503 "
+            f"before, {bank.get('lost', 0)} after it transferred)",
+        ),
+        (
+            "payouts retried",
+            sum(op.kind == "payout" and len(op.outcomes) > 1 for op in work.operations),
+            "took more than one attempt: a replay, or a resumption after the last step committed",
+        ),
     ]
     lines = [
         f"payments demo: {mix.payments} logical payments, {mix.concurrency} at a time, in {report.seconds:.1f}s",
@@ -187,7 +221,7 @@ def render(report: Report) -> str:
         "",
         f"  {'duplicate effects':<20} {result.duplicates:>7}   "
         f"extra ledger entries per key: {result.duplicate_entries}, extra objects per operation: "
-        f"{result.duplicate_objects}",
+        f"{result.duplicate_objects}, extra provider transfers: {result.provider_duplicates}",
         f"  {'lost operations':<20} {len(result.lost):>7}",
     ]
     if result.out_of_step:
@@ -237,6 +271,21 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--reset-rate", type=_rate, default=network.reset_rate, help="share of connections reset")
     parser.add_argument("--cut-rate", type=_rate, default=network.cut_rate, help="share of requests cut mid-flight")
     parser.add_argument(
+        "--payout-rate", type=_rate, default=DEMO_PAYOUT_RATE, help="share of payments followed by a payout"
+    )
+    parser.add_argument(
+        "--provider-fail-rate",
+        type=_rate,
+        default=network.provider_fail_rate,
+        help="share of the payout provider's answers that are 503 before it transfers",
+    )
+    parser.add_argument(
+        "--provider-lose-rate",
+        type=_rate,
+        default=network.provider_lose_rate,
+        help="share of the payout provider's answers lost after it transferred",
+    )
+    parser.add_argument(
         "--seed",
         type=int,
         default=defaults.seed,
@@ -260,8 +309,19 @@ def main(argv: list[str] | None = None) -> int:
             args.concurrency,
         )
     )
-    mix = Mix(payments=payments, concurrency=concurrency, accounts=args.accounts, seed=args.seed)
-    network = Network(drop_rate=args.drop_rate, reset_rate=args.reset_rate, cut_rate=args.cut_rate)
+    if args.provider_fail_rate + args.provider_lose_rate > 0.9:
+        print("demo: the provider's fail and lose rates add up to more than 0.9", file=sys.stderr)
+        return 2
+    mix = Mix(
+        payments=payments, concurrency=concurrency, accounts=args.accounts, seed=args.seed, payout_rate=args.payout_rate
+    )
+    network = Network(
+        drop_rate=args.drop_rate,
+        reset_rate=args.reset_rate,
+        cut_rate=args.cut_rate,
+        provider_fail_rate=args.provider_fail_rate,
+        provider_lose_rate=args.provider_lose_rate,
+    )
     if not os.environ.get("DATABASE_URL"):
         print("starting an embedded PostgreSQL (set DATABASE_URL to use another one) ...", file=sys.stderr)
     try:

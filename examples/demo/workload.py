@@ -1,7 +1,8 @@
 """The demo's customers: logical payments sent through the retrying client, and what the client believes happened.
 
 A logical payment is a short story told in a few API calls: maybe a new customer, a payment intent confirmed at
-once (sometimes with a card that is declined), then sometimes one or two partial refunds. Every call is a logical
+once (sometimes with a card that is declined), then sometimes one or two partial refunds, and sometimes a payout
+(a handler in steps that calls the payout provider between two local steps). Every call is a logical
 operation with its own Idempotency-Key, chosen once. The client retries each one with that key; when it gives up
 (``RetriesExhausted``), the workload sends the same operation again a little later, still with the same key. That
 is the contract under test: however often an operation is sent, it takes effect once.
@@ -41,13 +42,14 @@ class Mix:
     currencies: tuple[str, ...] = ("usd", "eur")
     resends: int = 6  # how many more times an operation is sent after the client gave up on it
     seed: int = 1
+    payout_rate: float = 0.0  # payouts through the payout provider (the server needs one: PAYMENTS_PROVIDER_URL)
 
 
 @dataclass
 class Operation:
     """One logical operation: its request, fixed up front, and what came back in the end."""
 
-    kind: str  # "customer", "payment_intent" or "refund"
+    kind: str  # "customer", "payment_intent", "refund" or "payout"
     api_key: str
     path: str
     data: dict[str, str]
@@ -96,6 +98,7 @@ class Payment:
     currency: str
     decline: bool
     refunds: tuple[int, ...]  # partial refunds, in order; each at most half of what is left
+    payout: int | None = None  # a payout of this amount after the payment (a handler in steps, with the provider)
 
     @property
     def new_customer(self) -> bool:
@@ -123,6 +126,7 @@ def plan(mix: Mix, accounts: int) -> list[Payment]:
             part = dice.randrange(1, left // 2 + 1)
             parts.append(part)
             left -= part
+        payout, payout_amount = dice.random() < mix.payout_rate, dice.randrange(100, 5_000)  # thrown last
         earlier = creators[account]
         if new_customer or not earlier:
             customer = index
@@ -130,7 +134,8 @@ def plan(mix: Mix, accounts: int) -> list[Payment]:
         else:
             customer = earlier[int(pick * len(earlier))]
         refunds = tuple(parts) if refund and not decline else ()
-        payments.append(Payment(index, account, customer, amount, currency, decline, refunds))
+        paid_out = payout_amount if payout and not decline else None
+        payments.append(Payment(index, account, customer, amount, currency, decline, refunds, paid_out))
     return payments
 
 
@@ -245,6 +250,10 @@ class Workload:
                     refund_name,
                 )
             )
+        if payment.payout is not None:
+            payout_name = f"{name}-o"
+            data = {"amount": str(payment.payout), "currency": payment.currency, "metadata[demo_op]": payout_name}
+            await self.perform(Operation("payout", api_key, "/v1/payouts", data, payout_name))
 
     async def perform(self, op: Operation) -> Operation:
         """Send ``op`` until it gets a final answer, always with its one key; give up after ``mix.resends``."""

@@ -684,6 +684,57 @@ async def retrieve_balance(account: Account, query: Query, request: Request) -> 
     return JSONResponse(objects.balance(await ledger.balance(request.app.state.pool, account)))
 
 
+def _payouts_router() -> APIRouter:
+    """``POST /v1/payouts``, for an app that has a payout provider (``create_app(provider_url=...)``): a handler in
+    steps, with a call to the provider between two local steps (``examples/payments/payouts.py``)."""
+    from examples.payments import payouts  # httpx: only an app with a provider needs it
+
+    payouts_router = APIRouter(prefix="/v1")
+
+    @payouts_router.post(
+        "/payouts",
+        summary="Pay out to the account's bank, through the payout provider (a handler in steps)",
+        operation_id="CreatePayout",
+        response_model=payouts.Payout,
+        responses=_errors(400, 401),
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/x-www-form-urlencoded": {
+                        "schema": {
+                            "type": "object",
+                            "properties": {
+                                "amount": {"type": "integer", "minimum": MIN_AMOUNT, "maximum": MAX_AMOUNT},
+                                "currency": {"type": "string", "enum": list(CURRENCIES)},
+                                "metadata": _METADATA,
+                            },
+                            "required": ["amount", "currency"],
+                            "additionalProperties": False,
+                        },
+                        "encoding": {"metadata": {"style": "deepObject", "explode": True}},
+                    }
+                },
+            }
+        },
+    )
+    async def create_payout(account: Account, params: Params, idempotency: Idempotency, request: Request) -> Response:
+        amount = params.integer("amount", required=True)
+        currency = params.choice("currency", CURRENCIES, required=True)
+        metadata = params.metadata()
+        params.done()
+        assert amount is not None
+        assert currency is not None
+        _check_amount(amount, currency)
+        provider = request.app.state.provider
+        payout = await payouts.pay_out(
+            idempotency, provider, account=account, amount=amount, currency=currency, metadata=metadata
+        )
+        return JSONResponse(payout)
+
+    return payouts_router
+
+
 # -- helpers ---------------------------------------------------------------------------------------------------
 
 
@@ -840,9 +891,11 @@ def _route_methods(routes: Any, prefix: str = "") -> Iterator[tuple[str, set[str
 
 
 async def _server_error(request: Request, error: Exception) -> Response:
-    # Reached only after the middleware rolled the transaction back and released the key: retrying is safe. This
+    # Reached only after the middleware rolled the transaction back and released the key, or, for a handler in steps
+    # (a payout), left the request at its last recovery point: retrying with the same key is safe either way. This
     # answer is sent from outside every middleware (Starlette's ServerErrorMiddleware), so it stamps itself.
-    body = StripeError(500, "api_error", "An unexpected error occurred; nothing was saved. Retry the request.").body()
+    message = "An unexpected error occurred; nothing was saved, or the request stopped after a step. Retry it."
+    body = StripeError(500, "api_error", message).body()
     headers = {name.decode(): value.decode("latin-1") for name, value in edge.stamped([], request.scope)}
     return JSONResponse(body, status_code=500, headers={**headers, "Stripe-Should-Retry": "true"})
 
@@ -868,8 +921,12 @@ def create_app(
     migrate: bool = True,
     prepared_statements: bool = True,
     on_conflict: str = "reject",
+    provider_url: str | None = None,
 ) -> FastAPI:
     """The payments API on the PostgreSQL at ``dsn``.
+
+    With ``provider_url`` (a payout provider, ``examples/payments/provider.py``), it also serves ``POST /v1/payouts``,
+    a handler in steps that calls the provider between two local steps.
 
     With ``migrate`` (the default) the lifespan startup applies the idempotency migrations and the payments schema
     (``examples.payments.migrate``), which needs a role that may create them. With ``migrate=False`` the app runs
@@ -902,7 +959,14 @@ def create_app(
                 if migrate:
                     await apply_migrations(store, pool)
                 app.state.pool = pool
-                yield
+                if provider_url is None:
+                    yield
+                else:
+                    import httpx  # only an app with a provider needs it
+
+                    async with httpx.AsyncClient(base_url=provider_url, timeout=5.0) as provider:
+                        app.state.provider = provider
+                        yield
         finally:
             await store.close()  # the store built from a DSN owns its connections: close them at shutdown
 
@@ -914,6 +978,8 @@ def create_app(
         lifespan=lifespan,
     )
     app.include_router(router)
+    if provider_url is not None:
+        app.include_router(_payouts_router())
     app.add_api_route("/healthz", _health, methods=["GET"], include_in_schema=False)
     # The last added is the outermost: StampHeaders inside the middleware (what it adds is recorded and replayed),
     # StripeEdge outside (it sees, and speaks Stripe for, the middleware's own answers).
@@ -969,7 +1035,8 @@ def __getattr__(name: str) -> FastAPI:
 
     ``PAYMENTS_POOL_SIZE`` (20) is the store's ``max_size``; ``PAYMENTS_MIGRATE=0`` keeps DDL out of the startup;
     ``PAYMENTS_PREPARED_STATEMENTS=0`` is for a transaction-pooling PgBouncer at ``$DATABASE_URL``;
-    ``PAYMENTS_ON_CONFLICT=wait`` makes a duplicate wait for its original instead of answering 409.
+    ``PAYMENTS_ON_CONFLICT=wait`` makes a duplicate wait for its original instead of answering 409;
+    ``PAYMENTS_PROVIDER_URL`` (a payout provider, ``examples/payments/provider.py``) adds ``POST /v1/payouts``.
     """
     global _default_app
     if name != "app":
@@ -984,5 +1051,6 @@ def __getattr__(name: str) -> FastAPI:
             migrate=_flag("PAYMENTS_MIGRATE", True),
             prepared_statements=_flag("PAYMENTS_PREPARED_STATEMENTS", True),
             on_conflict=os.environ.get("PAYMENTS_ON_CONFLICT", "").strip() or "reject",
+            provider_url=os.environ.get("PAYMENTS_PROVIDER_URL", "").strip() or None,
         )
     return _default_app

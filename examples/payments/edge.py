@@ -66,11 +66,13 @@ TRANSLATIONS: dict[str, Translation] = {
         "the request with this Idempotency-Key ran, but its answer cannot be replayed: do not retry",
         False,
     ),
+    # A handler in steps (a payout) whose unrepeatable step began in an earlier attempt, its outcome unknown: it is
+    # settled by hand (docs/operations.md, stalled requests), and retrying cannot help until it is.
     "idempotency_step_not_resumable": Translation(
         409,
         "idempotency_error",
         "idempotency_step_not_resumable",
-        "an earlier attempt began a step that cannot be repeated and its outcome is unknown: do not retry",
+        "a step of the request with this Idempotency-Key cannot be repeated and its outcome is unknown: do not retry",
         False,
     ),
     "idempotency_key_invalid": Translation(

@@ -104,3 +104,21 @@ CREATE TABLE IF NOT EXISTS payments.ledger (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS ledger_one_charge_per_intent ON payments.ledger (payment_intent) WHERE kind = 'charge';
 CREATE INDEX IF NOT EXISTS ledger_account_currency ON payments.ledger (account, currency);
+
+-- Payouts (examples/payments/payouts.py): money sent to the account's bank through the payout provider, a process of
+-- its own, in steps: the payout is created pending (a step of its own, committed), the provider makes its transfer,
+-- and the transfer is recorded on the payout, which is then paid. Not part of the ledger: the demo keeps balances
+-- to payments and refunds. One payout per logical operation, one transfer per payout (UNIQUE transfer).
+CREATE TABLE IF NOT EXISTS payments.payouts (
+    id              text PRIMARY KEY,
+    account         text NOT NULL REFERENCES payments.accounts (id),
+    amount          bigint NOT NULL CHECK (amount > 0),
+    currency        text NOT NULL,
+    status          text NOT NULL CHECK (status IN ('pending', 'paid')),
+    transfer        text UNIQUE,
+    metadata        jsonb NOT NULL DEFAULT '{}',
+    idempotency_key text,
+    created         bigint NOT NULL,
+    CONSTRAINT paid_by_a_transfer CHECK ((status = 'paid') = (transfer IS NOT NULL))
+);
+CREATE INDEX IF NOT EXISTS payouts_account ON payments.payouts (account);

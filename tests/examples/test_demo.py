@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from examples.demo import run
 from examples.demo.audit import audit
 from examples.demo.workload import Mix, Workload
+from examples.payments import provider
 from examples.payments.app import create_app
 from idempotency_mw.client import AsyncIdempotentClient
 
@@ -167,6 +168,10 @@ def test_demo_end_to_end(
     assert number("responses dropped") > 0
     assert number("replays received") > 0  # and the retries of dropped answers were replays, not re-runs
     assert "OK: every operation took effect exactly once." in table
+    payouts = re.search(r"(\d+) payouts$", table, re.MULTILINE)
+    assert payouts is not None
+    assert number("provider transfers") == int(payouts.group(1)) > 0  # one each, from the provider's own books
+    assert "extra provider transfers: 0" in table
     assert "seed 1 fixes the operations and the balances; timing decides which requests the proxy's dice hit" in table
 
 
@@ -177,3 +182,43 @@ def test_demo_runs_as_a_module() -> None:
     )
     assert done.returncode == 0
     assert "--drop-rate" in done.stdout
+
+
+async def test_payouts_make_one_provider_transfer_each_whatever_the_provider_answers(
+    idempotency_database_url: str,
+) -> None:
+    """Payouts (a handler in steps, the payout provider between two local steps) through a provider that answers 503
+    before or after it transfers, a third of the time each: every payout is answered once the client's retries resumed
+    it, the provider made one transfer per payout, and the audit agrees; a forged second transfer it does not."""
+    bank = provider.create_app(fail_rate=0.3, lose_rate=0.3, seed=7)
+    app = create_app(idempotency_database_url, pool_size=8, provider_url="http://provider.test")
+    run_name = uuid.uuid4().hex[:8]
+    api_key = f"sk_test_payouts_{run_name}"
+    async with app.router.lifespan_context(app):
+        bank_api = httpx.AsyncClient(transport=httpx.ASGITransport(app=bank), base_url="http://provider.test")
+        app.state.provider = bank_api  # the provider in process, instead of over loopback
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        client = AsyncIdempotentClient(
+            base_url="http://payments.test", headers={"Authorization": f"Bearer {api_key}"}, transport=transport
+        )
+        mix = Mix(payments=10, concurrency=4, refund_rate=0.0, decline_rate=0.0, payout_rate=1.0, seed=3)
+        workload = Workload(mix, {api_key: client}, run_name)
+        await workload.run()
+        payouts = [op for op in workload.operations if op.kind == "payout"]
+        async with httpx.AsyncClient(transport=transport, base_url="http://payments.test") as direct:
+            clean = await audit(workload, idempotency_database_url, direct, bank_api)
+            stats = (await bank_api.get("/v1/stats")).json()
+            forging = {"amount": 1, "currency": "usd", "reference": payouts[0].object_id}
+            while (  # a second transfer for one payout, under another key, until the flaky provider makes it
+                await bank_api.post("/v1/transfers", json=forging, headers={"Idempotency-Key": "forged"})
+            ).status_code != 200:
+                pass
+            forged = await audit(workload, idempotency_database_url, direct, bank_api)
+        await client.aclose()
+        await bank_api.aclose()
+    assert len(payouts) == 10
+    assert all(op.status == 200 and op.body["status"] == "paid" for op in payouts)
+    assert clean.ok, clean
+    assert clean.provider_transfers == 10
+    assert stats["failed"] + stats["lost"] > 0  # the provider failed some calls: their payouts resumed
+    assert (forged.provider_duplicates, forged.ok) == (1, False)

@@ -122,7 +122,7 @@ async def test_the_previous_release_leaves_a_request_at_a_recovery_point_alone(
     all (the foreign key cascades)."""
     _, commit = previous_release()
     monkeypatch.syspath_prepend(str(REPOSITORY / "benchmarks"))
-    from common import library_copy  # type: ignore[import-not-found]
+    from common import library_copy
 
     _, old_library = library_copy(commit)
     connection = await asyncpg.connect(migrated_url)
