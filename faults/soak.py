@@ -40,6 +40,7 @@ from faults.outage import run_outage
 from faults.pg import DisposablePostgres
 from faults.pgbouncer import PgBouncer, install_pgbouncer
 from faults.report import Result, markdown_table
+from faults.steps import GAPS, run_steps
 from faults.storm import run_storm
 from faults.waiting import run_waiting
 from faults.zombie import run_zombie
@@ -106,6 +107,7 @@ def scenarios(
             # Asynchronous replication loses what the standby had not received: reported, not failed.
             (lambda: first(run_failover(synchronous=False, clients=10, standby_lag=0.5, cooldown=5.0)), False),
         ],
+        "steps": [(lambda: first(run_steps(dsn, operations=100, copies=3, kills=5)), True)],
         "big": [
             (lambda: first(run_big_bodies(dsn, transactional=True, parallel=8)), True),
             (lambda: first(run_big_bodies(dsn, transactional=False, parallel=8)), True),
@@ -222,6 +224,17 @@ def _finish_notes(result: Result) -> None:
             f"{m.get('worst replay lag, s', 0):.2f} s after its original's answer; {int(m.get('other answers', 0))} "
             "other answers"
         ]
+    elif result.scenario.startswith("steps"):
+        kills, caught = int(m.get("kills", 0)), sum(int(m.get(f"caught {gap}", 0)) for gap in GAPS[1:])
+        result.faults = (
+            f"{kills} SIGKILLs with {caught} payouts between two steps, restarts; 3 copies of each; "
+            f"{int(m.get('network faults', 0))} network faults; {int(m.get('provider 503s', 0))} provider 503s"
+        )
+        result.notes = [
+            "caught at the kills: " + ", ".join(f"{int(m.get(f'caught {gap}', 0))} {gap}" for gap in GAPS),
+            f"{int(m.get('provider transfers', 0))} provider transfers in {int(m.get('provider calls', 0))} calls; "
+            f"{int(m.get('mismatched answers', 0))} answers that disagree with their effect",
+        ]
     elif result.scenario.startswith("storm"):
         result.notes = [
             f"duplicate copies answered: {int(m.get('conflicts', 0))} x 409, {int(m.get('replays', 0))} replays, "
@@ -252,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         help="comma-separated groups: storm, storm-wait, wait, storm-rr, crash, crash-wait, crash-rr, outage, lossy, "
-        "zombie, failover, pgbouncer, big",
+        "zombie, failover, pgbouncer, big, steps",
     )
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help=f"Markdown file (default {DEFAULT_OUTPUT})")
     args = parser.parse_args(argv)

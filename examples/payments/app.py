@@ -727,8 +727,9 @@ def _payouts_router() -> APIRouter:
         assert currency is not None
         _check_amount(amount, currency)
         provider = request.app.state.provider
+        pause = request.app.state.pause_between_steps
         payout = await payouts.pay_out(
-            idempotency, provider, account=account, amount=amount, currency=currency, metadata=metadata
+            idempotency, provider, account=account, amount=amount, currency=currency, metadata=metadata, pause=pause
         )
         return JSONResponse(payout)
 
@@ -922,11 +923,13 @@ def create_app(
     prepared_statements: bool = True,
     on_conflict: str = "reject",
     provider_url: str | None = None,
+    pause_between_steps: float = 0.0,
 ) -> FastAPI:
     """The payments API on the PostgreSQL at ``dsn``.
 
     With ``provider_url`` (a payout provider, ``examples/payments/provider.py``), it also serves ``POST /v1/payouts``,
-    a handler in steps that calls the provider between two local steps.
+    a handler in steps that calls the provider between two local steps; ``pause_between_steps`` (seconds) makes it
+    wait after each step, so that the fault harness can crash the app between them (``faults/steps.py``).
 
     With ``migrate`` (the default) the lifespan startup applies the idempotency migrations and the payments schema
     (``examples.payments.migrate``), which needs a role that may create them. With ``migrate=False`` the app runs
@@ -980,6 +983,7 @@ def create_app(
     app.include_router(router)
     if provider_url is not None:
         app.include_router(_payouts_router())
+        app.state.pause_between_steps = pause_between_steps
     app.add_api_route("/healthz", _health, methods=["GET"], include_in_schema=False)
     # The last added is the outermost: StampHeaders inside the middleware (what it adds is recorded and replayed),
     # StripeEdge outside (it sees, and speaks Stripe for, the middleware's own answers).
@@ -1036,7 +1040,8 @@ def __getattr__(name: str) -> FastAPI:
     ``PAYMENTS_POOL_SIZE`` (20) is the store's ``max_size``; ``PAYMENTS_MIGRATE=0`` keeps DDL out of the startup;
     ``PAYMENTS_PREPARED_STATEMENTS=0`` is for a transaction-pooling PgBouncer at ``$DATABASE_URL``;
     ``PAYMENTS_ON_CONFLICT=wait`` makes a duplicate wait for its original instead of answering 409;
-    ``PAYMENTS_PROVIDER_URL`` (a payout provider, ``examples/payments/provider.py``) adds ``POST /v1/payouts``.
+    ``PAYMENTS_PROVIDER_URL`` (a payout provider, ``examples/payments/provider.py``) adds ``POST /v1/payouts``, and
+    ``PAYMENTS_PAUSE_BETWEEN_STEPS`` (seconds, for the fault harness) makes it wait after each of its steps.
     """
     global _default_app
     if name != "app":
@@ -1052,5 +1057,6 @@ def __getattr__(name: str) -> FastAPI:
             prepared_statements=_flag("PAYMENTS_PREPARED_STATEMENTS", True),
             on_conflict=os.environ.get("PAYMENTS_ON_CONFLICT", "").strip() or "reject",
             provider_url=os.environ.get("PAYMENTS_PROVIDER_URL", "").strip() or None,
+            pause_between_steps=float(os.environ.get("PAYMENTS_PAUSE_BETWEEN_STEPS", "").strip() or "0"),
         )
     return _default_app

@@ -13,6 +13,7 @@ with the same key (and gets the same transfer back), and answers as a first run 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Literal
 
@@ -48,8 +49,10 @@ async def pay_out(
     amount: int,
     currency: str,
     metadata: dict[str, str],
+    pause: float = 0.0,
 ) -> dict[str, Any]:
-    """The payout, in its three steps; the answer is built from their results (a resumed run answers the same)."""
+    """The payout, in its three steps; the answer is built from their results (a resumed run answers the same).
+    ``pause``: seconds to wait after each step, for the fault harness to crash the app between them."""
     steps, db = context.steps, context.connection
     assert db is not None  # the payouts route is transactional on a PostgresStore
 
@@ -70,6 +73,7 @@ async def pay_out(
         return {"id": row["id"], "created": row["created"]}
 
     created = await steps.local("create_payout", create_payout)
+    await asyncio.sleep(pause)
 
     async def provider_transfer(downstream_key: str) -> dict[str, str]:
         body = {"amount": amount, "currency": currency, "reference": created["id"]}
@@ -83,6 +87,7 @@ async def pay_out(
         return {"transfer": answer.json()["id"]}
 
     paid = await steps.outside("provider_transfer", provider_transfer)
+    await asyncio.sleep(pause)
 
     async def record_payout() -> Literal["paid"]:
         sql = "UPDATE payments.payouts SET status = 'paid', transfer = $2 WHERE id = $1 AND status = 'pending'"
@@ -91,6 +96,7 @@ async def pay_out(
         return "paid"
 
     status: Literal["paid"] = await steps.local("record_payout", record_payout)
+    await asyncio.sleep(pause)
     return Payout(
         id=created["id"],
         amount=amount,
