@@ -19,6 +19,7 @@ import asyncpg
 import httpx
 import orjson
 import pytest
+from fastapi import Depends, FastAPI, Header
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -29,6 +30,7 @@ from idempotency_mw import Event, IdempotencyContext, IdempotencyMiddleware, Out
 from idempotency_mw._steps import MAX_RESULT_BYTES
 from idempotency_mw.cli import main
 from idempotency_mw.encryption import ResponseCipher
+from idempotency_mw.fastapi import Idempotency, TenantDependency
 from idempotency_mw.metrics import PrometheusMetrics
 from idempotency_mw.postgres import PostgresStore
 from idempotency_mw.postgres._recovery import stalled_requests
@@ -470,6 +472,52 @@ async def test_switched_off_or_observing_every_step_runs_and_none_is_recorded(fl
     else:  # observing records a fresh claim's answer, so that enforcing replays it; no step of it
         assert info is not None
         assert (info.state, info.last_step) == ("completed", None)
+
+
+@pytest.mark.parametrize("switch", ["enabled=False", "observe=True"])
+async def test_not_enforcing_steps_run_when_the_app_tells_its_tenant(
+    idempotency_database_url: str, switch: str
+) -> None:
+    """A tenant the app tells from inside (``TenantDependency``): the handler's transaction and its steps come with
+    the claim the dependency makes; not enforcing, every step runs and none is recorded, with the downstream key
+    enforcing would send."""
+    calls: list[str] = []
+
+    async def account(authorization: str = Header()) -> str:
+        return authorization.removeprefix("Bearer ")
+
+    tenant = TenantDependency(account)
+    api = FastAPI(dependencies=[Depends(tenant)])
+
+    @api.post("/pay")
+    async def pay_in_steps(info: Idempotency) -> dict[str, Any]:
+        async def local() -> int:
+            assert info.connection is not None
+            return int(await info.connection.fetchval("SELECT 41 + 1"))
+
+        async def outside(downstream_key: str) -> str:
+            calls.append(downstream_key)
+            return downstream_key
+
+        steps = info.steps
+        return {"first": await steps.local("first", local), "key": await steps.outside("call", outside)}
+
+    options: dict[str, Any] = {"enabled": False} if switch == "enabled=False" else {"observe": True}
+    key = str(uuid.uuid4())
+    async with opened(PostgresStore(idempotency_database_url)) as store:
+        api.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=tenant, **options)
+        async with client_for(api) as client:
+            answers = [
+                await client.post("/pay", headers={"Idempotency-Key": key, "Authorization": "Bearer acct_1"})
+                for _ in range(2)
+            ]
+        points = "SELECT count(*) FROM idempotency_recovery_points WHERE key = $1"
+        async with store.connection() as db:
+            recorded = await db.fetchval(points, key)
+    downstream = IdempotencyContext("acct_1", key).downstream_key("call")
+    assert [answer.json() for answer in answers] == [{"first": 42, "key": downstream}] * 2
+    assert calls == [downstream, downstream]  # every step runs on every request, none is skipped
+    assert recorded == 0
 
 
 async def test_the_guides_steps_recipe(
