@@ -11,7 +11,6 @@ route that only observes has a module of its own (``_observing.py``).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import enum
 import time
 from collections.abc import Callable
@@ -422,7 +421,7 @@ class IdempotentRequest:
             elif self.owned is not None:
                 self._decide(Outcome.STORE_ERROR, status)
         self.ran = None
-        _finished(self.scope.get("state", {}))
+        self.scope.get("state", {}).pop(PENDING_KEY, None)
 
     def _decide_after(self, settled: asyncio.Future[Outcome], status: int | None) -> None:
         if not settled.cancelled() and settled.exception() is None:
@@ -568,13 +567,3 @@ def wait_for_the_app(request: IdempotentRequest) -> None:
     """The app tells the request's tenant from inside (``claim_for``); then the handler runs."""
     request.step = Step.WAITING  # from STARTED: nothing was asked of the store yet
     request.scope.setdefault("state", {})[PENDING_KEY] = request
-
-
-def _finished(state: dict[str, Any]) -> None:
-    """The request has ended (its ``scope["state"]``): its pending claim goes, and its run goes from its context (its
-    steps end with it), so that nothing the app keeps of ``request.state`` refers back to the request, which is then
-    freed as it ends rather than by the cycle collector (tests/test_cycles.py)."""
-    state.pop(PENDING_KEY, None)
-    context = state.get(STATE_KEY)
-    if isinstance(context, IdempotencyContext) and context.recovery is not None:
-        state[STATE_KEY] = dataclasses.replace(context, recovery=None)

@@ -477,9 +477,7 @@ async def cmd_stats(store: PostgresStore, args: argparse.Namespace) -> int:
 
 
 async def cmd_stalled(store: PostgresStore, args: argparse.Namespace) -> int:
-    found = await stalled_requests(
-        store.connector, store.schema, store.timeout, lapsed_for=args.lapsed_for, limit=args.limit
-    )
+    found = await stalled_requests(store, lapsed_for=args.lapsed_for, limit=args.limit)
     shown = stalled_to_dict(found, now=time.time())
     say(json.dumps(shown, indent=2) if args.json else format_stalled(shown))
     return EXIT_OK if found else EXIT_NOT_FOUND

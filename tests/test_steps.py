@@ -282,8 +282,7 @@ async def test_an_unrepeatable_step_without_an_outcome_is_not_resumed(flavour: F
     assert info is not None
     assert (info.state, info.last_step) == ("in_progress", "provider_charge (began, outcome unknown)")
     assert isinstance(flavour.store, PostgresStore)
-    store = flavour.store
-    stalled = [each for each in await stalled_requests(store.connector, store.schema, store.timeout) if each.key == key]
+    stalled = [each for each in await stalled_requests(flavour.store) if each.key == key]
     assert [(each.last_step, each.last_step_done) for each in stalled] == [("provider_charge", False)]
 
 

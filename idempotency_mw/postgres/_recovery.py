@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from idempotency_mw.postgres._connector import Connector
 from idempotency_mw.postgres._records import reachable
@@ -71,16 +71,31 @@ def points_from_rows(rows: Iterable[Any], tenant: str, key: str, cipher: Respons
     return points
 
 
-async def stalled_requests(
-    connector: Connector, schema: str, seconds: float, *, lapsed_for: float = 0.0, limit: int = 100
-) -> list[StalledRequest]:
+class Tables(Protocol):
+    """What the operator's commands here read of a store (``PostgresStore``, whose package imports this module): its
+    connections, schema, statement timeout and cipher."""
+
+    @property
+    def connector(self) -> Connector: ...
+
+    @property
+    def schema(self) -> str: ...
+
+    @property
+    def timeout(self) -> float: ...
+
+    @property
+    def cipher(self) -> ResponseCipher | None: ...
+
+
+async def stalled_requests(store: Tables, *, lapsed_for: float = 0.0, limit: int = 100) -> list[StalledRequest]:
     """Requests stopped at a recovery point whose lease lapsed at least ``lapsed_for`` seconds ago and that nobody
-    has resumed, oldest lapse first, at most ``limit`` (``idempotency-mw stalled``; a store's ``connector``,
-    ``schema`` and ``seconds``, its timeout). It reads every recovery point: an operator's command, not a request's."""
-    sql = queries(schema)["stalled"]
-    async with connector.session() as connection:
-        with reachable(schema):
-            rows = await connection.fetch(sql, float(lapsed_for), limit, timeout=seconds)
+    has resumed, oldest lapse first, at most ``limit`` (``idempotency-mw stalled``). It reads every recovery point:
+    an operator's command, not a request's."""
+    sql = queries(store.schema)["stalled"]
+    async with store.connector.session() as connection:
+        with reachable(store.schema):
+            rows = await connection.fetch(sql, float(lapsed_for), limit, timeout=store.timeout)
     return [StalledRequest(**dict(row)) for row in rows]
 
 
@@ -100,7 +115,7 @@ class ResealedResults:
 
 
 async def reseal_step_results(
-    store: PostgresStore, *, batch_size: int, seal_plain: bool, after: PointCursor | None
+    store: Tables, *, batch_size: int, seal_plain: bool, after: PointCursor | None
 ) -> ResealedResults:
     """Re-seal up to ``batch_size`` step results under the cipher's current key, as ``PostgresStore.reencrypt`` does
     responses: one transaction that locks them (``reseal_points_batch``), opens and seals them here, and writes them
@@ -137,7 +152,7 @@ async def reseal_step_results(
     return ResealedResults(len(resealed), unreadable, cursor)
 
 
-async def step_results_by_key(store: PostgresStore) -> dict[str | None, int]:
+async def step_results_by_key(store: Tables) -> dict[str | None, int]:
     """How many step results are sealed under each key id (None: stored plain); one scan of the table."""
     async with store.connector.session() as connection:
         with reachable(store.schema):
