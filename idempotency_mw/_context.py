@@ -37,7 +37,9 @@ class IdempotencyContext:
     tenant: str
     key: str | None  # None on a transactional route called without a key
     transaction: Transaction | None = None
-    recovery: StepsSource | None = None  # a transactional route's run, which makes its steps
+    # A transactional route's run, which makes its steps: a weak reference, since the context stays in the request's
+    # scope and the run refers back to the request (held strongly, the request would wait for the cycle collector).
+    recovery: Callable[[], StepsSource | None] | None = None
 
     @property
     def steps(self) -> Steps:
@@ -50,7 +52,10 @@ class IdempotencyContext:
                 "steps are for transactional routes: use @idempotent(transactional=True) or "
                 "IdempotencyMiddleware(transactional=True), with a PostgresStore or SQLAlchemyStore"
             )
-        return self.recovery.steps(None if self.key is None else self.downstream_key)
+        run = self.recovery()
+        if run is None:
+            raise LookupError("the request has ended: its steps ran while it did")
+        return run.steps(None if self.key is None else self.downstream_key)
 
     @property
     def connection(self) -> asyncpg.Connection | None:
@@ -94,7 +99,8 @@ def resumed_from(scope: MutableMapping[str, Any]) -> str | None:
     """The step a request resumed after (for its event), if its handler ran in steps."""
     context = scope.get("state", {}).get(STATE_KEY)
     recovery = context.recovery if isinstance(context, IdempotencyContext) else None
-    return None if recovery is None else recovery.resumed_from
+    run = None if recovery is None else recovery()
+    return None if run is None else run.resumed_from
 
 
 class ClaimAnswered(Exception):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from functools import partial
 
 from starlette.types import Message, Receive, Scope, Send
@@ -57,7 +58,7 @@ from idempotency_mw._request import (
     take_pending,
     wait_for_the_app,
 )
-from idempotency_mw._stepped import RunSteps, SteppedRun, UnrecordedRun
+from idempotency_mw._stepped import SteppedRun, UnrecordedRun
 from idempotency_mw._transactional import DID_NOT_COMMIT
 from idempotency_mw.store import ClaimOutcome, Transaction, TransactionalStore
 
@@ -298,7 +299,7 @@ class ObservingRequest(IdempotentRequest):
         """The handler's context, as when switched off: a key without a tenant scopes nothing, and a transactional
         route's steps all run, none recorded (``UnrecordedRun``)."""
         key = self.ask.key if self.scoped else None
-        steps = None if ran is None else RunSteps(ran)
+        steps = None if ran is None else weakref.ref(ran)
         self.scope.setdefault("state", {})[STATE_KEY] = IdempotencyContext(self.ask.owner, key, transaction, steps)
         return True
 

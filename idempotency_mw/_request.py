@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
@@ -60,7 +61,7 @@ from idempotency_mw._keys import (
 )
 from idempotency_mw._plain import PlainRun, Unprotected
 from idempotency_mw._policy import RouteMatch
-from idempotency_mw._stepped import RunSteps, SteppedRun, UnrecordedRun
+from idempotency_mw._stepped import SteppedRun, UnrecordedRun
 from idempotency_mw._transactional import DID_NOT_COMMIT, State, TransactionalRun, refusal
 from idempotency_mw.cutover import EarlierLookup
 from idempotency_mw.store import Claim, ClaimOutcome, Store, StoreUnavailable, Transaction, TransactionalStore
@@ -441,7 +442,9 @@ class IdempotentRequest:
         return self.ran
 
     def _set_context(self, transaction: Transaction | None = None, ran: SteppedRun | None = None) -> bool:
-        context = IdempotencyContext(self.ask.owner, self.ask.key, transaction, None if ran is None else RunSteps(ran))
+        context = IdempotencyContext(
+            self.ask.owner, self.ask.key, transaction, None if ran is None else weakref.ref(ran)
+        )
         self.scope.setdefault("state", {})[STATE_KEY] = context
         return True
 

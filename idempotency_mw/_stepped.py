@@ -8,7 +8,7 @@ that ends without its final answer leaves it there, its lease lapsed, so that th
 resumes (:class:`Points`). The run's state says how it ended, as for any transactional run.
 
 A request the middleware does not enforce (switched off, observing) has an :class:`UnrecordedRun`: its steps all run,
-none recorded. The handler's context holds its run weakly (:class:`RunSteps`).
+none recorded. The handler's context holds its run weakly (``IdempotencyContext.recovery``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import secrets
-import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -185,29 +184,6 @@ class SteppedRun(TransactionalRun):
         if self._steps is not None and self._steps.phase is Phase.NOT_RESUMABLE:
             return State.NOT_RESUMABLE
         return State.ROLLED_BACK
-
-
-class RunSteps:
-    """What a handler's context (``IdempotencyContext.recovery``) holds of its transactional run: a weak reference.
-    The context stays in the request's scope, and the run refers back to the request (its ``send``): held strongly,
-    a request's objects would wait for the cycle collector instead of going as it ends (tests/test_cycles.py). The
-    request holds its run while the handler runs."""
-
-    __slots__ = ("_run",)
-
-    def __init__(self, run: SteppedRun) -> None:
-        self._run = weakref.ref(run)
-
-    @property
-    def resumed_from(self) -> str | None:
-        run = self._run()
-        return None if run is None else run.resumed_from
-
-    def steps(self, downstream_key: Callable[[str], str] | None) -> Steps:
-        run = self._run()
-        if run is None:
-            raise LookupError("the request has ended: its steps ran while it did")
-        return run.steps(downstream_key)
 
 
 class UnrecordedRun(SteppedRun):
