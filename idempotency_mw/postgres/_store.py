@@ -304,12 +304,11 @@ class PostgresStore:
     async def reencrypt(
         self, *, batch_size: int = 1000, seal_plain: bool = False, after: tuple[str, str] | None = None
     ) -> ResealedBatch:
-        """Re-seal under the cipher's current key up to ``batch_size`` responses sealed under its other keys (and
-        with ``seal_plain`` those stored plain), starting after ``after`` (the ``after`` of the previous batch; None
-        for the first). One transaction: the rows are locked (``FOR UPDATE SKIP LOCKED``, ``sql/queries.sql``,
-        reseal_batch), opened and sealed here, and written back before the locks go; so it is safe beside live
-        traffic and other runs, and a batch that fails leaves every response as it was. A response that does not
-        open is left as it is and reported."""
+        """Re-seal under the cipher's current key up to ``batch_size`` responses sealed under its other keys (with
+        ``seal_plain``, those stored plain too), after ``after`` (the previous batch's; None for the first). One
+        transaction locks the rows (``FOR UPDATE SKIP LOCKED``: reseal_batch), seals them here and writes them back
+        before the locks go: safe beside live traffic and other runs; a batch that fails leaves every response as it
+        was, and a response that does not open is left as it is and reported."""
         if self.cipher is None:
             raise ValueError("reencrypt needs a PostgresStore with a cipher: PostgresStore(..., cipher=...)")
         async with self._connector.session() as connection:
