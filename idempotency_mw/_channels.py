@@ -51,20 +51,15 @@ def http_date(epoch: float) -> bytes:
 
 
 Added = tuple[tuple[bytes, bytes], ...]  # headers a response gains on its way out, never recorded
-_last_expiry: tuple[int, Added] = (-1, ())  # the second last asked for, and its header
 
 
 def expiry(expires_at: float | None) -> Added:
     """The ``Idempotency-Expires`` header of a record that expires at ``expires_at`` (none when the store does not
-    say). The last one is kept: fresh requests of one second (their claim's time plus the ttl) share it."""
-    global _last_expiry
+    say). Formatted each time: a cache of the last second would make a request's Python work depend on the clock,
+    and the counts that steer this library must not move between runs (about 30 opcodes)."""
     if expires_at is None:
         return ()
-    second = math.floor(expires_at)
-    last = _last_expiry
-    if last[0] != second:
-        last = _last_expiry = (second, ((EXPIRES, http_date(second)),))
-    return last[1]
+    return ((EXPIRES, http_date(expires_at)),)
 
 
 # ASGI extensions that send a response's body around ``send`` (a file by its path), where it could not be recorded:
