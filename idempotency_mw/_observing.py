@@ -36,7 +36,7 @@ from idempotency_mw import _problems as problems
 from idempotency_mw._channels import Read, handler_scope
 from idempotency_mw._claim import outlasting, start_eagerly, store_failure
 from idempotency_mw._context import PENDING_KEY, STATE_KEY, ClaimAnswered, IdempotencyContext
-from idempotency_mw._events import OBSERVED_LOG_LEVELS, Event, Outcome, hash_key, log_event, logger
+from idempotency_mw._events import OBSERVED_LOG_LEVELS, Outcome
 from idempotency_mw._keys import (
     AuthorizationTenant,
     InvalidKey,
@@ -65,28 +65,11 @@ from idempotency_mw.store import ClaimOutcome, Transaction, TransactionalStore
 
 class ObservedReport(Report):
     """The event of an observed request: ``observed``, its outcome what enforcing would have done; logged at INFO
-    where that is not what the app did. A ``decide`` of its own, so that enforcing pays nothing for observing."""
+    where that is not what the app did."""
 
     __slots__ = ()
-
-    def decide(self, outcome: Outcome, status: int | None, tenant: str, key: str | None, settling: float) -> bool:
-        if self.outcome is not None:
-            return False
-        self.outcome, self.status = outcome, status
-        hook = self.hook
-        if hook is None or (hook is log_event and not logger.isEnabledFor(OBSERVED_LOG_LEVELS[outcome])):
-            return True
-        scope = self.scope
-        event = Event(
-            outcome, scope["method"], scope["path"], self.route, tenant, hash_key(key), status,
-            time.perf_counter() - self.started, self.store_seconds + settling, self.attempts, self.reached_store,
-            observed=True,
-        )  # fmt: skip
-        try:
-            hook(event)
-        except Exception:
-            logger.exception("idempotency on_event hook failed")
-        return True
+    observed = True
+    levels = OBSERVED_LOG_LEVELS
 
 
 class ObservingRequest(IdempotentRequest):

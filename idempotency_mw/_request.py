@@ -105,6 +105,8 @@ class Report:
     when the answer is decided: before it goes out, while a server span still records it."""
 
     __slots__ = ("attempts", "hook", "outcome", "reached_store", "route", "scope", "started", "status", "store_seconds")
+    observed = False  # an observing route's report (``_observing.py``): the outcome is what enforcing would have done
+    levels = LOG_LEVELS  # the default hook's level for each outcome
 
     def __init__(self, hook: EventHook | None, scope: Scope, route: str) -> None:
         self.hook, self.scope, self.route = hook, scope, route
@@ -132,13 +134,13 @@ class Report:
             return False
         self.outcome, self.status = outcome, status
         hook = self.hook
-        if hook is None or (hook is log_event and not logger.isEnabledFor(LOG_LEVELS[outcome])):
+        if hook is None or (hook is log_event and not logger.isEnabledFor(self.levels[outcome])):
             return True  # nobody listens, or the default hook would drop this event: do not build it
         scope = self.scope
         event = Event(
             outcome, scope["method"], scope["path"], self.route, tenant, hash_key(key), status,
             time.perf_counter() - self.started, self.store_seconds + settling, self.attempts, self.reached_store,
-            resumed_from(scope),
+            resumed_from(scope), self.observed,
         )  # fmt: skip
         try:
             hook(event)
@@ -149,6 +151,8 @@ class Report:
 
 class IdempotentRequest:
     """One covered request, from its key to its recorded (or released) response."""
+
+    run_type: type[SteppedRun] = SteppedRun  # a transactional route's run (switched off: one that records nothing)
 
     def __init__(self, middleware: Middleware, route: RouteMatch, scope: Scope, receive: Receive, send: Send) -> None:
         self.middleware = middleware
@@ -316,9 +320,7 @@ class IdempotentRequest:
         the key is not left to its lease), and the connection a transactional claim ran on given back then."""
         try:
             claim = await claiming
-            if claim.outcome is not ClaimOutcome.OWNED:
-                return Outcome.CANCELLED
-            return await self._own(claim).release()
+            return await self._own(claim).release() if claim.outcome is ClaimOutcome.OWNED else Outcome.CANCELLED
         except Exception:
             return Outcome.STORE_ERROR  # the claim failed: nothing of it is left
         finally:
@@ -434,17 +436,16 @@ class IdempotentRequest:
         self.step = step
 
     def _transaction(self) -> SteppedRun:
-        """The request's transactional run: the one there is, or a new one."""
-        if not isinstance(self.ran, SteppedRun):
+        """The request's transactional run (a ``run_type``): the one there is, or a new one."""
+        if not isinstance(self.ran, self.run_type):
             store = self.middleware.store
             assert isinstance(store, TransactionalStore)  # checked when the middleware was built
-            self.ran = SteppedRun(store, self.policy, self._send_out)
+            self.ran = self.run_type(store, self.policy, self._send_out)
         return self.ran
 
     def _set_context(self, transaction: Transaction | None = None, ran: SteppedRun | None = None) -> bool:
-        context = IdempotencyContext(
-            self.ask.owner, self.ask.key, transaction, None if ran is None else weakref.ref(ran)
-        )
+        recovery = None if ran is None else weakref.ref(ran)  # weakly: the run refers back to this request
+        context = IdempotencyContext(self.ask.owner, self.ask.key, transaction, recovery)
         self.scope.setdefault("state", {})[STATE_KEY] = context
         return True
 
@@ -490,6 +491,8 @@ class SwitchedOffRequest(IdempotentRequest):
     switched on), and a transactional route still gets its transaction, committed when its answer is final, and its
     steps, which all run and are never recorded."""
 
+    run_type = UnrecordedRun
+
     async def run(self) -> None:
         try:
             if callable(self.policy.key_from):  # over the cap, or cut short: no key; the handler gets it as sent
@@ -521,14 +524,6 @@ class SwitchedOffRequest(IdempotentRequest):
         context = state.get(STATE_KEY)
         assert isinstance(context, IdempotencyContext)
         return context
-
-    def _transaction(self) -> SteppedRun:
-        """A transactional route's run, which records nothing: its steps all run, none recorded."""
-        if not isinstance(self.ran, UnrecordedRun):
-            store = self.middleware.store
-            assert isinstance(store, TransactionalStore)  # checked when the middleware was built
-            self.ran = UnrecordedRun(store, self.policy, self._send_out)
-        return self.ran
 
     def _scope_to(self, tenant: str | None) -> None:
         """The tenant the context carries; without one the key scopes nothing."""

@@ -113,16 +113,20 @@ class Steps:
             return found[0]  # type: ignore[no-any-return]
         try:
             result, text = _as_json(name, await run())
-            point = RecoveryPoint(name, self._position(), text)
-            await self._commit().commit_step([*self._pending, point])
-            for each in (*self._pending, point):
-                self._recorded[each.step] = each
-            self._pending.clear()
-            if self.phase is not Phase.AT_POINT:
-                self._to(Phase.AT_POINT)
+            await self._commit_with(RecoveryPoint(name, self._position(), text))
             return result  # type: ignore[no-any-return]
         finally:
             self._busy = False
+
+    async def _commit_with(self, point: RecoveryPoint) -> None:
+        """Commit ``point`` with the points that waited for a commit (outside steps' results): the request is at a
+        recovery point from here."""
+        await self._commit().commit_step([*self._pending, point])
+        for each in (*self._pending, point):
+            self._recorded[each.step] = each
+        self._pending.clear()
+        if self.phase is not Phase.AT_POINT:
+            self._to(Phase.AT_POINT)
 
     async def outside(self, name: str, call: Callable[[str], Awaitable[T]], *, repeatable: bool = True) -> T:
         """Call ``call(downstream_key)``, with a key for this step that every attempt of the request derives alike
@@ -139,12 +143,7 @@ class Steps:
         try:
             if not repeatable:  # its start is committed before the call, with whatever waits for a commit
                 began = RecoveryPoint(name, self._position(), None)
-                await self._commit().commit_step([*self._pending, began])
-                for each in (*self._pending, began):
-                    self._recorded[each.step] = each
-                self._pending.clear()
-                if self.phase is not Phase.AT_POINT:
-                    self._to(Phase.AT_POINT)
+                await self._commit_with(began)
                 position = began.position
             else:
                 position = self._position()
