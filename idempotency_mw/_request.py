@@ -265,8 +265,8 @@ class IdempotentRequest:
         earlier = middleware.earlier and partial(middleware.earlier, self.scope, self.body.body)  # a cutover
         asking = partial(ask.claim, claimer, store, lease=policy.lease, ttl=policy.ttl, earlier=earlier)
         claiming = claim_or_wait(asking, store.watch, policy.wait) if policy.on_conflict == "wait" else asking()
-        task = start_eagerly(claiming, "idempotency claim")  # a cancellation must not lose a claim that landed
         started = time.perf_counter()
+        task = start_eagerly(claiming, "idempotency claim")  # a cancellation must not lose a claim that landed
         try:
             claim = await outlasting(task)
         except asyncio.CancelledError:

@@ -45,7 +45,7 @@ class SteppedRun(TransactionalRun):
     set up: a request that never does costs what any transactional request costs."""
 
     _steps: Steps | None = None  # the handler's steps, once it asks for them
-    _stepping: asyncio.Task[Any] | None = None  # a step's commit (or read), which outlasts a cancellation
+    _stepping: asyncio.Future[Any] | None = None  # a step's commit (or read), which outlasts a cancellation
     _points: Points | None = None  # once known beyond what the claim tells
 
     @property

@@ -33,7 +33,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idempotency_mw._channels import ResponseRecorder, expiry
-from idempotency_mw._claim import OwnedClaim, outlasting
+from idempotency_mw._claim import OwnedClaim, outlasting, start_eagerly
 from idempotency_mw._context import NOT_EXECUTED_KEY
 from idempotency_mw._events import Outcome
 from idempotency_mw._policy import Policy
@@ -101,7 +101,7 @@ class TransactionalRun:
         self._owned: OwnedClaim | None = None
         self._claim: Claim | None = None
         self._loan = contextlib.AsyncExitStack()  # gives the connection back when the run ends
-        self._settling: asyncio.Task[None] | None = None
+        self._settling: asyncio.Future[None] | None = None
         self.attempts = 0  # earlier claims of the key: one that took it over may be at a recovery point
         self.stepped = False  # the handler asked for its steps (_stepped.py)
         self.owner = ""  # the tenant as resolved (the record's may be a route's namespace of it)
@@ -268,7 +268,7 @@ class TransactionalRun:
         """
         if self._settling is None:
             self._to(State.SETTLING)
-            self._settling = asyncio.ensure_future(self._commit_or_roll_back())
+            self._settling = start_eagerly(self._commit_or_roll_back(), "idempotency settlement")
         await outlasting(self._settling)
         if self.state in DID_NOT_COMMIT:
             raise NotCommitted(f"the handler's transaction did not commit ({self.state.value})")
@@ -368,7 +368,7 @@ def _sqlstate(error: BaseException | None) -> str | None:
     return None
 
 
-async def wait_through_cancellation(task: asyncio.Task[Any]) -> None:
+async def wait_through_cancellation(task: asyncio.Future[Any]) -> None:
     """Wait for ``task`` to finish even if this task is cancelled meanwhile (what it raised is its owner's to read);
     then re-raise the cancellation."""
     cancelled = False
