@@ -404,7 +404,9 @@ class SQLAlchemyTransaction:
                 raw = await self.connection.get_raw_connection()
                 driver: Any = raw.driver_connection  # asyncpg's Connection
                 # The reset, then the waiters of a committed completion told (``notify_waiters``): one round trip.
-                await driver.execute(reset_sql(driver) + "\n" + self.settlement.notice, timeout=self._timeout)
+                await driver.execute(
+                    reset_sql(driver, watched=False) + "\n" + self.settlement.notice, timeout=self._timeout
+                )
         except Exception:  # lost, broken or busy: a fresh connection is cheaper than a doubtful one
             return False
         return usable

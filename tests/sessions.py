@@ -12,6 +12,7 @@ SESSION_LEAKS = {
     "setting": "SET statement_timeout = 12345",
     "temp_table": "CREATE TEMP TABLE imw_leak_temp (x int)",
     "prepared_statement": "PREPARE imw_leak_statement AS SELECT 1",
+    "prepared_in_a_block": "DO $$ BEGIN EXECUTE 'PREPARE imw_leak_in_block AS SELECT 1'; END $$",
     "advisory_lock": "SELECT pg_advisory_lock(424242)",
     "listen": "LISTEN imw_leak_channel",
 }

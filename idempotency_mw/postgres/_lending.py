@@ -8,10 +8,11 @@ things keep one request's use of it from reaching the next user of the connectio
   has ended, as asyncpg's own pool refuses a connection used after its release. A task that outlived its request
   could otherwise read another tenant's uncommitted writes, or write into its transaction.
 - :func:`reset_sql` is what the connection runs when it comes back, in one round trip: ``sql/reset_session.sql``
-  clears whatever the handler did to the session (role, settings, temp tables, prepared statements, advisory
-  locks, LISTEN), then the SQL that restores what the pool established when it opened the connection (an asyncpg
-  pool's ``init``, a SQLAlchemy ``connect`` event, the store's own settings). That state is read once per
-  connection, the first time it is lent (:func:`remember`), and kept with the connection.
+  clears whatever the handler did to the session (role, settings, temp tables, advisory locks, LISTEN; SQL-level
+  prepared statements after a loan whose SQL said PREPARE), then the SQL that restores what the pool established
+  when it opened the connection (an asyncpg pool's ``init``, a SQLAlchemy ``connect`` event, the store's own
+  settings). That state is read once per connection, the first time it is lent (:func:`remember`), and kept with
+  the connection.
 
 :class:`PostgresTransaction` is the lent connection of one transactional request: the key is claimed on it (committed
 at once), then the handler's transaction begins on it, and the record completes in it.
@@ -23,6 +24,7 @@ import abc
 import contextlib
 import functools
 import inspect
+import re
 import weakref
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -54,6 +56,10 @@ FENCED_OUT = (
 
 # The SQL that restores each connection's state as its pool made it, by the driver connection it belongs to.
 _restores: weakref.WeakKeyDictionary[asyncpg.Connection, str] = weakref.WeakKeyDictionary()
+# The driver connections whose loan sent SQL that may have made a prepared statement (LentConnection), deallocated
+# by their next reset.
+_preparing: weakref.WeakSet[asyncpg.Connection] = weakref.WeakSet()
+_PREPARE = re.compile("prepare", re.IGNORECASE).search
 
 
 def driver_connection(connection: Any) -> asyncpg.Connection:
@@ -75,9 +81,17 @@ async def remember(connection: Any, *, time_limit: float) -> None:
         _restores[driver] = await connection.fetchval(session()["capture"], timeout=time_limit) or ""
 
 
-def reset_sql(connection: Any) -> str:
-    """What a lent connection runs when it comes back: the full reset, then its pool's state again."""
-    return reset_session() + "\n" + _restores.get(driver_connection(connection), "")
+def reset_sql(connection: Any, *, watched: bool = True) -> str:
+    """What a lent connection runs when it comes back: the reset, then its pool's state again. Its SQL-level
+    prepared statements are deallocated too where the loan's SQL said PREPARE, or where it was not ``watched``
+    (lent other than as a :class:`LentConnection`, whose SQL the store does not see)."""
+    driver = driver_connection(connection)
+    reset = reset_session()
+    deallocate = driver in _preparing or not watched
+    if deallocate:
+        _preparing.discard(driver)
+        return reset["reset"] + "\n" + reset["deallocate"] + "\n" + _restores.get(driver, "")
+    return reset["reset"] + "\n" + _restores.get(driver, "")
 
 
 class LentConnection:
@@ -87,7 +101,11 @@ class LentConnection:
     returned during the loan (a prepared statement, a cursor).
 
     ``client_state`` says the handler added listeners the driver keeps on its side (``add_listener``,
-    ``add_log_listener``): only asyncpg's own ``reset()`` forgets those, so the connection comes back through it."""
+    ``add_log_listener``): only asyncpg's own ``reset()`` forgets those, so the connection comes back through it.
+    SQL that names PREPARE (any case, anywhere in its text: a statement, a function's body, a DO block) marks the
+    connection for the deallocation of SQL-level prepared statements when it comes back (:func:`reset_sql`). A
+    PREPARE run by a function created beforehand is not seen, and its statement stays, as asyncpg's own pool
+    leaves every one: it holds a plan, never rows, and runs with the privileges of whoever executes it."""
 
     __slots__ = ("_connection", "client_state")
 
@@ -122,6 +140,17 @@ def _forwarding(name: str) -> Any:
     return functools.update_wrapper(method, getattr(asyncpg.Connection, name))
 
 
+def _noting_prepare(name: str) -> Any:
+    def method(self: LentConnection, *args: Any, **kwargs: Any) -> Any:
+        connection = self._live(name)
+        sql = args[0] if args else kwargs.get("query", kwargs.get("command"))
+        if isinstance(sql, str) and _PREPARE(sql):
+            _preparing.add(driver_connection(connection))
+        return getattr(connection, name)(*args, **kwargs)
+
+    return functools.update_wrapper(method, getattr(asyncpg.Connection, name))
+
+
 def _noting_client_state(name: str) -> Any:
     def method(self: LentConnection, *args: Any, **kwargs: Any) -> Any:
         found = getattr(self._live(name), name)
@@ -132,10 +161,23 @@ def _noting_client_state(name: str) -> Any:
 
 
 CLIENT_STATE = ("add_listener", "add_log_listener")  # what the driver keeps on its side of a session
+# The methods that send SQL text of the caller's, as their first argument.
+SQL_TEXT = (
+    "copy_from_query",
+    "cursor",
+    "execute",
+    "executemany",
+    "fetch",
+    "fetchmany",
+    "fetchrow",
+    "fetchval",
+    "prepare",
+)
 
 for _name, _member in inspect.getmembers(asyncpg.Connection, inspect.isfunction):
     if not _name.startswith("_"):
-        setattr(LentConnection, _name, (_noting_client_state if _name in CLIENT_STATE else _forwarding)(_name))
+        kind = _noting_client_state if _name in CLIENT_STATE else _noting_prepare if _name in SQL_TEXT else _forwarding
+        setattr(LentConnection, _name, kind(_name))
 
 
 class Lender(abc.ABC):

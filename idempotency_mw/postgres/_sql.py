@@ -78,9 +78,11 @@ def migrations(schema: str) -> list[tuple[int, str, str]]:
 
 
 @cache
-def reset_session() -> str:
-    """``reset_session.sql``: the full reset of a connection lent to a handler (it names no table)."""
-    return _SQL.joinpath("reset_session.sql").read_text()
+@cache
+def reset_session() -> dict[str, str]:
+    """The parts of ``reset_session.sql``: the reset of a connection lent to a handler, and the deallocation of its
+    SQL-level prepared statements (neither names a table)."""
+    return _split(_SQL.joinpath("reset_session.sql").read_text())
 
 
 @cache

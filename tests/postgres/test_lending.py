@@ -228,3 +228,24 @@ async def test_a_listener_the_handler_added_does_not_follow_the_connection(
                     break
                 await connection.execute("SELECT pg_sleep(0.01)")
     assert heard == ["next"]
+
+
+async def test_the_reset_deallocates_prepared_statements_only_after_sql_that_said_prepare(
+    idempotency_database_url: str,
+) -> None:
+    """Deallocating SQL-level prepared statements reads pg_prepared_statements and compiles a DO block: about 90 us
+    of the server's time, four times the rest of the reset. It runs after a loan whose SQL names PREPARE (in any
+    case, in a DO block too), and always for a connection whose SQL the store does not see (SQLAlchemy's)."""
+    async with PostgresStore(idempotency_database_url, min_size=1, max_size=1) as store:  # one connection for all
+        async with store.connection() as lent:
+            driver = _lending.driver_connection(lent._connection)
+            await lent.fetchval("SELECT 1")
+            await lent.execute("SELECT $1::text", "PREPARE as a value is no statement")
+            assert "DEALLOCATE" not in _lending.reset_sql(driver)
+            assert "DEALLOCATE" in _lending.reset_sql(driver, watched=False)
+            await lent.execute("do $$ begin execute 'prepare imw_marked as select 1'; end $$")
+            assert "DEALLOCATE" in _lending.reset_sql(driver)
+            assert "DEALLOCATE" not in _lending.reset_sql(driver)  # once: the reset that runs it clears the mark
+            await lent.execute("prepare imw_marked_again as select 2")
+        async with store.connection() as again:  # the same connection, given back through its reset
+            assert await again.fetchval("SELECT count(*) FROM pg_prepared_statements WHERE from_sql") == 0
