@@ -225,13 +225,28 @@ async def test_the_notice_after_a_commit_finds_its_record_by_the_primary_key(
     up by ``(tenant, key)``, never read the whole table. (Its values are written in as hex; decoded, they carried the
     collation of ``convert_from``'s encoding name, "C", which the primary key's "default" cannot serve: a sequential
     scan per request, 2.5 ms on a table of 17,000 records and growing with it.)"""
-    async with PostgresStore(idempotency_database_url) as store:
-        notice = store._records.notice("tenant-é", key, 12345)  # what a transaction appends to its reset
-        async with store.connection() as connection, connection.transaction():
-            await connection.execute("SET LOCAL enable_seqscan = off")  # what the planner can do, not what it likes
-            plan = "\n".join(row[0] for row in await connection.fetch("EXPLAIN " + notice.rstrip().rstrip(";")))
-    assert "idempotency_records_pkey" in plan
-    assert re.search(r"Index Cond: \(\(tenant = .*\) AND \(key = .*\)\)", plan), plan
+    # Written in (an app's pool, SQLAlchemy's), and as the store's own connections run it: prepared when first lent,
+    # then run by name.
+    store = PostgresStore(idempotency_database_url, min_size=1, max_size=1)
+    async with store, store.connection() as connection, connection.transaction():
+        connector: Any = store._connector  # the store's own pool
+        prepared = connector.notice_statement(lent_driver(connection))
+        assert prepared is not None
+        plans = []
+        for notice in (
+            store._records.notice("tenant-é", key, 12345),
+            store._records.notice("tenant-é", key, 1, prepared),
+        ):
+            await connection.execute("SET LOCAL enable_seqscan = off")  # what the planner can do, not likes
+            plans.append("\n".join(row[0] for row in await connection.fetch("EXPLAIN " + notice.rstrip(";"))))
+    for plan in plans:
+        assert "idempotency_records_pkey" in plan
+        assert re.search(r"Index Cond: \(\(tenant = .*\) AND \(key = .*\)\)", plan), plan
+
+
+def lent_driver(connection: Any) -> Any:
+    """The driver connection behind a connection the store lent."""
+    return connection._connection
 
 
 class SettlesAfterTheFirstClaim(PostgresStore):

@@ -213,6 +213,10 @@ class Lender(abc.ABC):
         to run after the reset, in its round trip (``notify_waiters``, after a transactional request's COMMIT);
         ``clean``: the reset already ran, in the COMMIT's round trip (:meth:`commit`)."""
 
+    def notice_statement(self, connection: asyncpg.Connection) -> str | None:
+        """The name of ``notify_waiters`` as prepared on ``connection``, if it is (the store's own connections)."""
+        return None
+
     async def commit(self, connection: asyncpg.Connection, transaction: Any, then: str) -> bool:
         """COMMIT a lent connection's ``transaction``; True when the connection's reset, then ``then``, ran after it
         in the same round trip (a connection of the store's own pool), False when they are left to :meth:`give_back`
@@ -292,9 +296,10 @@ class Settlement:
             self._records.settled(tenant, key, fence)
         return done
 
-    def notice_sql(self) -> str:
-        """The SQL that tells the waiters of the completed claim, for after the COMMIT; "" if nothing completed."""
-        return "" if self.completion is None else self._records.notice(*self.completion)
+    def notice_sql(self, prepared: str | None = None) -> str:
+        """The SQL that tells the waiters of the completed claim, for after the COMMIT (``prepared``: the name of
+        its statement as prepared on the connection); "" if nothing completed."""
+        return "" if self.completion is None else self._records.notice(*self.completion, prepared)
 
     def committed(self, notice: str | None = None) -> None:
         """The completion committed; ``notice`` is its :meth:`notice_sql` when that was made already."""
@@ -426,7 +431,7 @@ class PostgresTransaction:
             if completion is None:  # nothing to tell a failed reset from a failed COMMIT by: the reset comes later
                 await self._transaction.commit()
             else:
-                notice = self.settlement.notice_sql()
+                notice = self.settlement.notice_sql(self._lender.notice_statement(self.connection))
                 self.clean = await self._lender.commit(self.connection, self._transaction, notice)
         except Exception as error:
             if completion is None or not await self._landed(*completion):

@@ -460,13 +460,30 @@ class OwnPool(Lender):
 
     async def lend(self) -> asyncpg.Connection:
         with reachable():
-            return await self.pool.acquire()
+            connection = await self.pool.acquire()
+        statements = connection.statements  # type: ignore[attr-defined]  # a StoreConnection
+        if self._prepare and "notify_waiters" not in statements:
+            # Once per connection, before any handler had it (its session as the store set it up): run by name
+            # after a transactional request's COMMIT (Records.notice). Not yet where the tables are not: the claim
+            # that follows says so, and a later loan prepares it.
+            try:
+                with reachable(), contextlib.suppress(*NOT_MIGRATED):
+                    sql = self._sql["notify_waiters"]
+                    statements["notify_waiters"] = await connection.prepare(sql, timeout=self.timeout)
+            except BaseException:
+                self._release(connection, broken=True)
+                raise
+        return connection
 
     def begin_isolation(self) -> str | None:
         level = self.database_isolation
         if not self._prepare or level in (None, "read committed"):
             return None  # the session's default is the database's
         return ASYNCPG_ISOLATION[level]
+
+    def notice_statement(self, connection: asyncpg.Connection) -> str | None:
+        prepared = connection.statements.get("notify_waiters")  # type: ignore[attr-defined]  # a StoreConnection
+        return None if prepared is None else str(prepared.get_name())
 
     async def commit(self, connection: asyncpg.Connection, transaction: Any, then: str) -> bool:
         store_connection: StoreConnection = connection  # type: ignore[assignment]  # the pool opens no other kind

@@ -272,15 +272,27 @@ class Records:
         self._unsettled.clear()
         self._all_settled = None
 
-    def notice(self, tenant: str, key: str, fence: int) -> str:
+    def notice(self, tenant: str, key: str, fence: int, prepared: str | None = None) -> str:
         """The SQL that tells the waiters of a record in other processes that its claim under ``fence`` settled, if
-        it had duplicates, with its values written in (``notify_waiters``): for after a COMMIT, in the round trip of
-        the reset of the connection that committed."""
+        it had duplicates (``notify_waiters``): for after a COMMIT, in the round trip of the reset of the connection
+        that committed, so its values are written in. ``prepared`` names the statement as prepared on that
+        connection, which then runs with EXECUTE. The tenant and the key go as hex-encoded UTF-8, the fence as a
+        number: no text of a client's is ever quoted. Decoded, they carry the collation of convert_from's encoding
+        name ("C"), which the primary key cannot serve: COLLATE "default", the columns' own, keeps the statement
+        written in a look-up by the key, not a scan of the table."""
+        values = (
+            f"pg_catalog.convert_from(pg_catalog.decode('{tenant.encode().hex()}', 'hex'), 'UTF8')",
+            f"pg_catalog.convert_from(pg_catalog.decode('{key.encode().hex()}', 'hex'), 'UTF8')",
+            str(int(fence)),
+        )
+        if prepared is not None:
+            return f'EXECUTE "{prepared}"({", ".join(values)});'
+        tenant_value, key_value, fence_value = values
         return (
             self.sql["notify_waiters"]
-            .replace("{tenant_hex}", tenant.encode().hex())
-            .replace("{key_hex}", key.encode().hex())
-            .replace("{fence}", str(int(fence)))
+            .replace("$1", f'{tenant_value} COLLATE "default"')
+            .replace("$2", f'{key_value} COLLATE "default"')
+            .replace("$3", fence_value)
         )
 
 
