@@ -29,6 +29,8 @@ logger = logging.getLogger("idempotency_mw")
 
 
 class Outcome(enum.Enum):
+    __hash__ = object.__hash__  # by identity, in C (Enum's own is Python code): outcomes key the log levels
+
     EXECUTED = "executed"  # the handler ran and its response was recorded
     REPLAYED = "replayed"  # a stored response was sent again
     IN_PROGRESS = "in_progress"  # 409: the original is still running

@@ -29,6 +29,7 @@ import asyncio
 import time
 import weakref
 from functools import partial
+from typing import cast
 
 from starlette.types import Message, Receive, Scope, Send
 
@@ -252,8 +253,7 @@ class ObservingRequest(IdempotentRequest):
         """The handler in its transaction, as when switched off: the ASGI app that the recording run runs. Its writes
         commit when its answer is final; the record is not among them. One that did not commit is answered as when
         switched off (503, or the database's error)."""
-        store = self.middleware.store
-        assert isinstance(store, TransactionalStore)  # checked when the middleware was built
+        store = cast(TransactionalStore, self.middleware.store)  # checked when the middleware was built
         ran = self.transaction = UnrecordedRun(store, self.policy, send)
         if not self.from_app and not await self._begin_observed(ran):
             return

@@ -16,7 +16,7 @@ import time
 import weakref
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -438,8 +438,8 @@ class IdempotentRequest:
     def _transaction(self) -> SteppedRun:
         """The request's transactional run (a ``run_type``): the one there is, or a new one."""
         if not isinstance(self.ran, self.run_type):
-            store = self.middleware.store
-            assert isinstance(store, TransactionalStore)  # checked when the middleware was built
+            # Checked when the middleware was built: an isinstance of a runtime Protocol costs ~20 us a request.
+            store = cast(TransactionalStore, self.middleware.store)
             self.ran = self.run_type(store, self.policy, self._send_out)
         return self.ran
 

@@ -59,6 +59,10 @@ class State(enum.Enum):
     REFUSED = "refused"  # the database refused the commit (a deferred constraint, a transaction left aborted)
     NOT_RESUMABLE = "not resumable"  # an unrepeatable step of an earlier attempt has no outcome: rolled back, 409
 
+    # Hashed by identity, in C: Enum's own __hash__ is Python code, and every transition looks states up (17 calls
+    # of it per transactional request).
+    __hash__ = object.__hash__
+
 
 ENDS = frozenset(
     {State.COMMITTED, State.RECORDED, State.ROLLED_BACK, State.FENCED_OUT, State.UNAVAILABLE, State.REFUSED,
@@ -100,7 +104,7 @@ class TransactionalRun:
         self._send_on = send
         self._owned: OwnedClaim | None = None
         self._claim: Claim | None = None
-        self._loan = contextlib.AsyncExitStack()  # gives the connection back when the run ends
+        self._loan: contextlib.AbstractAsyncContextManager[Transaction] | None = None  # ends: the connection back
         self._settling: asyncio.Future[None] | None = None
         self.attempts = 0  # earlier claims of the key: one that took it over may be at a recovery point
         self.stepped = False  # the handler asked for its steps (_stepped.py)
@@ -164,13 +168,17 @@ class TransactionalRun:
         return True
 
     async def _lend(self) -> Transaction:
-        self.transaction = await self._loan.enter_async_context(self._store.transaction())
+        loan = self._store.transaction()
+        self.transaction = await loan.__aenter__()
+        self._loan = loan
         return self.transaction
 
     async def close(self) -> None:
         """Give the connection back (once settled, or when it was never needed)."""
         self.transaction = None
-        await self._loan.aclose()
+        loan, self._loan = self._loan, None
+        if loan is not None:
+            await loan.__aexit__(None, None, None)
 
     async def _free(self, owned: OwnedClaim) -> Outcome:
         """Free the key of a run that did not complete, so that the retry runs afresh (``_stepped.py``: or resumes)."""
