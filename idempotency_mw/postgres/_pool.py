@@ -465,11 +465,14 @@ class OwnPool(Lender):
         if self._prepare and "notify_waiters" not in statements:
             # Once per connection, before any handler had it (its session as the store set it up): run by name
             # after a transactional request's COMMIT (Records.notice). Not yet where the tables are not: the claim
-            # that follows says so, and a later loan prepares it.
+            # that follows says so, and a later loan prepares it. Run once too, on no record (no fence is 0):
+            # asyncpg's prepare ends in Flush, not Sync, which leaves the server in the implicit transaction that
+            # parsed it, and a BEGIN ISOLATION LEVEL on it would fail; the run's Sync ends it.
             try:
                 with reachable(), contextlib.suppress(*NOT_MIGRATED):
-                    sql = self._sql["notify_waiters"]
-                    statements["notify_waiters"] = await connection.prepare(sql, timeout=self.timeout)
+                    prepared = await connection.prepare(self._sql["notify_waiters"], timeout=self.timeout)
+                    await prepared.fetchrow("", "", 0, timeout=self.timeout)
+                    statements["notify_waiters"] = prepared
             except BaseException:
                 self._release(connection, broken=True)
                 raise
