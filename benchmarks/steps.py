@@ -46,7 +46,7 @@ os.environ.setdefault("IDEMPOTENCY_TENANT_SECRET", "benchmark-tenant-secret-0123
 # round trip of the transaction's COMMIT, in one simple-query message: every statement of it is in that round trip.
 RESET_TAIL = ("SET SESSION AUTHORIZATION DEFAULT", "RESET ALL", "CLOSE ALL", "UNLISTEN *",
               "SELECT pg_advisory_unlock_all()", "DISCARD", "DO $$", "SELECT set_config($1, $2, $3)",
-              "SELECT pg_notify($1, $2)\nFROM")  # fmt: skip
+              "SELECT pg_catalog.pg_notify(", "EXECUTE")  # fmt: skip
 Handler = Callable[[Request], Awaitable[Response]]
 
 
