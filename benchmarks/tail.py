@@ -40,21 +40,38 @@ COPIES, MESSAGES = 50, 10
 TENANT, KEY, FENCE = "tenant-tail", "key-tail", 4242  # no such record: the notice reads the primary key and finds none
 
 
+FLOOR = "SELECT 1 (the floor)"
+BEFORE = "the tail before (reset, deallocation, notice written in)"
+NOW = "the tail now (reset, notice by name)"
+
+
+def parts_names() -> tuple[str, ...]:
+    """The parts :func:`parts` prices, in its order."""
+    return (
+        FLOOR,
+        "the reset, without the deallocation",
+        "the deallocation of SQL-level prepared statements",
+        "the waiters' notice, its values written in",
+        "the waiters' notice, prepared and run by name",
+        BEFORE,
+        NOW,
+    )
+
+
 def parts(records: Records, prepared: str) -> dict[str, str]:
     """Each statement (or group) of the tail, as the COMMIT's message carries it."""
     reset = reset_session()
     written_in, by_name = records.notice(TENANT, KEY, FENCE), records.notice(TENANT, KEY, FENCE, prepared)
-    return {
-        "SELECT 1 (the floor)": "SELECT 1;",
-        "the reset, without the deallocation": reset["reset"],
-        "the deallocation of SQL-level prepared statements": reset["deallocate"],
-        "the waiters' notice, its values written in": written_in,
-        "the waiters' notice, prepared and run by name": by_name,
-        "the tail before (reset, deallocation, notice written in)": "\n".join(
-            (reset["reset"], reset["deallocate"], written_in)
-        ),
-        "the tail now (reset, notice by name)": "\n".join((reset["reset"], by_name)),
-    }
+    sql = (
+        "SELECT 1;",
+        reset["reset"],
+        reset["deallocate"],
+        written_in,
+        by_name,
+        "\n".join((reset["reset"], reset["deallocate"], written_in)),
+        "\n".join((reset["reset"], by_name)),
+    )
+    return dict(zip(parts_names(), sql, strict=True))
 
 
 async def measure(url: str, rounds: int) -> dict[str, Any]:
@@ -87,11 +104,7 @@ async def measure(url: str, rounds: int) -> dict[str, Any]:
 
 def render(result: dict[str, Any]) -> tuple[str, list[Target]]:
     us = result["us"]
-    floor = us["SELECT 1 (the floor)"]
-    before, now = (
-        us["the tail before (reset, deallocation, notice written in)"],
-        us["the tail now (reset, notice by name)"],
-    )
+    floor, before, now = us[FLOOR], us[BEFORE], us[NOW]
     targets = [
         Target(
             "server time of a transactional COMMIT's tail, now / before (reset and waiters' notice)",

@@ -371,3 +371,18 @@ def test_a_result_is_published_with_its_verdicts_and_the_summary_lists_only_kept
     assert "raw/scale.json was written by an older harness: re-run it" in summary
     assert "fixes" not in summary
     assert "compare.md" not in summary  # run on its own: listed once it has a result
+
+
+def test_the_commit_tail_is_judged_as_now_against_before(bench: Any) -> None:
+    """tail.py's verdict compares the whole tail as it is with the whole tail as it was, from the same rounds; every
+    part is shown against the floor every statement pays."""
+    tail = bench("tail")
+    names = list(tail.parts_names())
+    us = dict.fromkeys(names, 50.0)
+    us |= {names[0]: 10.0, tail.BEFORE: 300.0, tail.NOW: 120.0}
+    result = {"rounds": 9, "us": us, "spread": {name: (value, value) for name, value in us.items()}}
+    markdown, (target,) = tail.render(result)
+    assert (target.measured, target.verdict) == ("0.40x (120 against 300 µs)", "met")
+    assert f"| {tail.NOW} | 120.0 | 120.0 … 120.0 | +110.0 |" in markdown
+    result["us"] = us | {tail.NOW: 200.0}
+    assert tail.render(result)[1][0].verdict == "**missed**"
