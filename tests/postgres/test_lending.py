@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 import pytest
@@ -238,7 +238,7 @@ async def test_the_reset_deallocates_prepared_statements_only_after_sql_that_sai
     case, in a DO block too), and always for a connection whose SQL the store does not see (SQLAlchemy's)."""
     async with PostgresStore(idempotency_database_url, min_size=1, max_size=1) as store:  # one connection for all
         async with store.connection() as lent:
-            driver = _lending.driver_connection(lent._connection)
+            driver = _lending.driver_connection(cast(_lending.LentConnection, lent)._connection)
             await lent.fetchval("SELECT 1")
             await lent.execute("SELECT $1::text", "PREPARE as a value is no statement")
             assert "DEALLOCATE" not in _lending.reset_sql(driver)
