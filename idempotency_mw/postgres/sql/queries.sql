@@ -342,8 +342,8 @@ FROM released AS r, LATERAL (
 -- it had duplicates by then: read after the commit, whatever the isolation level, so that no duplicate counted
 -- before it is missed; one counted after it claims again after it and finds the completion. It runs with the
 -- reset of the connection the handler was lent, in one simple query (Records.notice): prepared on the store's own
--- connections when they open, and run there with EXECUTE, since planning it anew cost the server about 90 us a
--- request; elsewhere with its values written in. Its own functions are named with their schema, so a handler's
+-- connections when first lent, and run there with EXECUTE, since planning it anew cost the server about 90 us a
+-- request (benchmarks/results/tail.md); elsewhere with its values written in. Its own functions are named with their schema, so a handler's
 -- search_path cannot put another pg_notify in their place.
 -- $1 tenant, $2 key, $3 fence
 SELECT pg_catalog.pg_notify('idempotency_mw_settled', '{schema_name}:' || $3::bigint)

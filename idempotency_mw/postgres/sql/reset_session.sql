@@ -16,7 +16,7 @@ DISCARD SEQUENCES;
 -- Prepared statements made with SQL PREPARE are deallocated; the driver's own (protocol-level, not from_sql) stay,
 -- so its statement cache stays valid. Only after a loan whose SQL said PREPARE (_lending.py), or whose SQL the
 -- store cannot see (SQLAlchemy's): reading pg_prepared_statements and compiling the block cost the server about
--- 90 us, four times the rest of the reset.
+-- 80 us, more than three times the rest of the reset (benchmarks/results/tail.md).
 DO $$
 DECLARE statement_name text;
 BEGIN
