@@ -52,9 +52,15 @@ process the child starts."""
 
 
 CLIENT_KEEP_ALIVE = 2.0
-"""Seconds the scenarios' clients keep an idle connection for reuse: well under uvicorn's ``timeout_keep_alive``
-(5 s). With both at 5 s (httpx's default and uvicorn's), a client that reuses a connection after about 5 s idle can
-meet a busy server closing it in the same instant, and the request on it ends in a ReadError with no answer."""
+"""Seconds the scenarios' clients keep an idle connection for reuse: well under the servers' (``SERVER_KEEP_ALIVE``).
+With both at 5 s (httpx's default and uvicorn's), a client that reuses a connection after about 5 s idle can meet a
+busy server closing it in the same instant, and the request on it ends in a ReadError with no answer."""
+
+SERVER_KEEP_ALIVE = 30.0
+"""Seconds uvicorn keeps an idle connection here (its default is 5). The two clocks start apart: the server's when it
+sends a response, the client's when it reads it, which on a machine starved by the whole suite can come seconds
+later (a storm through PgBouncer once got such a ReadError under the whole suite, the client at 2 s and uvicorn at
+5, with no word in the workers' logs). Idle connections still close at once when a server stops."""
 
 
 class ServerStartFailed(RuntimeError):
@@ -80,7 +86,14 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 def _config(app: ASGIApp | str, log_level: str, factory: bool = False) -> uvicorn.Config:
-    return uvicorn.Config(app, factory=factory, log_level=log_level, access_log=False, lifespan="on")
+    return uvicorn.Config(
+        app,
+        factory=factory,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=int(SERVER_KEEP_ALIVE),
+    )
 
 
 @contextlib.asynccontextmanager
