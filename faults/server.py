@@ -56,7 +56,7 @@ CLIENT_KEEP_ALIVE = 2.0
 With both at 5 s (httpx's default and uvicorn's), a client that reuses a connection after about 5 s idle can meet a
 busy server closing it in the same instant, and the request on it ends in a ReadError with no answer."""
 
-SERVER_KEEP_ALIVE = 30.0
+SERVER_KEEP_ALIVE = 30
 """Seconds uvicorn keeps an idle connection here (its default is 5). The two clocks start apart: the server's when it
 sends a response, the client's when it reads it, which on a machine starved by the whole suite can come seconds
 later (a storm through PgBouncer once got such a ReadError under the whole suite, the client at 2 s and uvicorn at
@@ -92,7 +92,7 @@ def _config(app: ASGIApp | str, log_level: str, factory: bool = False) -> uvicor
         log_level=log_level,
         access_log=False,
         lifespan="on",
-        timeout_keep_alive=int(SERVER_KEEP_ALIVE),
+        timeout_keep_alive=SERVER_KEEP_ALIVE,
     )
 
 

@@ -87,11 +87,11 @@ def reset_sql(connection: Any, *, watched: bool = True) -> str:
     (lent other than as a :class:`LentConnection`, whose SQL the store does not see)."""
     driver = driver_connection(connection)
     reset = reset_session()
-    deallocate = driver in _preparing or not watched
-    if deallocate:
+    parts = [reset["reset"], _restores.get(driver, "")]
+    if driver in _preparing or not watched:
         _preparing.discard(driver)
-        return reset["reset"] + "\n" + reset["deallocate"] + "\n" + _restores.get(driver, "")
-    return reset["reset"] + "\n" + _restores.get(driver, "")
+        parts.insert(1, reset["deallocate"])
+    return "\n".join(parts)
 
 
 class LentConnection:

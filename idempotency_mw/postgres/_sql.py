@@ -78,7 +78,6 @@ def migrations(schema: str) -> list[tuple[int, str, str]]:
 
 
 @cache
-@cache
 def reset_session() -> dict[str, str]:
     """The parts of ``reset_session.sql``: the reset of a connection lent to a handler, and the deallocation of its
     SQL-level prepared statements (neither names a table)."""
