@@ -343,8 +343,8 @@ FROM released AS r, LATERAL (
 -- before it is missed; one counted after it claims again after it and finds the completion. It runs with the
 -- reset of the connection the handler was lent, in one simple query (Records.notice): prepared on the store's own
 -- connections when first lent, and run there with EXECUTE, since planning it anew cost the server about 90 us a
--- request (benchmarks/results/tail.md); elsewhere with its values written in. Its own functions are named with their schema, so a handler's
--- search_path cannot put another pg_notify in their place.
+-- request (benchmarks/results/tail.md); elsewhere with its values written in. The functions it calls are named
+-- with their schema, so a handler's search_path cannot put another pg_notify in their place.
 -- $1 tenant, $2 key, $3 fence
 SELECT pg_catalog.pg_notify('idempotency_mw_settled', '{schema_name}:' || $3::bigint)
 FROM {schema}.idempotency_records
