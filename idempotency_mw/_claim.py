@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.types import Scope
 
@@ -259,7 +259,8 @@ else:
         loop = asyncio.get_running_loop()
         context = contextvars.copy_context()
         first = _FirstStep()
-        going_on = cast(Coroutine[Any, Any, T], _going_on(coroutine, first))
+        going_on: Any = _going_on(coroutine, first)  # a generator-based coroutine, which asyncio.Task runs
+        going_on.send(None)  # to its first yield, where the task's first step resumes it, or a cancellation before it
         task: asyncio.Task[T] = asyncio.Task(going_on, loop=loop, name=name, context=context)
         caller = asyncio.current_task(loop)
         if caller is not None:
@@ -291,20 +292,33 @@ else:
 
     @types.coroutine
     def _going_on(coroutine: Coroutine[Any, Any, Any], first: _FirstStep) -> Generator[Any, Any, Any]:
-        """What the task runs: nothing if the coroutine finished in its first step; else it hands the task what the
+        """What the task runs. :func:`start_eagerly` starts it to its first ``yield`` before the coroutine's first
+        step, so that the task's own first step resumes it there, and so does a cancellation of the task that comes
+        before that step. Then: nothing if the coroutine finished in its first step; else it hands the task what the
         coroutine waits on, as though the coroutine had yielded it, and from then on delegates every step to the
-        coroutine (``yield from``, in C). A cancellation before then reaches the coroutine where it waits."""
-        if first.finished:
-            return None
+        coroutine (``yield from``, in C). A cancellation before then is thrown into the coroutine where it waits, as
+        a task's cancellation would be."""
+        thrown: BaseException | None = None
         try:
-            yield first.waits_on
+            yield
         except BaseException as error:
+            thrown = error
+        while not first.finished:
+            if thrown is not None:
+                try:
+                    first.waits_on = coroutine.throw(thrown)
+                except StopIteration as returned:
+                    return returned.value
+                thrown = None
             try:
-                first.waits_on = coroutine.throw(error)
-            except StopIteration as returned:
-                return returned.value
-            return (yield from _going_on(coroutine, first))
-        return (yield from coroutine)  # a coroutine, delegated to as types.coroutine allows
+                yield first.waits_on
+            except BaseException as error:
+                thrown = error
+            else:
+                return (yield from coroutine)  # a coroutine, delegated to as types.coroutine allows
+        if thrown is not None:
+            raise thrown
+        return None
 
     def _done(
         loop: asyncio.AbstractEventLoop, *, result: Any = None, error: BaseException | None = None

@@ -515,6 +515,28 @@ async def test_an_eager_task_passes_on_errors_and_its_own_cancellation() -> None
     assert cleaned_up == [True]
 
 
+async def test_an_eager_task_cancelled_before_its_first_turn_cancels_the_coroutine_where_it_waits() -> None:
+    """Cancelled in the turn that started it (a loop closing, a server cancelling every task), the task throws the
+    cancellation into the coroutine where its first step left it, as Python 3.12's eager tasks do: its cleanup runs
+    then, not whenever the collector finds the abandoned coroutine."""
+    seen: list[str] = []
+
+    async def waits_forever() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            seen.append("cancelled where it waited")
+            raise
+        finally:
+            seen.append("cleaned up")
+
+    settling = start_eagerly(waits_forever(), "waits")
+    settling.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await settling
+    assert seen == ["cancelled where it waited", "cleaned up"]
+
+
 async def test_outlasting_passes_on_what_the_task_ends_with() -> None:
     async def answers() -> str:
         await asyncio.sleep(0)
