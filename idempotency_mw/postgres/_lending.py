@@ -60,6 +60,7 @@ _restores: weakref.WeakKeyDictionary[asyncpg.Connection, str] = weakref.WeakKeyD
 # by their next reset.
 _preparing: weakref.WeakSet[asyncpg.Connection] = weakref.WeakSet()
 _PREPARE = re.compile("prepare", re.IGNORECASE).search
+_DEALLOCATE = re.compile("deallocate", re.IGNORECASE).search
 
 
 def driver_connection(connection: Any) -> asyncpg.Connection:
@@ -105,7 +106,14 @@ class LentConnection:
     SQL that names PREPARE (any case, anywhere in its text: a statement, a function's body, a DO block) marks the
     connection for the deallocation of SQL-level prepared statements when it comes back (:func:`reset_sql`). A
     PREPARE run by a function created beforehand is not seen, and its statement stays, as asyncpg's own pool
-    leaves every one: it holds a plan, never rows, and runs with the privileges of whoever executes it."""
+    leaves every one: it holds a plan, never rows, and runs with the privileges of whoever executes it.
+
+    SQL that names DEALLOCATE may drop the driver's prepared statements too (``DEALLOCATE ALL`` drops every one of
+    the session): asyncpg's of earlier requests, which its cache would use again, and the store's own. Before it
+    runs, the connection forgets them (asyncpg's ``reload_schema_state``, which the store's connections extend to
+    their own statements), and each is prepared again when next used: the handler's next statement, its
+    completion, the requests after it. One run later, through a prepared statement or a cursor of the handler's, or
+    by a function, is not seen: the statement that then finds its own gone fails, and its request is rolled back."""
 
     __slots__ = ("_connection", "client_state")
 
@@ -140,15 +148,24 @@ def _forwarding(name: str) -> Any:
     return functools.update_wrapper(method, getattr(asyncpg.Connection, name))
 
 
-def _noting_prepare(name: str) -> Any:
+def _watching_sql(name: str) -> Any:
     def method(self: LentConnection, *args: Any, **kwargs: Any) -> Any:
         connection = self._live(name)
         sql = args[0] if args else kwargs.get("query", kwargs.get("command"))
-        if isinstance(sql, str) and _PREPARE(sql):
-            _preparing.add(driver_connection(connection))
+        if isinstance(sql, str):
+            if _PREPARE(sql):
+                _preparing.add(driver_connection(connection))
+            if name in RUN_NOW and _DEALLOCATE(sql):
+                return _forgetting_statements(connection, name, args, kwargs)
         return getattr(connection, name)(*args, **kwargs)
 
     return functools.update_wrapper(method, getattr(asyncpg.Connection, name))
+
+
+async def _forgetting_statements(connection: asyncpg.Connection, name: str, args: Any, kwargs: Any) -> Any:
+    """Run SQL that may deallocate the driver's prepared statements, once the connection has forgotten them."""
+    await connection.reload_schema_state()
+    return await getattr(connection, name)(*args, **kwargs)
 
 
 def _noting_client_state(name: str) -> Any:
@@ -173,10 +190,11 @@ SQL_TEXT = (
     "fetchval",
     "prepare",
 )
+RUN_NOW = frozenset(SQL_TEXT) - {"cursor", "prepare"}  # those that run their SQL as they are awaited
 
 for _name, _member in inspect.getmembers(asyncpg.Connection, inspect.isfunction):
     if not _name.startswith("_"):
-        kind = _noting_client_state if _name in CLIENT_STATE else _noting_prepare if _name in SQL_TEXT else _forwarding
+        kind = _noting_client_state if _name in CLIENT_STATE else _watching_sql if _name in SQL_TEXT else _forwarding
         setattr(LentConnection, _name, kind(_name))
 
 

@@ -551,6 +551,12 @@ class StoreConnection(asyncpg.Connection):
         self.statements: dict[str, asyncpg.prepared_stmt.PreparedStatement] = {}
         self._after_commit = ""  # SQL for the COMMIT that commit_then() is sending, after it, in its message
 
+    async def reload_schema_state(self) -> None:
+        """asyncpg's, and the store's statements forgotten too, to be prepared again as next used: a lent
+        connection's handler is about to run SQL that may deallocate them (``_lending.py``)."""
+        await super().reload_schema_state()
+        self.statements.clear()
+
     async def commit_then(self, transaction: asyncpg.transaction.Transaction, then: str) -> None:
         """Commit ``transaction`` (asyncpg's, so that its state and a handler's savepoints in it stay asyncpg's to
         keep) and run ``then`` after the COMMIT in the same simple query: one round trip."""

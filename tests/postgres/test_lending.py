@@ -249,3 +249,50 @@ async def test_the_reset_deallocates_prepared_statements_only_after_sql_that_sai
             await lent.execute("prepare imw_marked_again as select 2")
         async with store.connection() as again:  # the same connection, given back through its reset
             assert await again.fetchval("SELECT count(*) FROM pg_prepared_statements WHERE from_sql") == 0
+
+
+@pytest.mark.parametrize("pool", ["own", "app"])
+async def test_a_handler_that_deallocates_every_prepared_statement_breaks_no_request(
+    idempotency_database_url: str, db: asyncpg.Connection, pool: str
+) -> None:
+    """DEALLOCATE ALL drops the driver's prepared statements with the session's own: asyncpg's cache of the earlier
+    requests' statements, and the store's. The handler's next statement with arguments, its completion, the notice
+    of its waiters and the next requests on the connection would each find theirs gone ("prepared statement does not
+    exist"), and the request that ran it would be rolled back. asyncpg forgets its statements before the SQL runs,
+    and the store prepares its own again: every request answers as if the handler had not run it."""
+    await db.execute("CREATE TABLE IF NOT EXISTS lending_effects (key text)")
+
+    async def write(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        if request.path_params["how"] == "deallocating":
+            await context.connection.execute("DEALLOCATE ALL")
+        await context.connection.execute("INSERT INTO lending_effects (key) VALUES ($1)", context.key)
+        backends.add(await context.connection.fetchval("SELECT pg_backend_pid()"))
+        return JSONResponse({"key": context.key}, status_code=201)
+
+    backends: set[int] = set()
+    app_pool = await asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=2) if pool == "app" else None
+    store = PostgresStore(app_pool) if app_pool is not None else PostgresStore(idempotency_database_url, max_size=2)
+    app = Starlette(routes=[Route("/{how}", write, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: "t-deallocate")
+    client = client_for(app)
+    try:
+        sent = [("deallocating" if index in (1, 3) else "plain", str(uuid.uuid4())) for index in range(6)]
+        for how, key in sent:  # on the same connection each time: one request at a time
+            answer = await client.post(f"/{how}", headers={"Idempotency-Key": key})
+            assert answer.status_code == 201, answer.text
+        for how, key in sent:
+            again = await client.post(f"/{how}", headers={"Idempotency-Key": key})
+            assert again.status_code == 201, again.text
+            assert again.headers["idempotent-replayed"] == "true"
+        keys = [key for _, key in sent]
+        written = await db.fetchval("SELECT count(*) FROM lending_effects WHERE key = ANY($1::text[])", keys)
+        assert written == len(keys)
+        if pool == "own":  # one connection to lend: never closed for a statement of the store's that failed
+            assert len(backends) == 1, backends
+    finally:
+        await store.close()
+        if app_pool is not None:
+            await app_pool.close()
