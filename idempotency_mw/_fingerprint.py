@@ -29,7 +29,7 @@ from urllib.parse import parse_qsl
 
 import orjson
 
-from idempotency_mw._keyring import check_key_id, parse_keys
+from idempotency_mw._keyring import check_key_id, named, parse_keys
 from idempotency_mw._keys import SECRET_VARIABLE, AuthorizationTenant
 
 KEYS_VARIABLE = "IDEMPOTENCY_FINGERPRINT_KEYS"
@@ -58,16 +58,17 @@ class FingerprintKeys:
         if not pairs:
             raise ValueError("FingerprintKeys needs at least one key: the first given is the one that writes")
         self._keys: dict[str, tuple[bytes, hmac.HMAC]] = {}
-        for key_id, key in pairs:
-            check_key_id("fingerprint key", key_id)
+        for position, (key_id, key) in enumerate(pairs, 1):
+            check_key_id("fingerprint key", key_id, position)
+            name = named("fingerprint key", key_id, position)
             if key_id in self._keys:
-                raise ValueError(f"fingerprint key id {key_id!r} is given twice: each key needs an id of its own")
+                raise ValueError(f"{name} is given twice: each key needs an id of its own")
             material = key.encode() if isinstance(key, str) else key
             if not isinstance(material, bytes):
-                raise TypeError(f"fingerprint key {key_id!r} must be bytes or text, not {type(key).__name__}")
+                raise TypeError(f"{name} must be bytes or text, not {type(key).__name__}")
             if len(material) < MIN_KEY_BYTES:
                 raise ValueError(
-                    f"fingerprint key {key_id!r} is {len(material)} bytes long; it must be at least {MIN_KEY_BYTES} "
+                    f"{name} is {len(material)} bytes long; it must be at least {MIN_KEY_BYTES} "
                     f"(generate one with: {GENERATE_KEY})"
                 )
             self._keys[key_id] = (key_id.encode() + b":", hmac.new(material, digestmod=hashlib.sha256))

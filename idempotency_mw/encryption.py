@@ -36,7 +36,7 @@ except ImportError as error:  # cryptography is an optional dependency of the pa
         "idempotency_mw.encryption needs cryptography: pip install 'idempotency-mw[encryption]'"
     ) from error
 
-from idempotency_mw._keyring import check_key_id, parse_keys
+from idempotency_mw._keyring import check_key_id, named, parse_keys
 from idempotency_mw.store import (
     PlainResponseRefused,
     SealedResponse,
@@ -84,16 +84,15 @@ class ResponseCipher:
         self._keys: dict[str, AESGCM] = {}
         self._derivers: dict[str, hmac.HMAC] = {}
         seen: dict[bytes, str] = {}
-        for key_id, key in pairs:
-            check_key_id("response key", key_id)
+        for position, (key_id, key) in enumerate(pairs, 1):
+            check_key_id("response key", key_id, position)
+            name = named("response key", key_id, position)
             if key_id in self._keys:
-                raise ValueError(f"response key id {key_id!r} is given twice: each key needs an id of its own")
-            material = _key_bytes(key_id, key)
+                raise ValueError(f"{name} is given twice: each key needs an id of its own")
+            material = _key_bytes(name, key)
             if material in seen:
-                raise ValueError(
-                    f"response keys {seen[material]!r} and {key_id!r} are the same key: a rotation needs a new one"
-                )
-            seen[material] = key_id
+                raise ValueError(f"{seen[material]} and {name} are the same key: a rotation needs a new one")
+            seen[material] = name
             self._keys[key_id] = AESGCM(material)
             self._derivers[key_id] = hmac.new(material, digestmod=hashlib.sha256)
         self.current = pairs[0][0]  # the id of the key that seals
@@ -223,8 +222,8 @@ def _step_associated(key_id: str, tenant: str, key: str, step: str) -> bytes:
     return b"".join(struct.pack(">I", len(part)) + part for part in parts)
 
 
-def _key_bytes(key_id: str, key: bytes | str) -> bytes:
-    """The 32 bytes of a key given as bytes, hex or base64 text."""
+def _key_bytes(name: str, key: bytes | str) -> bytes:
+    """The 32 bytes of a key given as bytes, hex or base64 text; ``name`` is how errors name it (``_keyring.named``)."""
     if isinstance(key, bytes):
         material = key
     elif isinstance(key, str):
@@ -238,13 +237,13 @@ def _key_bytes(key_id: str, key: bytes | str) -> bytes:
                 )
             except (binascii.Error, ValueError):
                 raise ValueError(
-                    f"response key {key_id!r} is neither base64 nor 64 hex digits (a new key: ResponseCipher.new_key())"
+                    f"{name} is neither base64 nor 64 hex digits (a new key: ResponseCipher.new_key())"
                 ) from None
     else:
-        raise TypeError(f"response key {key_id!r} must be bytes or text, not {type(key).__name__}")
+        raise TypeError(f"{name} must be bytes or text, not {type(key).__name__}")
     if len(material) != KEY_BYTES:
         raise ValueError(
-            f"response key {key_id!r} is {len(material)} bytes: AES-256-GCM needs {KEY_BYTES} "
+            f"{name} is {len(material)} bytes: AES-256-GCM needs {KEY_BYTES} "
             "(44 characters of base64, or 64 hex digits)"
         )
     return material

@@ -349,9 +349,9 @@ def test_keys_parse_from_base64_or_hex_the_first_current() -> None:
         ("2026-11:" + base64.b64encode(b"x" * 16).decode(), r"'2026-11' is 16 bytes: AES-256-GCM needs 32"),
         ("2026-11:not*base64", r"'2026-11' is neither base64 nor 64 hex digits"),
         ("a:" + KEYS["2026-01"].hex() + ",a:" + KEYS["2026-06"].hex(), "'a' is given twice"),
-        ("a:" + KEYS["2026-01"].hex() + ",b:" + KEYS["2026-01"].hex(), "'a' and 'b' are the same key"),
+        ("a:" + KEYS["2026-01"].hex() + ",b:" + KEYS["2026-01"].hex(), "'a' and response key 'b' are the same key"),
         ("no colon here", "write each key as id:key"),
-        ("bad/id:" + KEYS["2026-01"].hex(), "key id 'bad/id'"),
+        ("bad/id:" + KEYS["2026-01"].hex(), "response key 'bad/id': an id is 1 to 64 characters"),
     ],
 )
 def test_bad_keys_are_refused_naming_the_key_id_never_the_key(keys_text: str, message: str) -> None:
@@ -671,3 +671,27 @@ def test_the_configuration_pages_snippet_runs(migrated_url: str, monkeypatch: py
     assert store.cipher is not None
     assert store.cipher.current == "2026-11"
     assert isinstance(namespace["app"], Starlette)
+
+
+SWAPPED_KEY = "RjbV4CWPCd0cDfpfwCiR/9kKI2a2wL+xnO216HeGytw="
+
+
+@pytest.mark.parametrize(
+    "key",
+    [SWAPPED_KEY, bytes(range(32)).hex(), SWAPPED_KEY.rstrip("=").replace("+", "-").replace("/", "_")],
+    ids=["base64", "hex", "url-safe base64"],
+)
+def test_a_key_written_before_its_id_is_never_in_the_error(key: str) -> None:
+    """``key:id`` instead of ``id:key``: the error names the item by its place, so the key that opens every stored
+    response reaches no startup traceback or deploy log (a hex key even passes as an id)."""
+    with pytest.raises(ValueError, match="the 1st response key") as raised:
+        ResponseCipher.parse(f"{key}:2026-11")
+    assert key not in str(raised.value)
+    with pytest.raises(ValueError, match="the 2nd response key") as raised:
+        ResponseCipher.parse(f"2026-10:{SWAPPED_KEY.replace('R', 'S')},{key}:2026-11")
+    assert key not in str(raised.value)
+
+
+def test_a_short_id_is_still_named_in_the_error() -> None:
+    with pytest.raises(ValueError, match="response key '2026-11' is 5 bytes"):
+        ResponseCipher.parse("2026-11:c2hvcnQ=")

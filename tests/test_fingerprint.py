@@ -540,3 +540,10 @@ def test_fingerprint_keys_are_checked_and_never_shown() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             FingerprintKeys.parse(text)
+
+
+def test_a_fingerprint_key_written_before_its_id_is_never_in_the_error() -> None:
+    key = bytes(range(32)).hex()
+    with pytest.raises(ValueError, match="the 1st fingerprint key") as raised:
+        FingerprintKeys.parse(f"{key}:2026-11")
+    assert key not in str(raised.value)
