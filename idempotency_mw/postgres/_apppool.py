@@ -76,14 +76,17 @@ class AppPool(Lender):
         return None  # the app's sessions keep their own default
 
     async def give_back(
-        self, connection: asyncpg.Connection, *, lost: bool, then: str = "", clean: bool = False
+        self, connection: asyncpg.Connection, *, lost: bool, then: str = "", clean: bool = False, keep: bool = True
     ) -> None:
         healthy = False
         try:
             if not lost and not connection.is_closed():
-                # Ours first (the full reset, then the pool's init state); asyncpg's own follows on release.
-                await connection.execute(reset_sql(connection) + "\n" + then, timeout=self.timeout)
-                healthy = True
+                # Ours first (the full reset, then the pool's init state); asyncpg's own follows on release. A
+                # transaction the code left open (a BEGIN after the COMMIT) ends first: asyncpg's ROLLBACK on release
+                # would otherwise undo the reset with it.
+                rollback = "ROLLBACK;\n" if connection.is_in_transaction() else ""
+                await connection.execute(rollback + reset_sql(connection) + "\n" + then, timeout=self.timeout)
+                healthy = keep
         except Exception:  # lost, broken or busy: the pool must not hand this connection out again
             pass
         finally:

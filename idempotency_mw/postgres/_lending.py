@@ -103,6 +103,9 @@ class LentConnection:
 
     ``client_state`` says the handler added listeners the driver keeps on its side (``add_listener``,
     ``add_log_listener``): only asyncpg's own ``reset()`` forgets those, so the connection comes back through it.
+    ``driver_state`` says it changed what no reset reaches (a query logger, a termination listener, a type codec:
+    the next request's arguments would reach the logger, its headers the codec): the connection is closed instead.
+    ``calls`` counts the calls made through it, so that a use after the COMMIT (a background task) is seen.
     SQL that names PREPARE (any case, anywhere in its text: a statement, a function's body, a DO block) marks the
     connection for the deallocation of SQL-level prepared statements when it comes back (:func:`reset_sql`). A
     PREPARE run by a function created beforehand is not seen, and its statement stays, as asyncpg's own pool
@@ -115,17 +118,20 @@ class LentConnection:
     completion, the requests after it. One run later, through a prepared statement or a cursor of the handler's, or
     by a function, is not seen: the statement that then finds its own gone fails, and its request is rolled back."""
 
-    __slots__ = ("_connection", "client_state")
+    __slots__ = ("_connection", "calls", "client_state", "driver_state")
 
     def __init__(self, connection: asyncpg.Connection) -> None:
         self._connection: asyncpg.Connection | None = connection
         self.client_state = False
+        self.driver_state = False
+        self.calls = 0
 
     def end(self) -> None:
         self._connection = None
 
     def _live(self, name: str) -> asyncpg.Connection:
         connection = self._connection
+        self.calls += 1
         if connection is None:
             raise asyncpg.InterfaceError(
                 f"cannot call Connection.{name}(): the connection was lent to a request that has ended (a task that "
@@ -177,7 +183,24 @@ def _noting_client_state(name: str) -> Any:
     return functools.update_wrapper(method, getattr(asyncpg.Connection, name))
 
 
+def _noting_driver_state(name: str) -> Any:
+    def method(self: LentConnection, *args: Any, **kwargs: Any) -> Any:
+        found = getattr(self._live(name), name)
+        self.driver_state = True
+        return found(*args, **kwargs)
+
+    return functools.update_wrapper(method, getattr(asyncpg.Connection, name))
+
+
 CLIENT_STATE = ("add_listener", "add_log_listener")  # what the driver keeps on its side of a session
+# What the driver keeps on its side that its reset() leaves: after one of these, the connection is not lent again.
+DRIVER_STATE = (
+    "add_query_logger",
+    "add_termination_listener",
+    "reset_type_codec",
+    "set_builtin_type_codec",
+    "set_type_codec",
+)
 # The methods that send SQL text of the caller's, as their first argument.
 SQL_TEXT = (
     "copy_from_query",
@@ -194,7 +217,12 @@ RUN_NOW = frozenset(SQL_TEXT) - {"cursor", "prepare"}  # those that run their SQ
 
 for _name, _member in inspect.getmembers(asyncpg.Connection, inspect.isfunction):
     if not _name.startswith("_"):
-        kind = _noting_client_state if _name in CLIENT_STATE else _watching_sql if _name in SQL_TEXT else _forwarding
+        if _name in CLIENT_STATE:
+            kind = _noting_client_state
+        elif _name in DRIVER_STATE:
+            kind = _noting_driver_state
+        else:
+            kind = _watching_sql if _name in SQL_TEXT else _forwarding
         setattr(LentConnection, _name, kind(_name))
 
 
@@ -225,11 +253,13 @@ class Lender(abc.ABC):
 
     @abc.abstractmethod
     async def give_back(
-        self, connection: asyncpg.Connection, *, lost: bool, then: str = "", clean: bool = False
+        self, connection: asyncpg.Connection, *, lost: bool, then: str = "", clean: bool = False, keep: bool = True
     ) -> None:
         """Take a lent connection back as its pool gave it; closed if ``lost`` or if its reset fails. ``then`` is SQL
         to run after the reset, in its round trip (``notify_waiters``, after a transactional request's COMMIT);
-        ``clean``: the reset already ran, in the COMMIT's round trip (:meth:`commit`)."""
+        ``clean``: the reset already ran, in the COMMIT's round trip (:meth:`commit`), and nothing used the
+        connection since; ``keep=False``: closed once ``then`` ran, since the driver keeps state of the loan's
+        (``LentConnection.driver_state``)."""
 
     def notice_statement(self, connection: asyncpg.Connection) -> str | None:
         """The name of ``notify_waiters`` as prepared on ``connection``, if it is (the store's own connections)."""
@@ -265,10 +295,14 @@ async def lend_transaction(lender: Lender, records: Records) -> AsyncIterator[Po
     try:
         yield transaction
     finally:
-        transaction.lent.end()
-        clean = transaction.clean and not transaction.lent.client_state
-        notice = "" if clean else transaction.settlement.notice
-        await lender.give_back(connection, lost=transaction.lost, then=notice, clean=clean)
+        lent = transaction.lent
+        lent.end()
+        told = transaction.clean  # the reset and the waiters' notice rode in the COMMIT's round trip
+        # A call after the COMMIT (a background task) may have changed the session again, or begun a transaction.
+        clean = told and lent.calls == transaction.calls_at_commit and not lent.client_state
+        notice = "" if told else transaction.settlement.notice
+        keep = not lent.driver_state
+        await lender.give_back(connection, lost=transaction.lost, then=notice, clean=clean, keep=keep)
 
 
 @contextlib.asynccontextmanager
@@ -292,7 +326,7 @@ async def lent_connection(lender: Lender) -> AsyncIterator[asyncpg.Connection]:
         raise
     finally:
         lent.end()
-        await lender.give_back(connection, lost=lost)
+        await lender.give_back(connection, lost=lost, keep=not lent.driver_state)
 
 
 class Settlement:
@@ -339,6 +373,7 @@ class PostgresTransaction:
         self.lent = LentConnection(connection)
         self.lost = False
         self.clean = False  # reset in the COMMIT's round trip, with the waiters told (Lender.commit)
+        self.calls_at_commit = -1  # the lent connection's calls when it committed (LentConnection.calls)
         self.settlement = Settlement(records)
         self._records = records
         self._lender = lender
@@ -457,6 +492,7 @@ class PostgresTransaction:
                     raise self._unreachable(error) from error
                 raise
             self.lost = True  # committed; what failed came after the COMMIT
+        self.calls_at_commit = self.lent.calls
         self.settlement.committed(notice)
 
     async def _landed(self, tenant: str, key: str, fence: int) -> bool:

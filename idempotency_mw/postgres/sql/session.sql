@@ -17,9 +17,15 @@ SELECT current_setting('default_transaction_isolation');
 
 -- name: capture
 -- The session state a pool established when it opened a connection (an asyncpg pool's init, a SQLAlchemy
--- "connect" event: SET ROLE, SET search_path, other SETs), as the SQL that restores it after reset_session.sql.
+-- "connect" event: SET SESSION AUTHORIZATION, SET ROLE, SET search_path, other SETs), as the SQL that restores it
+-- after reset_session.sql, which ends both as the login role. The settings come first, set as the login role (who
+-- set them in the first place, or a role below it); then the session authorization, when it is not the role that
+-- logged in (pg_stat_activity keeps that one; pg_settings lists neither); then the role.
 -- Read once per connection, the first time it is lent to a handler.
 SELECT coalesce(string_agg(format('SELECT set_config(%L, %L, false);', name, setting), ' ' ORDER BY name), '')
+       || CASE WHEN session_user IS DISTINCT FROM (
+               SELECT usename FROM pg_catalog.pg_stat_activity WHERE pid = pg_catalog.pg_backend_pid()
+          ) THEN format(' SET SESSION AUTHORIZATION %I;', session_user) ELSE '' END
        || CASE WHEN current_setting('role') <> 'none' THEN format(' SET ROLE %I;', current_setting('role')) ELSE '' END
 FROM pg_settings
 WHERE source = 'session';
