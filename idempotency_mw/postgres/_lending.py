@@ -105,7 +105,9 @@ class LentConnection:
     ``add_log_listener``): only asyncpg's own ``reset()`` forgets those, so the connection comes back through it.
     ``driver_state`` says it changed what no reset reaches (a query logger, a termination listener, a type codec:
     the next request's arguments would reach the logger, its headers the codec): the connection is closed instead.
-    ``calls`` counts the calls made through it, so that a use after the COMMIT (a background task) is seen.
+    ``calls`` counts the calls made through it, so that a use after the COMMIT (a background task) is seen. What
+    the code took from the connection that outlives the call (a prepared statement, a cursor, a transaction object)
+    is refused once the loan ends, as asyncpg's pool refuses it after a release.
     SQL that names PREPARE (any case, anywhere in its text: a statement, a function's body, a DO block) marks the
     connection for the deallocation of SQL-level prepared statements when it comes back (:func:`reset_sql`). A
     PREPARE run by a function created beforehand is not seen, and its statement stays, as asyncpg's own pool
@@ -118,15 +120,18 @@ class LentConnection:
     completion, the requests after it. One run later, through a prepared statement or a cursor of the handler's, or
     by a function, is not seen: the statement that then finds its own gone fails, and its request is rolled back."""
 
-    __slots__ = ("_connection", "calls", "client_state", "driver_state")
+    __slots__ = ("_connection", "calls", "client_state", "driver_state", "took")
 
     def __init__(self, connection: asyncpg.Connection) -> None:
         self._connection: asyncpg.Connection | None = connection
         self.client_state = False
         self.driver_state = False
+        self.took = False  # an object of the connection's that outlives the call (TAKEN)
         self.calls = 0
 
     def end(self) -> None:
+        if self.took and self._connection is not None:
+            _refuse_taken(self._connection)
         self._connection = None
 
     def _live(self, name: str) -> asyncpg.Connection:
@@ -147,6 +152,26 @@ class LentConnection:
         return f"<LentConnection {state}>"
 
 
+def _refuse_taken(connection: Any) -> None:
+    """What was taken from ``connection`` during a loan is refused from now on: asyncpg counts a connection's
+    releases, and each object taken from it (a ConnectionResource) compares the count it was made under, which is
+    how asyncpg's pool refuses it. The store's own statements, made before the loan, move to the new count: they
+    stay valid. Otherwise a task that kept such an object would run it in the next request's transaction."""
+    driver: Any = driver_connection(connection)  # asyncpg's own attributes, which its stubs do not name
+    driver._pool_release_ctr += 1
+    for statement in getattr(driver, "statements", {}).values():  # a StoreConnection's
+        statement._con_release_ctr = driver._pool_release_ctr
+
+
+def _noting_taken(name: str) -> Any:
+    def method(self: LentConnection, *args: Any, **kwargs: Any) -> Any:
+        found = getattr(self._live(name), name)
+        self.took = True
+        return found(*args, **kwargs)
+
+    return functools.update_wrapper(method, getattr(asyncpg.Connection, name))
+
+
 def _forwarding(name: str) -> Any:
     def method(self: LentConnection, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._live(name), name)(*args, **kwargs)
@@ -155,13 +180,17 @@ def _forwarding(name: str) -> Any:
 
 
 def _watching_sql(name: str) -> Any:
+    takes, runs_now = name in TAKEN, name in RUN_NOW
+
     def method(self: LentConnection, *args: Any, **kwargs: Any) -> Any:
         connection = self._live(name)
+        if takes:
+            self.took = True
         sql = args[0] if args else kwargs.get("query", kwargs.get("command"))
         if isinstance(sql, str):
             if _PREPARE(sql):
                 _preparing.add(driver_connection(connection))
-            if name in RUN_NOW and _DEALLOCATE(sql):
+            if runs_now and _DEALLOCATE(sql):
                 return _forgetting_statements(connection, name, args, kwargs)
         return getattr(connection, name)(*args, **kwargs)
 
@@ -213,7 +242,8 @@ SQL_TEXT = (
     "fetchval",
     "prepare",
 )
-RUN_NOW = frozenset(SQL_TEXT) - {"cursor", "prepare"}  # those that run their SQL as they are awaited
+TAKEN = ("cursor", "prepare", "transaction")  # what returns an object of the connection's that outlives the call
+RUN_NOW = frozenset(SQL_TEXT) - set(TAKEN)  # those that run their SQL as they are awaited
 
 for _name, _member in inspect.getmembers(asyncpg.Connection, inspect.isfunction):
     if not _name.startswith("_"):
@@ -221,6 +251,8 @@ for _name, _member in inspect.getmembers(asyncpg.Connection, inspect.isfunction)
             kind = _noting_client_state
         elif _name in DRIVER_STATE:
             kind = _noting_driver_state
+        elif _name == "transaction":
+            kind = _noting_taken
         else:
             kind = _watching_sql if _name in SQL_TEXT else _forwarding
         setattr(LentConnection, _name, kind(_name))

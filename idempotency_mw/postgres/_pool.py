@@ -496,7 +496,6 @@ class OwnPool(Lender):
     async def give_back(
         self, connection: asyncpg.Connection, *, lost: bool, then: str = "", clean: bool = False, keep: bool = True
     ) -> None:
-        _end_loan(connection)
         if not keep:  # no reset reaches what the driver keeps; the waiters were told in the COMMIT's round trip
             self._release(connection, broken=True)
             return
@@ -541,17 +540,6 @@ class OwnPool(Lender):
 
 
 _execute = asyncpg.Connection.execute
-
-
-def _end_loan(connection: Any) -> None:
-    """What the code a connection was lent to took from it (a prepared statement, a cursor, a transaction object) is
-    refused from now on, as asyncpg's own pool refuses it after a release: otherwise a task that kept one would run
-    it in the next request's session, inside its transaction. asyncpg counts releases on the connection, and each
-    such object compares the count it was made under; the store's own statements, made before the loan, are moved
-    to the new count, and stay valid."""
-    connection._pool_release_ctr += 1
-    for statement in connection.statements.values():
-        statement._con_release_ctr = connection._pool_release_ctr
 
 
 class StoreConnection(asyncpg.Connection):
