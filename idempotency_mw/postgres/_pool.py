@@ -429,6 +429,12 @@ class OwnPool(Lender):
                 pool.deadlines.start(connection)
                 try:
                     result = await statement.fetchrow(*args, timeout=NO_TIMEOUT)
+                except asyncpg.exceptions.InvalidSQLStatementNameError:
+                    # Ours is gone: code this connection was lent to ran DEALLOCATE ALL where the loan could not see
+                    # it (_lending.py). It did not run; prepared again, it runs once more.
+                    await connection.reload_schema_state()  # StoreConnection: the store's statements are forgotten
+                    statement = statements[name] = await connection.prepare(self._sql[name])
+                    result = await statement.fetchrow(*args, timeout=NO_TIMEOUT)
                 finally:
                     pool.deadlines.finish(connection)
                 if status:

@@ -296,3 +296,35 @@ async def test_a_handler_that_deallocates_every_prepared_statement_breaks_no_req
         await store.close()
         if app_pool is not None:
             await app_pool.close()
+
+
+async def test_a_deallocation_the_loan_did_not_see_costs_the_next_request_nothing(
+    idempotency_database_url: str,
+) -> None:
+    """DEALLOCATE ALL run through a prepared statement of the handler's is not seen as it runs, and drops the store's
+    own statements on that connection: the next request's statement finds its own gone, and was answered 503. It
+    never ran, so the store prepares it again and runs it once more."""
+
+    async def tidy(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await (await context.connection.prepare("DEALLOCATE ALL")).fetch()
+        return JSONResponse({"busy": True}, status_code=503)  # rolled back, the key released
+
+    async def plain(request: Request) -> Response:
+        return JSONResponse({"ok": True}, status_code=201)
+
+    async with PostgresStore(idempotency_database_url, min_size=1, max_size=2) as store:  # one connection to lend
+        tx_app = Starlette(routes=[Route("/tidy", tidy, methods=["POST"])])
+        tx_app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: "t-tidy")
+        plain_app = Starlette(routes=[Route("/plain", plain, methods=["POST"])])
+        plain_app.add_middleware(IdempotencyMiddleware, store=store, tenant=lambda scope: "t-plain")
+        assert (
+            await client_for(plain_app).post("/plain", headers={"Idempotency-Key": str(uuid.uuid4())})
+        ).status_code == 201
+        tidied = await client_for(tx_app).post("/tidy", headers={"Idempotency-Key": str(uuid.uuid4())})
+        assert tidied.status_code == 503
+        for _ in range(2):
+            answer = await client_for(plain_app).post("/plain", headers={"Idempotency-Key": str(uuid.uuid4())})
+            assert answer.status_code == 201, answer.text
