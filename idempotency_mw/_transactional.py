@@ -359,11 +359,22 @@ def refusal(failure: BaseException) -> str:
             f"the handler's transaction conflicted with another and could not commit ({type(failure).__name__}); "
             "nothing was committed, the key is released, and the client's retry runs it afresh"
         )
+    if _sqlstate(failure) == INSUFFICIENT_PRIVILEGE and "idempotency_" in str(failure):
+        return (
+            f"the handler's transaction could not commit ({failure}): the store writes the record in it, as the role "
+            "the handler switched to (SET ROLE for row-level security). Grant that role SELECT, UPDATE ON "
+            "idempotency_records and SELECT, INSERT, UPDATE ON idempotency_responses (and on "
+            "idempotency_recovery_points too, for handlers in steps), in the store's schema; or RESET ROLE before the "
+            "handler returns. Nothing was committed"
+        )
     return (
         f"the handler's transaction could not commit ({type(failure).__name__}); nothing was committed. If the "
         "handler recovers from database errors, run the statements that may fail in a savepoint (asyncpg: async with "
         "connection.transaction(): ...; SQLAlchemy: async with session.begin_nested(): ...)"
     )
+
+
+INSUFFICIENT_PRIVILEGE = "42501"
 
 
 def _sqlstate(error: BaseException | None) -> str | None:

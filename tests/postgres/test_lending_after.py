@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
+import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -236,3 +237,52 @@ async def test_a_query_logger_or_codec_the_handler_set_goes_with_the_connection(
         assert replay.json() == {"secret": "alice-receipt"}
     finally:
         await closed(store, app_pool)
+
+
+@pytest.fixture
+async def tenant_role(db: asyncpg.Connection) -> str:
+    """A role with the app's grants only, as a handler switches to for row-level security."""
+    await db.execute("CREATE TABLE IF NOT EXISTS rls_payments (tenant text, amount int)")
+    if not await db.fetchval("SELECT 1 FROM pg_roles WHERE rolname = 'imw_tenant_role'"):
+        await db.execute("CREATE ROLE imw_tenant_role NOLOGIN")
+    await db.execute("GRANT SELECT, INSERT ON rls_payments TO imw_tenant_role")
+    return "imw_tenant_role"
+
+
+async def test_a_role_the_handler_switches_to_needs_the_records_grants_and_the_log_says_which(
+    idempotency_database_url: str, db: asyncpg.Connection, tenant_role: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The completion is written in the handler's transaction, as the role the handler switched to (SET LOCAL ROLE
+    for row-level security). Without the grants the guide names, nothing commits, and the log says what to grant;
+    with them, the request completes and replays."""
+
+    async def pay(request: Request) -> Response:
+        connection = lent(request)
+        await connection.execute(f"SET LOCAL ROLE {tenant_role}")
+        await connection.execute("INSERT INTO rls_payments VALUES ('alice', 100)")
+        return JSONResponse({"paid": True}, status_code=201)
+
+    async with PostgresStore(idempotency_database_url, max_size=2) as store:
+        app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: "t-rls")
+        client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://test"
+        )
+        refused = await client.post("/pay", headers={"Idempotency-Key": str(uuid.uuid4())})
+        assert refused.status_code == 500
+        assert "SELECT, UPDATE ON idempotency_records" in caplog.text
+        await db.execute(
+            f"GRANT SELECT, UPDATE ON idempotency_records TO {tenant_role}; "
+            f"GRANT SELECT, INSERT, UPDATE ON idempotency_responses TO {tenant_role}"
+        )
+        try:
+            key = str(uuid.uuid4())
+            paid = await client.post("/pay", headers={"Idempotency-Key": key})
+            assert paid.status_code == 201, paid.text
+            again = await client.post("/pay", headers={"Idempotency-Key": key})
+            assert again.headers["idempotent-replayed"] == "true"
+        finally:
+            await db.execute(
+                f"REVOKE ALL ON idempotency_records FROM {tenant_role}; "
+                f"REVOKE ALL ON idempotency_responses FROM {tenant_role}"
+            )
