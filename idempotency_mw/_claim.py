@@ -303,6 +303,8 @@ else:
             yield
         except BaseException as error:
             thrown = error
+            if isinstance(error, asyncio.CancelledError) and isinstance(first.waits_on, asyncio.Future):
+                first.waits_on.cancel()  # as a task's cancel() cancels the future it waits on
         while not first.finished:
             if thrown is not None:
                 try:

@@ -536,6 +536,17 @@ async def test_an_eager_task_cancelled_before_its_first_turn_cancels_the_corouti
         await settling
     assert seen == ["cancelled where it waited", "cleaned up"]
 
+    waited_on = asyncio.get_running_loop().create_future()
+
+    async def waits_on_a_future() -> None:
+        await waited_on
+
+    settling = start_eagerly(waits_on_a_future(), "waits on a future")
+    settling.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await settling
+    assert waited_on.cancelled()  # as a task's cancel() cancels the future it waits on (a statement's, say)
+
 
 async def test_outlasting_passes_on_what_the_task_ends_with() -> None:
     async def answers() -> str:
