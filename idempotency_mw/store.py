@@ -24,10 +24,15 @@ def encode_headers(headers: Headers) -> str:
     return orjson.dumps([[name.decode("latin-1"), value.decode("latin-1")] for name, value in headers]).decode()
 
 
-def decode_headers(encoded: str | bytes | list[list[str]]) -> Headers:
-    """The header list back from its JSON text, or from the list itself where a connection decodes jsonb (a
-    SQLAlchemy engine's connections do)."""
-    pairs = orjson.loads(encoded) if isinstance(encoded, str | bytes) else encoded
+def decode_headers(encoded: str | bytes) -> Headers:
+    """The header list back from its JSON text. The PostgreSQL stores read the column as text (``headers::text``,
+    sql/queries.sql), never as a jsonb value, which a connection's JSON codec would decode (a SQLAlchemy engine's
+    connections have one, and so may an app's asyncpg pool). A JSON string holding that text is the list encoded
+    twice, as a connection's JSON codec wrote it when the statements passed the headers as a jsonb value (before
+    they cast the text in SQL): such a record, stored before, replays too instead of failing until it expires."""
+    pairs = orjson.loads(encoded)
+    if isinstance(pairs, str):  # encoded twice (a header list is always a JSON array)
+        pairs = orjson.loads(pairs)
     return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in pairs]
 
 

@@ -9,6 +9,8 @@ the requests that wait for it in this process).
 A response is stored plain (``status``, ``headers``, ``body``) or, by a store with a cipher, sealed (``sealed``,
 under the key ``sealed_with``; ``idempotency_mw.encryption``); ``body_size`` is kept either way. A sealed one is
 read back with the cipher that has its key; a plain one under a cipher only if the cipher allows plain responses.
+The headers go to their jsonb column as JSON text and come back as text (sql/queries.sql), whatever JSON codec the
+connection has.
 """
 
 from __future__ import annotations
@@ -238,8 +240,9 @@ class Records:
         return ResealedBatch(len(resealed[0]), unreadable, last)
 
     def completion(self, tenant: str, key: str, fence: int, response: StoredResponse) -> tuple[Any, ...]:
-        """The arguments of ``complete`` and ``complete_in_transaction``: the response plain, or sealed by the
-        cipher (then nothing of it is readable in the row but its body's size)."""
+        """The arguments of ``complete`` and ``complete_in_transaction``: the response plain (its headers as JSON
+        text, which the statements cast to jsonb), or sealed by the cipher (then nothing of it is readable in the
+        row but its body's size)."""
         if self.cipher is None:
             headers = encode_headers(response.headers)
             return (tenant, key, fence, response.status, headers, response.body, response.body_size, None, None)
@@ -324,9 +327,10 @@ def claim_from_row(row: asyncpg.Record, tenant: str, key: str, cipher: ResponseC
 def response_from_row(
     row: asyncpg.Record, tenant: str, key: str, cipher: ResponseCipher | None, *, resealing: bool = False
 ) -> StoredResponse:
-    """The stored response of a row that has one: as stored, or opened by ``cipher``. A sealed one without a cipher
-    that has its key raises :class:`UnknownKeyId`, naming the key; a plain one under a cipher that does not allow
-    plain responses raises :class:`PlainResponseRefused` (unless ``resealing``: reencrypt reads it to seal it)."""
+    """The stored response of a row that has one (its headers as the JSON text the statements read, never a
+    decoded jsonb value): as stored, or opened by ``cipher``. A sealed one without a cipher that has its key raises
+    :class:`UnknownKeyId`, naming the key; a plain one under a cipher that does not allow plain responses raises
+    :class:`PlainResponseRefused` (unless ``resealing``: reencrypt reads it to seal it)."""
     sealed = row["sealed"]
     if sealed is None:
         if cipher is not None and not cipher.allow_plain and not resealing:

@@ -2,6 +2,10 @@
 -- migrate() runs migrate.sql and migrations/. Parameters are numbered; each statement is one round trip and is
 -- prepared once per connection. {schema} is the store's schema (PostgresStore(schema=...)), so no statement
 -- depends on the session's search_path; {schema_name} is its plain name, inside a string.
+-- The response's headers (a jsonb column) go in as text, cast here ($5::text::jsonb), and come back as text
+-- (headers::text): no statement sends or reads a json or jsonb value, so none depends on the connection's codecs
+-- for them (an app's pool whose init sets asyncpg's JSON codec, or a handler that sets one on the connection it
+-- was lent, would encode the store's JSON text a second time, or decode it into a list).
 
 -- name: claim
 -- The claim of a key, in every case but a takeover: insert a fresh record; or, for a record that exists, read a
@@ -47,7 +51,7 @@ WITH commit_setting AS MATERIALIZED (
 ), existing AS (
     SELECT r.fence, r.fingerprint, r.attempts, r.expires_at, r.expires_at <= now() AS expired,
            s.key IS NOT NULL AS completed,
-           s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
+           s.status, s.headers::text AS headers, s.body, s.body_size, s.sealed, s.sealed_with
     FROM {schema}.idempotency_records AS r
     LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
         AND (s.life = r.created_at OR s.life IS NULL)  -- of this life only (migrations/0006)
@@ -60,7 +64,7 @@ WITH commit_setting AS MATERIALIZED (
     RETURNING r.fence, r.fingerprint, r.attempts, e.completed, r.request_parts
 )
 SELECT true AS owned, false AS completed, true AS same_request, i.attempts,
-       NULL::smallint AS status, NULL::jsonb AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
+       NULL::smallint AS status, NULL::text AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
        NULL::bytea AS sealed, NULL::text AS sealed_with, i.fence, NULL::bytea AS unkeyed,
        extract(epoch FROM i.expires_at)::float8 AS expires_at, NULL::bytea AS parts
 FROM inserted AS i
@@ -104,7 +108,7 @@ WITH commit_setting AS MATERIALIZED (
 ), existing AS (
     SELECT r.fence, r.fingerprint, r.attempts, r.expires_at, r.expires_at <= now() AS expired,
            s.key IS NOT NULL AS completed,
-           s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
+           s.status, s.headers::text AS headers, s.body, s.body_size, s.sealed, s.sealed_with
     FROM {schema}.idempotency_records AS r
     LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
         AND (s.life = r.created_at OR s.life IS NULL)  -- of this life only (migrations/0006)
@@ -141,7 +145,7 @@ WITH commit_setting AS MATERIALIZED (
     WHERE u.fence = $6 AND u.previous_fence <> $6 AND u.attempts > 1
 ), found AS (
     SELECT i.fence, i.fingerprint, i.attempts, i.expires_at, false AS completed,
-           NULL::smallint AS status, NULL::jsonb AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
+           NULL::smallint AS status, NULL::text AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
            NULL::bytea AS sealed, NULL::text AS sealed_with, NULL::bytea AS request_parts
     FROM inserted AS i
     UNION ALL
@@ -189,7 +193,7 @@ WITH commit_setting AS MATERIALIZED (
     USING {schema}.idempotency_records AS r
     WHERE s.tenant = $1 AND s.key = $2 AND r.tenant = $1 AND r.key = $2 AND r.expires_at <= now()
 ), response AS (
-    SELECT s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
+    SELECT s.status, s.headers::text AS headers, s.body, s.body_size, s.sealed, s.sealed_with
     FROM {schema}.idempotency_responses AS s
     JOIN {schema}.idempotency_records AS r ON r.tenant = s.tenant AND r.key = s.key
     WHERE s.tenant = $1 AND s.key = $2 AND (s.life = r.created_at OR s.life IS NULL)  -- of its life (0006)
@@ -257,8 +261,9 @@ WHERE tenant = $1 AND key = $2 AND fence = $3 AND lease_expires_at IS NOT NULL;
 -- A record that had duplicates (attempts) may have waiters in other processes (_waiting.py, _listener.py): it notifies them, as it
 -- commits, naming the claim by its fence, a random number that means nothing outside the store (LISTEN needs no
 -- privilege). One without costs nothing (a notification takes a lock as it commits).
--- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size,
--- $8 the sealed response and $9 the id of its key (a store with a cipher: then $4, $5 and $6 are NULL)
+-- $1 tenant, $2 key, $3 fence, $4 status, $5 headers (JSON text, store.py encode_headers), $6 body (NULL when
+-- over the cap), $7 body size, $8 the sealed response and $9 the id of its key (a store with a cipher: then $4, $5
+-- and $6 are NULL)
 WITH owned AS (
     UPDATE {schema}.idempotency_records AS r
     SET lease_expires_at = NULL
@@ -267,7 +272,7 @@ WITH owned AS (
 )
 INSERT INTO {schema}.idempotency_responses AS s
     (tenant, key, fence, status, headers, body, body_size, sealed, sealed_with, completed_at, life)
-SELECT r.tenant, r.key, $3, $4, $5, $6, $7, $8, $9, now(), r.created_at
+SELECT r.tenant, r.key, $3, $4, $5::text::jsonb, $6, $7, $8, $9, now(), r.created_at
 FROM owned AS r, LATERAL (
     SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || $3) END
 ) AS notified
@@ -291,11 +296,11 @@ ON CONFLICT (tenant, key) DO UPDATE
 -- replaces it when it completes (see complete), and goes with the record when it is purged or released.
 -- It notifies no waiter: the attempts it could read are those of its snapshot, which under REPEATABLE READ predates
 -- every duplicate. The waiters hear of it after the COMMIT (notify_waiters).
--- $1 tenant, $2 key, $3 fence, $4 status, $5 headers, $6 body (NULL when over the cap), $7 body size,
+-- $1 tenant, $2 key, $3 fence, $4 status, $5 headers (JSON text), $6 body (NULL when over the cap), $7 body size,
 -- $8 the sealed response and $9 the id of its key (see complete)
 INSERT INTO {schema}.idempotency_responses AS s
     (tenant, key, fence, status, headers, body, body_size, sealed, sealed_with, completed_at, life)
-SELECT r.tenant, r.key, $3, $4, $5, $6, $7, $8, $9, now(), r.created_at
+SELECT r.tenant, r.key, $3, $4, $5::text::jsonb, $6, $7, $8, $9, now(), r.created_at
 FROM {schema}.idempotency_records AS r
 WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
 FOR KEY SHARE
@@ -378,7 +383,7 @@ SELECT r.tenant, r.key, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'complet
        extract(epoch FROM r.created_at)::float8 AS created_at,
        extract(epoch FROM r.expires_at)::float8 AS expires_at,
        CASE WHEN s.key IS NULL THEN extract(epoch FROM r.lease_expires_at)::float8 END AS lease_expires_at,
-       s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with,
+       s.status, s.headers::text AS headers, s.body, s.body_size, s.sealed, s.sealed_with,
        r.request, r.replays, extract(epoch FROM r.last_replayed_at)::float8 AS last_replayed_at,
        (SELECT p.step || CASE WHEN p.done THEN '' ELSE ' (began, outcome unknown)' END
         FROM {schema}.idempotency_recovery_points AS p
@@ -467,7 +472,7 @@ SELECT count(*) FROM {schema}.idempotency_records WHERE expires_at <= now();
 -- wait for the batch at most. A row passed over stays as it was, for the next run.
 -- $1 tenant and $2 key to start from, $3 include that row itself (the first batch), $4 the ids of the cipher's
 -- older keys, $5 seal plain responses too, $6 batch size
-SELECT s.tenant, s.key, s.status, s.headers, s.body, s.body_size, s.sealed, s.sealed_with
+SELECT s.tenant, s.key, s.status, s.headers::text AS headers, s.body, s.body_size, s.sealed, s.sealed_with
 FROM {schema}.idempotency_responses AS s
 WHERE (s.tenant, s.key) >= ($1::text, $2::text)
   AND ($3 OR (s.tenant, s.key) <> ($1::text, $2::text))
