@@ -372,12 +372,30 @@ class IdempotentRequest:
         """Begin the handler's transaction and lend it (``request.state.idempotency.transaction``); False when the
         request was answered instead (503)."""
         ran = self._transaction()
-        if not await ran.begin(self.owned, self.ask.owner):
+        try:
+            begun = await ran.begin(self.owned, self.ask.owner)
+        except asyncio.CancelledError:
+            # Cancelled while BEGIN was on its way (a claim landed on the same connection): nothing ran. As for a claim
+            # on its way (_abandon), a task the cancellation does not stop gives the connection back and frees the
+            # key, which would otherwise stay in progress, its lease renewed for as long as the process lives.
+            giving_up = start_eagerly(self._give_up(ran), "idempotency release")
+            if self.owned is not None:  # reported once it ends (_finish); a keyless request reports nothing
+                self.abandoning = giving_up
+            raise
+        if not begun:
             assert ran.failure is not None
             self.middleware.failures.failed("run the handler's transaction", ran.failure)
             await self._refuse(problems.store_unavailable(self.middleware.retry_after), store_failure(ran.failure))
             return False
         return self._set_context(ran.transaction, ran)
+
+    async def _give_up(self, ran: TransactionalRun) -> Outcome:
+        """A request cancelled as its transaction began (nothing ran): its key, if any, released so that the retry
+        runs, and its connection given back, as :meth:`_abandon` does."""
+        try:
+            return Outcome.CANCELLED if self.owned is None else await self.owned.release()
+        finally:
+            await ran.close()
 
     async def _unprotected(self) -> None:
         """Failing open (a route's ``fail_open``, the store down): the handler runs without a record."""
