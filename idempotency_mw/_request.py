@@ -271,7 +271,11 @@ class IdempotentRequest:
             claim = await outlasting(task)
         except asyncio.CancelledError:
             # Cancelled (a server shutting down, an outer timeout) while the claim was on its way: it may have
-            # landed. A claim that turns out to be ours is released, so the key is not left to its lease.
+            # landed. A claim that turns out to be ours is released, so the key is not left to its lease; a
+            # transactional claim's connection goes back after it, not from under it (the app may be telling its
+            # tenant: its run ends with this cancellation).
+            if isinstance(self.ran, TransactionalRun):
+                self.ran.abandoned = True
             self.abandoning = asyncio.ensure_future(self._abandon(task, self.ran))
             raise
         except (TypeError, ValueError):

@@ -99,6 +99,9 @@ class TransactionalRun:
         self.outcome: tuple[Outcome, int | None] | None = None
         self.recorder = ResponseRecorder(send, max_body=policy.max_response_bytes, hold=True)
         self.transaction: Transaction | None = None  # the connection, once taken
+        # The request was cancelled while its claim was on its way on the connection: the connection is the claim's
+        # abandonment's to give back once the claim has ended (IdempotentRequest._abandon), never the run's under it.
+        self.abandoned = False
         self._store = store
         self._policy = policy
         self._send_on = send
@@ -223,7 +226,8 @@ class TransactionalRun:
                 self._to(State.FENCED_OUT)
             elif self.state is State.REFUSED:
                 self.outcome = (released, self.recorder.status)
-        await self.close()
+        if not self.abandoned:
+            await self.close()
 
     async def _settled_claim(self) -> None:
         """Committed or rolled back, before the held response goes out: free a released key; the outcome. Once."""

@@ -15,7 +15,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message
 
+import idempotency_mw
 from idempotency_mw import Event, IdempotencyMiddleware, Outcome, PostgresStore, Store
+from idempotency_mw._keys import TenantFromApp
 from idempotency_mw.postgres import _lending
 from idempotency_mw.postgres._pool import OwnPool
 from tests.conftest import http_scope
@@ -24,15 +26,18 @@ TENANT = "tenant-cancellation"
 BODY = b'{"amount": 1250}'
 
 
-def app_on(store: Store, events: list[Event], **options: Any) -> Starlette:
+def app_on(store: Store, events: list[Event], *, from_app: bool = False, **options: Any) -> Starlette:
+    """The app, its events in ``events``; ``from_app``: it tells the tenant itself (``idempotency_mw.claim``)."""
+
     async def charge(request: Request) -> Response:
         await request.body()
+        if from_app:
+            await idempotency_mw.claim(request, TENANT)
         return JSONResponse({"ok": True}, status_code=201)
 
     app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
-    app.add_middleware(
-        IdempotencyMiddleware, store=store, tenant=lambda scope: TENANT, on_event=events.append, **options
-    )
+    tenant = TenantFromApp() if from_app else lambda scope: TENANT
+    app.add_middleware(IdempotencyMiddleware, store=store, tenant=tenant, on_event=events.append, **options)
     return app
 
 
@@ -56,6 +61,17 @@ def lent(store: PostgresStore) -> int:
     connector = store.connector
     assert isinstance(connector, OwnPool)
     return connector.pool.size - connector.pool.idle
+
+
+async def released(store: PostgresStore, key: str) -> None:
+    """Wait for the key to be released (in a task of its own, which outlasts the request), then for every connection
+    to be back."""
+    for _ in range(100):
+        if await store.inspect(TENANT, key) is None and lent(store) == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert await store.inspect(TENANT, key) is None
+    assert lent(store) == 0
 
 
 @pytest.fixture
@@ -92,11 +108,53 @@ async def test_a_request_cancelled_as_its_transaction_begins_frees_its_key(
     with pytest.raises(asyncio.CancelledError):
         await request
     monkeypatch.undo()
-    for _ in range(100):  # the release goes on in a task of its own
-        if await opened_store.inspect(TENANT, key) is None:
-            break
-        await asyncio.sleep(0.02)
-    assert await opened_store.inspect(TENANT, key) is None
-    assert lent(opened_store) == 0
+    await released(opened_store, key)
+    assert [event.outcome for event in events] == [Outcome.RELEASED]
+    assert await call(app, key) == 201  # the retry runs
+
+
+async def test_a_claim_abandoned_in_the_app_keeps_its_connection_until_it_ends(
+    opened_store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The app tells the tenant (``idempotency_mw.claim``) on a transactional route, and the request is cancelled
+    while the claim is on its way on the request's connection: that connection goes back once the claim has ended,
+    and the claim, which landed, is released. The run gave it back under the claim, which then failed (the
+    connection closed in the middle of its statement): nothing was released, the key was left to its lease, and the
+    event said store_error."""
+    events: list[Event] = []
+    app = app_on(opened_store, events, from_app=True, transactional=True, lease=3)
+    for _ in range(3):  # warmed up: the routes read, the pool's connections prepared
+        await call(app, str(uuid.uuid4()))
+    events.clear()
+    claim = _lending.PostgresTransaction.claim
+    give_back = OwnPool.give_back
+    request: asyncio.Task[int] | None = None
+    claiming = 0
+    given_back_under_a_claim = 0
+
+    async def cancelled_as_it_claims(transaction: _lending.PostgresTransaction, *args: Any, **kwargs: Any) -> Any:
+        nonlocal claiming
+        assert request is not None
+        asyncio.get_running_loop().call_soon(request.cancel)  # while the claim is on its way
+        claiming += 1
+        try:
+            return await claim(transaction, *args, **kwargs)
+        finally:
+            claiming -= 1
+
+    async def counted_give_back(lending: Any, *args: Any, **kwargs: Any) -> None:
+        nonlocal given_back_under_a_claim
+        given_back_under_a_claim += claiming
+        await give_back(lending, *args, **kwargs)
+
+    monkeypatch.setattr(_lending.PostgresTransaction, "claim", cancelled_as_it_claims)
+    monkeypatch.setattr(OwnPool, "give_back", counted_give_back)
+    key = str(uuid.uuid4())
+    request = asyncio.create_task(call(app, key))
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    await released(opened_store, key)
+    monkeypatch.undo()
+    assert given_back_under_a_claim == 0
     assert [event.outcome for event in events] == [Outcome.RELEASED]
     assert await call(app, key) == 201  # the retry runs
