@@ -109,6 +109,7 @@ class TransactionalRun:
         self._claim: Claim | None = None
         self._loan: contextlib.AbstractAsyncContextManager[Transaction] | None = None  # ends: the connection back
         self._settling: asyncio.Future[None] | None = None
+        self._freeing: asyncio.Future[Outcome] | None = None  # the key freed (_free), once, through a cancellation
         self.attempts = 0  # earlier claims of the key: one that took it over may be at a recovery point
         self.stepped = False  # the handler asked for its steps (_stepped.py)
         self.owner = ""  # the tenant as resolved (the record's may be a route's namespace of it)
@@ -219,7 +220,7 @@ class TransactionalRun:
             # released).
             await self._settled_claim()
         elif self.state in DID_NOT_COMMIT - {State.FENCED_OUT} and self._owned is not None and self.outcome is None:
-            released = await self._free(self._owned)  # nothing committed since the last recovery point, if any
+            released = await self._free_once(self._owned)  # nothing committed since the last recovery point, if any
             if self.state is State.REFUSED and released is Outcome.FENCED_OUT:
                 # The completion failed because the key was no longer ours (a serialization failure under
                 # REPEATABLE READ or SERIALIZABLE where a newer claim's response was stored first).
@@ -238,7 +239,14 @@ class TransactionalRun:
         if self.state in (State.COMMITTED, State.RECORDED):
             self.outcome = (Outcome.EXECUTED, status)
         else:
-            self.outcome = (await self._free(owned), status)
+            self.outcome = (await self._free_once(owned), status)
+
+    async def _free_once(self, owned: OwnedClaim) -> Outcome:
+        """Free the key (:meth:`_free`) in a task of its own, which a cancellation of the request does not stop: asked
+        again after such a cancellation (``_after``), the run waits for the same task rather than free it twice."""
+        if self._freeing is None:
+            self._freeing = start_eagerly(self._free(owned), "idempotency release")
+        return await outlasting(self._freeing)
 
     async def _receive_held(self) -> Message:
         """The app's ``receive``: a client that hangs up while the response is held is kept from the app until the

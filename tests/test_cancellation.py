@@ -35,24 +35,31 @@ def app_on(store: Store, events: list[Event], *, from_app: bool = False, **optio
             await idempotency_mw.claim(request, TENANT)
         return JSONResponse({"ok": True}, status_code=201)
 
-    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    async def unavailable(request: Request) -> Response:
+        await request.body()
+        return JSONResponse({"error": "upstream down"}, status_code=503)  # transient: the key is released
+
+    app = Starlette(
+        routes=[Route("/charge", charge, methods=["POST"]), Route("/unavailable", unavailable, methods=["POST"])]
+    )
     tenant = TenantFromApp() if from_app else lambda scope: TENANT
     app.add_middleware(IdempotencyMiddleware, store=store, tenant=tenant, on_event=events.append, **options)
     return app
 
 
-async def call(app: Starlette, key: str) -> int:
+async def call(app: Starlette, key: str, path: str = "/charge") -> int:
     """One raw ASGI request; its status."""
     statuses: list[int] = []
 
     async def receive() -> Message:
+        await asyncio.sleep(0)  # as a server's: the body comes in a later turn of the loop
         return {"type": "http.request", "body": BODY, "more_body": False}
 
     async def send(message: Message) -> None:
         if message["type"] == "http.response.start":
             statuses.append(message["status"])
 
-    await app(http_scope("/charge", key), receive, send)
+    await app(http_scope(path, key), receive, send)
     return statuses[0]
 
 
@@ -158,3 +165,36 @@ async def test_a_claim_abandoned_in_the_app_keeps_its_connection_until_it_ends(
     assert given_back_under_a_claim == 0
     assert [event.outcome for event in events] == [Outcome.RELEASED]
     assert await call(app, key) == 201  # the retry runs
+
+
+async def test_a_request_cancelled_as_its_key_is_released_releases_it_once(
+    opened_store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transient answer on a transactional route (503: the key is released), and the request cancelled while that
+    release is on its way: the release goes on, once, and the event says how it ended. The settlement was asked
+    again after the cancellation, which released the key a second time and reported what that one found (released,
+    or fenced_out when the first had landed)."""
+    events: list[Event] = []
+    app = app_on(opened_store, events, transactional=True)
+    await call(app, str(uuid.uuid4()))  # warmed up: the routes read, a connection prepared
+    events.clear()
+    release = opened_store.release
+    request: asyncio.Task[int] | None = None
+    fences: list[int] = []
+
+    async def cancelled_as_it_releases(tenant: str, key: str, fence: int) -> bool:
+        assert request is not None
+        fences.append(fence)
+        if len(fences) == 1:
+            asyncio.get_running_loop().call_soon(request.cancel)  # while the release is on its way
+        return await release(tenant, key, fence)
+
+    monkeypatch.setattr(opened_store, "release", cancelled_as_it_releases)
+    key = str(uuid.uuid4())
+    request = asyncio.create_task(call(app, key, "/unavailable"))
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    await released(opened_store, key)
+    monkeypatch.undo()
+    assert len(fences) == 1
+    assert [event.outcome for event in events] == [Outcome.RELEASED]
