@@ -186,6 +186,7 @@ class ObservingRequest(IdempotentRequest):
             self.abandoning = asyncio.ensure_future(self._abandon(task, None))  # released once known to be ours
             raise
         except Exception as error:
+            del task  # it holds the error, whose traceback holds this frame: the request would be left in a cycle
             middleware.failures.failed("claim a key", error)
             unprotected = policy.fail_open and isinstance(error, OUTAGES)  # enforcing, it would run without a record
             self.would = Outcome.UNPROTECTED if unprotected else store_failure(error)

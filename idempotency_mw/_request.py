@@ -281,6 +281,7 @@ class IdempotentRequest:
         except (TypeError, ValueError):
             raise  # a store set up wrong (an engine in AUTOCOMMIT, say) says so, rather than as an outage
         except Exception as error:
+            del task  # it holds the error, whose traceback holds this frame: the request would be left in a cycle
             report.store_seconds += time.perf_counter() - started
             middleware.failures.failed("claim a key", error)
             if policy.fail_open and isinstance(error, OUTAGES):  # never a record that is there but does not open

@@ -4,7 +4,9 @@ store leaves no key in progress behind it, and gives back the connection it took
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,11 +18,15 @@ from starlette.routing import Route
 from starlette.types import Message
 
 import idempotency_mw
-from idempotency_mw import Event, IdempotencyMiddleware, Outcome, PostgresStore, Store
+from idempotency_mw import Event, IdempotencyMiddleware, MemoryStore, Outcome, PostgresStore, Store
 from idempotency_mw._keys import TenantFromApp
 from idempotency_mw.postgres import _lending
 from idempotency_mw.postgres._pool import OwnPool
+from idempotency_mw.store import Claim, StoreUnavailable
 from tests.conftest import http_scope
+from tests.test_cycles import app_on as cycles_app_on
+from tests.test_cycles import call as call_once
+from tests.test_cycles import left_to_the_collector, warmed_up
 
 TENANT = "tenant-cancellation"
 BODY = b'{"amount": 1250}'
@@ -198,3 +204,40 @@ async def test_a_request_cancelled_as_its_key_is_released_releases_it_once(
     monkeypatch.undo()
     assert len(fences) == 1
     assert [event.outcome for event in events] == [Outcome.RELEASED]
+
+
+class Down(MemoryStore):
+    """A store whose claims fail, once ``down``: at once (``waits`` False: a pool closed, a database not migrated)
+    or after a wait (a connection lost)."""
+
+    down = False
+    waits = False
+
+    async def claim(self, *args: Any, **kwargs: Any) -> Claim:
+        if self.down:
+            if self.waits:
+                await asyncio.sleep(0)
+            raise StoreUnavailable("the database is down")
+        return await super().claim(*args, **kwargs)
+
+
+@pytest.mark.parametrize("options", [{}, {"fail_open": True}, {"observe": True}], ids=["503", "fail open", "observing"])
+@pytest.mark.parametrize("waits", [False, True], ids=["at once", "after a wait"])
+async def test_no_cycles_after_a_claim_that_failed(
+    waits: bool, options: dict[str, bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim the store failed (503; or the handler run unprotected, or observed) leaves no reference cycle behind
+    (``tests/test_cycles.py``). The claim's task held the error, whose traceback held the claim's frame, whose
+    local held the task: the request and all it refers to waited for the cycle collector."""
+    # The failure is logged with its traceback: a record that pytest keeps would keep the request alive instead.
+    monkeypatch.setattr(logging.getLogger("idempotency_mw"), "disabled", True)
+    store = Down()
+    app = cycles_app_on(store, **options)
+    await warmed_up(app)
+    store.down, store.waits = True, waits
+
+    async def failed() -> None:
+        assert await call_once(app, "/charge", str(uuid.uuid4())) == (503 if not options else 201)
+        await asyncio.sleep(0)  # the callbacks of the claim's task have run: what they held is let go
+
+    assert await left_to_the_collector(failed) == Counter()
