@@ -9,6 +9,8 @@ from idempotency_mw.store import StoreNotMigrated, StoreUnavailable
 
 PROG = "idempotency-mw"
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_DATABASE, EXIT_PENDING, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+# reencrypt: every response it could re-seal is re-sealed, but an older key still keys live records' fingerprints
+EXIT_KEY_NEEDED = 5
 EXIT_OUTPUT_CLOSED = 141  # 128 + SIGPIPE: what a shell shows for a command whose reader went away (`| head`)
 
 

@@ -24,13 +24,16 @@ import json
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 from urllib.parse import parse_qsl
 
 import orjson
 
 from idempotency_mw._keyring import check_key_id, named, parse_keys
 from idempotency_mw._keys import SECRET_VARIABLE, AuthorizationTenant
+
+if TYPE_CHECKING:
+    from idempotency_mw.encryption import ResponseCipher
 
 KEYS_VARIABLE = "IDEMPOTENCY_FINGERPRINT_KEYS"
 MIN_KEY_BYTES = 32
@@ -147,7 +150,7 @@ def choose_fingerprint_keys(given: FingerprintKeys | str | None, tenant: object,
         return FingerprintKeys.derived("tenant-secret", AuthorizationTenant().derive)
     cipher = getattr(store, "cipher", None)
     if cipher is not None:
-        return FingerprintKeys.derived("response-key", cipher.derive)
+        return derived_from_response_keys(cipher)
     raise ValueError(
         "the idempotency middleware stores each request's fingerprint keyed under a server secret, so that nobody "
         "who reads the table can tell what a request held by hashing guesses, and it has none: set "
@@ -156,6 +159,13 @@ def choose_fingerprint_keys(given: FingerprintKeys | str | None, tenant: object,
         f"fingerprint_keys=FingerprintKeys(...), or set {SECRET_VARIABLE}, or give the store a cipher "
         "(PostgresStore(..., cipher=ResponseCipher.from_env()))"
     )
+
+
+def derived_from_response_keys(cipher: ResponseCipher) -> FingerprintKeys:
+    """The fingerprint keys derived from the response keys, in their order (ids ``response-key.<tag>``). Re-sealing
+    the responses never re-keys the fingerprints: a response key they are derived from stays until the records
+    fingerprinted under it have expired (``idempotency-mw reencrypt`` says until when)."""
+    return FingerprintKeys.derived("response-key", cipher.derive)
 
 
 def fingerprint_key_id(stored: bytes) -> str | None:

@@ -5,8 +5,9 @@ batches, ``inspect`` and ``forget`` look at or delete one record, ``stats`` summ
 re-seals stored responses under the current response key (``encryption.py``). Every expected failure (no database
 URL, a malformed one, a server that does not answer, a database not migrated yet, an unknown key) ends in one line
 on stderr and a non-zero exit status, never a traceback: 0 success, 1 no such record, 2 usage error (including no
-database URL), 3 database error, 4 migrations pending (``migrate --check``), 130 interrupted, 141 standard output
-closed by its reader (``| head``: not a database error).
+database URL), 3 database error, 4 migrations pending (``migrate --check``), 5 an older response key is still
+needed by live records' fingerprints (``reencrypt``), 130 interrupted, 141 standard output closed by its reader
+(``| head``: not a database error).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from idempotency_mw._cli_display import (
     format_listing,
     format_record,
     format_stalled,
+    iso,
     listing_to_dict,
     plural,
     record_to_dict,
@@ -40,6 +42,7 @@ from idempotency_mw._cli_display import (
 from idempotency_mw._cli_errors import (
     EXIT_DATABASE,
     EXIT_INTERRUPTED,
+    EXIT_KEY_NEEDED,
     EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_OUTPUT_CLOSED,
@@ -52,6 +55,7 @@ from idempotency_mw._cli_errors import (
     say,
 )
 from idempotency_mw._cli_tenants import record_id, tenants_to_list
+from idempotency_mw._fingerprint import derived_from_response_keys
 from idempotency_mw._keys import PREFIX, SECRET_VARIABLE
 from idempotency_mw.postgres._recovery import (
     ResealedResults,
@@ -258,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-seal stored responses under the current response key, in batches",
         description="Re-seal every stored response sealed under an older key of the cipher under its current key "
         "(the first one), and with --seal-plain those stored plain too; in batches, safe beside live traffic and "
-        "beside another run. Responses under keys that are not given are left as they are, and counted.",
+        "beside another run. Responses under keys that are not given are left as they are, and counted. Exit status 5 "
+        "when an older key must stay all the same: live records' fingerprints are under a key derived from it.",
     )
     reencrypt.add_argument("--batch-size", type=positive(int), default=500, help="responses per batch (default: 500)")
     reencrypt.add_argument("--max-batches", type=positive(int), help="stop after this many batches (default: no limit)")
@@ -492,6 +497,7 @@ async def cmd_reencrypt(store: PostgresStore, args: argparse.Namespace) -> int:
         say(by_key(await store.responses_by_key(), cipher, args.seal_plain, dry_run=True))
         if results := await step_results_by_key(store):
             say(by_key(results, cipher, args.seal_plain, dry_run=True, noun="step result"))
+        await _kept_for_fingerprints(store, cipher)
         return EXIT_OK
     total, unreadable = await _reseal(store, args, "responses")
     say(f"re-sealed {total} response{plural(total)} under key {cipher.current!r}")
@@ -507,10 +513,37 @@ async def cmd_reencrypt(store: PostgresStore, args: argparse.Namespace) -> int:
     if results:
         say(by_key(results, cipher, args.seal_plain, dry_run=False, noun="step result"))
         left_results += _passed_over(results, cipher, "step result")
+    kept = await _kept_for_fingerprints(store, cipher)
     left = [f"{n} {noun}{plural(n)}" for n, noun in ((unreadable, "response"), (left_results, "step result")) if n]
     if left:
         raise CommandError(f"{' and '.join(left)} could not be opened and were left as they are")
-    return EXIT_OK
+    for key_id, records in kept.items():
+        print(
+            f"{PROG}: key {key_id!r} is still needed by the fingerprints of {records} live record{plural(records)}: "
+            "do not drop it yet",
+            file=sys.stderr,
+            flush=True,
+        )
+    return EXIT_KEY_NEEDED if kept else EXIT_OK
+
+
+async def _kept_for_fingerprints(store: PostgresStore, cipher: ResponseCipher) -> dict[str, int]:
+    """The older response keys that must stay whatever is sealed under them, reported on stdout: where the app
+    derives its fingerprint keys from the response keys, the live records fingerprinted under a key derived from one
+    of them (re-sealing never re-keys a fingerprint) are another request without it, their retries 422s, until they
+    expire. Returns how many records hold each."""
+    derived = dict(zip(derived_from_response_keys(cipher).key_ids, cipher.key_ids, strict=True))
+    older = [fingerprint_key for fingerprint_key, key_id in derived.items() if key_id != cipher.current]
+    kept: dict[str, int] = {}
+    for fingerprint_key, (records, expires_at) in (await store.live_fingerprints_by_key(older)).items():
+        key_id = derived[fingerprint_key]
+        kept[key_id] = records
+        has = "has its fingerprint" if records == 1 else "have their fingerprints"
+        say(
+            f"keep key {key_id!r} until {iso(expires_at.timestamp())}: {records} live record{plural(records)} "
+            f"{has} under the fingerprint key derived from it ({fingerprint_key!r})"
+        )
+    return kept
 
 
 async def _reseal(store: PostgresStore, args: argparse.Namespace, what: str) -> tuple[int, int]:

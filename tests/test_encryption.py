@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import asyncpg
+import httpx
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
@@ -33,7 +34,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store, idempotency_context
+from idempotency_mw import (
+    IdempotencyMiddleware,
+    MemoryStore,
+    PostgresStore,
+    Store,
+    header_tenant,
+    idempotency_context,
+)
 from idempotency_mw.cli import main
 from idempotency_mw.encryption import KEYS_VARIABLE, PlainResponseRefused, ResponseCipher
 from idempotency_mw.sqlalchemy import SQLAlchemyStore, idempotency_session
@@ -695,3 +703,67 @@ def test_a_key_written_before_its_id_is_never_in_the_error(key: str) -> None:
 def test_a_short_id_is_still_named_in_the_error() -> None:
     with pytest.raises(ValueError, match="response key '2026-11' is 5 bytes"):
         ResponseCipher.parse("2026-11:c2hvcnQ=")
+
+
+# -- fingerprint keys derived from the response keys --------------------------------------------------------------
+
+
+def test_reencrypt_says_which_older_key_must_stay_for_the_fingerprints_derived_from_it(
+    migrated_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no fingerprint keys and no tenant secret, fingerprints are keyed under keys derived from the response
+    keys. Re-sealing moves the responses to the new key, never the fingerprints: dropping the old key then would
+    turn every retry of a live request fingerprinted under it into a 422, so reencrypt says the key stays, until
+    when, and exits with status 5; once those records have expired, it may go."""
+    monkeypatch.delenv("IDEMPOTENCY_TENANT_SECRET", raising=False)
+    monkeypatch.delenv("IDEMPOTENCY_FINGERPRINT_KEYS", raising=False)
+    headers = {"x-account-id": "acct_1", "Idempotency-Key": f"enc-{uuid.uuid4().hex}"}
+    runs: list[str] = []
+
+    async def run(request: Request) -> Response:
+        runs.append("ran")
+        return Response(b"{}", status_code=201)
+
+    async def charge(store: PostgresStore) -> httpx.Response:
+        app = Starlette(routes=[Route("/charges", run, methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=store, tenant=header_tenant("x-account-id"))
+        async with client_for(app) as client:
+            return await client.post("/charges", json={"amount": 500}, headers=headers)
+
+    async def first() -> None:
+        async with PostgresStore(migrated_url, cipher=cipher("2026-06")) as store:
+            assert (await charge(store)).status_code == 201
+
+    asyncio.run(first())
+    database = ["--database-url", migrated_url]
+    keys_text = ",".join(f"{key_id}:{KEYS[key_id].hex()}" for key_id in ("2026-11", "2026-06"))
+    monkeypatch.setenv(KEYS_VARIABLE, keys_text)
+    assert main([*database, "reencrypt"]) == 5
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert lines[:2] == ["re-sealed 1 response under key '2026-11'", "under '2026-11' (current): 1 response"]
+    assert re.fullmatch(
+        r"keep key '2026-06' until \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00: 1 live record has its "
+        r"fingerprint under the fingerprint key derived from it \('response-key\.[0-9a-f]{12}'\)",
+        lines[2],
+    ), lines
+    assert "key '2026-06' is still needed by the fingerprints of 1 live record" in err
+    assert main([*database, "reencrypt", "--dry-run"]) == 0
+    assert "keep key '2026-06' until" in capsys.readouterr().out
+
+    async def retry() -> httpx.Response:  # with the old key kept, as reencrypt says: replayed
+        async with PostgresStore(migrated_url, cipher=cipher("2026-11", "2026-06")) as store:
+            return await charge(store)
+
+    assert (asyncio.run(retry()).status_code, runs) == (201, ["ran"])
+
+    async def expire() -> None:
+        connection = await asyncpg.connect(migrated_url)
+        try:
+            await connection.execute("UPDATE idempotency_records SET expires_at = now() - interval '1 second'")
+        finally:
+            await connection.close()
+
+    asyncio.run(expire())
+    assert main([*database, "reencrypt"]) == 0
+    assert "keep key" not in capsys.readouterr().out

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Self
 
 import asyncpg
@@ -321,6 +322,17 @@ class PostgresStore:
             with reachable(self.schema):
                 rows = await connection.fetch(self._records.sql["responses_by_key"], timeout=self.timeout)
         return {row["sealed_with"]: row["responses"] for row in rows}
+
+    async def live_fingerprints_by_key(self, key_ids: Sequence[str]) -> dict[str, tuple[int, datetime]]:
+        """For each of the fingerprint ``key_ids`` that a live record's fingerprint is under: how many records, and
+        when the last of them expires (until then the key must stay, or their retries are 422s); it reads every
+        live record."""
+        async with self._connector.session() as connection:
+            with reachable(self.schema):
+                rows = await connection.fetch(
+                    self._records.sql["live_fingerprints_by_key"], list(key_ids), timeout=self.timeout
+                )
+        return {row["key_id"]: (row["records"], row["expires_at"]) for row in rows}
 
     async def migrate(self) -> list[str]:
         """Create the schema if it is missing and apply the migrations it lacks, in order; return their names. Safe

@@ -496,6 +496,22 @@ FROM {schema}.idempotency_responses AS s
 GROUP BY s.sealed_with
 ORDER BY s.sealed_with NULLS FIRST;
 
+-- name: live_fingerprints_by_key
+-- How many live records hold a fingerprint written under each of the given fingerprint keys, and when the last of
+-- them expires: for reencrypt to say which older response key must stay, where the fingerprint keys are derived from
+-- the response keys (re-sealing a response never re-keys its record's fingerprint, and a retry whose record's
+-- fingerprint is under a key no longer given is another request: a 422). A stored fingerprint is the key's id, ':'
+-- and a 32-byte HMAC (_fingerprint.py). It reads every live record: reencrypt's, never on a request's path.
+-- $1 the fingerprint key ids
+SELECT k.key_id, count(*) AS records, max(r.expires_at) AS expires_at
+FROM unnest($1::text[]) AS k (key_id)
+JOIN {schema}.idempotency_records AS r
+  ON octet_length(r.fingerprint) = octet_length(k.key_id) + 33
+ AND substring(r.fingerprint FROM 1 FOR octet_length(k.key_id) + 1) = convert_to(k.key_id || ':', 'UTF8')
+WHERE r.expires_at > now()
+GROUP BY k.key_id
+ORDER BY k.key_id;
+
 -- name: stats
 SELECT
     count(*) FILTER (WHERE s.key IS NULL AND r.expires_at > now()) AS in_progress,
