@@ -455,7 +455,8 @@ class Ask:
         one does, the fresh claim is released and the request is claimed there instead, so that it is still the same
         request (a replay, a 409, a 422), and where that claim is fresh in turn, the tenant it left is looked at
         again. Each side claims before it looks, so of two copies that race under two tenants at least one sees the
-        other's claim: never both run. Two that keep seeing each other give up after ``MAX_MOVES`` with a 409."""
+        other's claim: never both run. Two that keep seeing each other give up after ``MAX_MOVES`` with a 409. A look
+        that fails releases the fresh claim before its error goes on (:meth:`_looked_up`)."""
         assert self.key is not None
         current, *previous = self.digests
         line, matching = self.line, tuple(previous)
@@ -472,7 +473,7 @@ class Ask:
         if claim.outcome is not ClaimOutcome.OWNED or claim.attempts:
             return claim
         for other in self.others:
-            found = await store.inspect(other, self.key)
+            found = await self._looked_up(store, claim.fence, store.inspect(other, self.key))
             if found is not None and found.expires_at > time.time():
                 await store.release(self.tenant, self.key, claim.fence)
                 if moves == MAX_MOVES:
@@ -480,8 +481,20 @@ class Ask:
                 self.tenant, self.others = other, tuple(t for t in (self.tenant, *self.others) if t != other)
                 return await self.claim(claimer, store, lease=lease, ttl=ttl, moves=moves + 1, earlier=earlier)
         if earlier is not None:
-            return await self._as_earlier(claim, store, await earlier(self.key))
+            return await self._as_earlier(claim, store, await self._looked_up(store, claim.fence, earlier(self.key)))
         return claim
+
+    async def _looked_up(self, store: Store, fence: int, looking: Awaitable[T]) -> T:
+        """What ``looking`` (a look elsewhere after the fresh claim ``fence``) finds. Where it fails (a record there
+        that does not open, the store unreachable), the claim is released first, as best it can be, so that the
+        retry is not a 409 until its lease lapses; the error goes on."""
+        assert self.key is not None
+        try:
+            return await looking
+        except Exception:
+            with contextlib.suppress(Exception):
+                await store.release(self.tenant, self.key, fence)
+            raise
 
     async def _as_earlier(self, claim: Claim, store: Store, earlier: Earlier | None) -> Claim:
         """A fresh claim, answered from what the package this app switched from recorded (``cutover.py``): its

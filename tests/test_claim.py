@@ -22,9 +22,16 @@ from typing import Any
 import pytest
 
 from idempotency_mw import MemoryStore
-from idempotency_mw._claim import HeldLease, LeaseKeeper, OwnedClaim, outlasting, start_eagerly, store_failure
+from idempotency_mw._claim import Ask, HeldLease, LeaseKeeper, OwnedClaim, outlasting, start_eagerly, store_failure
 from idempotency_mw._events import FailureLog, Outcome
-from idempotency_mw.store import ClaimOutcome, PoolExhausted, StoredResponse, StoreUnavailable
+from idempotency_mw.store import (
+    ClaimOutcome,
+    PoolExhausted,
+    RecordInfo,
+    StoredResponse,
+    StoreUnavailable,
+    UnknownKeyId,
+)
 
 RESPONSE = StoredResponse(201, [(b"content-type", b"application/json")], b'{"id": 1}', 9)
 FINGERPRINT = b"f" * 32
@@ -608,3 +615,40 @@ async def test_a_cancelled_wait_leaves_the_task_running_and_its_error_to_its_own
     del unread, waiting
     gc.collect()
     assert "never retrieved" not in caplog.text
+
+
+class Unreadable(MemoryStore):
+    """A store whose look under another tenant fails: a record there that does not open, or the store gone."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+
+    async def inspect(self, tenant: str, key: str) -> RecordInfo | None:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error", [UnknownKeyId("2026-06", ("2026-11",)), StoreUnavailable("down")], ids=["unknown key id", "unavailable"]
+)
+async def test_a_fresh_claim_is_released_when_looking_under_the_other_tenant_fails(error: BaseException) -> None:
+    """The look under the other secret of a rotation (or a route's older namespace) fails after the fresh claim was
+    taken: the error goes on, and the claim is released rather than left to answer 409 until its lease lapses."""
+    store = Unreadable(error)
+    ask = Ask(key="k", tenant="t", owner="t", others=("t-old",), digests=(FINGERPRINT,))
+    with pytest.raises(type(error)):
+        await ask.claim(store, store, lease=30, ttl=60)
+    retry = await store.claim("t", "k", FINGERPRINT, lease=30, ttl=60)
+    assert retry.outcome is ClaimOutcome.OWNED
+
+
+async def test_a_fresh_claim_is_released_when_looking_for_what_an_earlier_package_recorded_fails() -> None:
+    store = MemoryStore()
+    ask = Ask(key="k", tenant="t", owner="t", digests=(FINGERPRINT,))
+
+    async def earlier(key: str) -> None:
+        raise OSError("connection reset")
+
+    with pytest.raises(OSError, match="connection reset"):
+        await ask.claim(store, store, lease=30, ttl=60, earlier=earlier)
+    assert (await store.claim("t", "k", FINGERPRINT, lease=30, ttl=60)).outcome is ClaimOutcome.OWNED
