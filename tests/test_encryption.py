@@ -610,6 +610,36 @@ async def test_reencrypt_leaves_a_response_that_does_not_open_and_goes_on(migrat
         assert await store.responses_by_key() == {"2026-06": 1, "2026-11": 2}
 
 
+async def test_reencrypt_bounds_each_batch_by_bytes_as_well_as_rows(migrated_url: str) -> None:
+    """A batch of large responses (8 MiB each by default) would pass PostgreSQL's 1 GB message limit at 500 rows:
+    each batch stops where its responses' bytes would pass ``batch_bytes``, with one row at least, and the next
+    batch goes on from there."""
+    large = StoredResponse(200, [], b"x" * 1000, 1000)
+    async with PostgresStore(migrated_url, cipher=cipher("2026-06")) as old:
+        for n in range(5):
+            await completed(old, "t", f"k{n}", large)
+    async with PostgresStore(migrated_url) as plain:
+        await completed(plain, "t", "k5", large)
+
+    async def run(store: PostgresStore, batch_bytes: int) -> list[int]:
+        """How many responses each batch of a run re-sealed."""
+        sizes, after = [], None
+        while True:
+            batch = await store.reencrypt(batch_size=500, batch_bytes=batch_bytes, seal_plain=True, after=after)
+            sizes.append(batch.resealed)
+            if (after := batch.after) is None:
+                return sizes
+
+    async with PostgresStore(migrated_url, cipher=cipher("2026-11", "2026-06")) as store:
+        assert await run(store, 2500) == [2, 2, 2]  # about 1 KB each: two fit in 2500 bytes, three do not
+        assert await store.responses_by_key() == {"2026-11": 6}
+        assert await run(store, 10) == [0]  # nothing left to do
+    async with PostgresStore(migrated_url, cipher=cipher("2026-01", "2026-11")) as store:
+        assert await run(store, 10) == [1] * 6  # each one larger than the bound: one a batch
+        assert await store.responses_by_key() == {"2026-01": 6}
+        assert await replayed(store, "t", "k5") == large
+
+
 def test_the_command_line_reencrypts_and_inspects(
     migrated_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -221,22 +221,30 @@ class Records:
         return claim
 
     async def reseal(
-        self, connection: asyncpg.Connection, batch_size: int, seal_plain: bool, after: tuple[str, str] | None
+        self,
+        connection: asyncpg.Connection,
+        batch_size: int,
+        seal_plain: bool,
+        after: tuple[str, str] | None,
+        batch_bytes: int,
     ) -> ResealedBatch:
         """One batch of ``PostgresStore.reencrypt`` on ``connection``, in one transaction: the rows locked
-        (``reseal_batch``), opened and sealed under the cipher's current key here, and written back (``reseal``)."""
+        (``reseal_batch``: ``batch_size`` rows, and no more than ``batch_bytes`` of responses past the first), opened
+        and sealed under the cipher's current key here, and written back (``reseal``)."""
         cipher, sql, timeout = self.cipher, self.sql, self.timeout
         assert cipher is not None
         older = [key_id for key_id in cipher.key_ids if key_id != cipher.current]
         start, first = after or ("", ""), after is None
         async with connection.transaction(isolation="read_committed"):
             rows = await connection.fetch(
-                sql["reseal_batch"], *start, first, older, seal_plain, batch_size, timeout=timeout
+                sql["reseal_batch"], *start, first, older, seal_plain, batch_size, batch_bytes, timeout=timeout
             )
             resealed, unreadable = reseal_rows(rows, cipher)
             if resealed[0]:
                 await connection.execute(sql["reseal"], cipher.current, *resealed, timeout=timeout)
-        last = (rows[-1]["tenant"], rows[-1]["key"]) if len(rows) == batch_size else None
+        # More to look at: a full batch of rows, or one the byte bound cut short of the rows it locked.
+        more = bool(rows) and (rows[0]["locked"] == batch_size or len(rows) < rows[0]["locked"])
+        last = (rows[-1]["tenant"], rows[-1]["key"]) if more else None
         return ResealedBatch(len(resealed[0]), unreadable, last)
 
     def completion(self, tenant: str, key: str, fence: int, response: StoredResponse) -> tuple[Any, ...]:

@@ -37,6 +37,7 @@ from idempotency_mw.store import (
 if TYPE_CHECKING:
     from idempotency_mw.encryption import ResponseCipher
 
+RESEAL_BATCH_BYTES = 64 * 1024 * 1024  # responses' bytes per reencrypt batch: far below PostgreSQL's 1 GB messages
 REPLAYS_EVERY = 5.0  # seconds between the batches that write the replays counted in memory (count_replays)
 
 
@@ -303,10 +304,17 @@ class PostgresStore:
         return dict(row)
 
     async def reencrypt(
-        self, *, batch_size: int = 1000, seal_plain: bool = False, after: tuple[str, str] | None = None
+        self,
+        *,
+        batch_size: int = 1000,
+        seal_plain: bool = False,
+        after: tuple[str, str] | None = None,
+        batch_bytes: int = RESEAL_BATCH_BYTES,
     ) -> ResealedBatch:
         """Re-seal under the cipher's current key up to ``batch_size`` responses sealed under its other keys (with
-        ``seal_plain``, those stored plain too), after ``after`` (the previous batch's; None for the first). One
+        ``seal_plain``, those stored plain too), after ``after`` (the previous batch's; None for the first), and no
+        more of them than add up to ``batch_bytes`` (one at least): a batch goes to the server and back in one
+        message each way, which PostgreSQL limits to 1 GB, and responses can be several MiB each. One
         transaction locks the rows (``FOR UPDATE SKIP LOCKED``: reseal_batch), seals them here and writes them back
         before the locks go: safe beside live traffic and other runs; a batch that fails leaves every response as it
         was, and a response that does not open is left as it is and reported."""
@@ -314,7 +322,7 @@ class PostgresStore:
             raise ValueError("reencrypt needs a PostgresStore with a cipher: PostgresStore(..., cipher=...)")
         async with self._connector.session() as connection:
             with reachable(self.schema):
-                return await self._records.reseal(connection, batch_size, seal_plain, after)
+                return await self._records.reseal(connection, batch_size, seal_plain, after, batch_bytes)
 
     async def responses_by_key(self) -> dict[str | None, int]:
         """How many stored responses are sealed under each key id (None: stored plain); one scan of the table."""

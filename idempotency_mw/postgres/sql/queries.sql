@@ -470,16 +470,33 @@ SELECT count(*) FROM {schema}.idempotency_records WHERE expires_at <= now();
 -- new form (reseal); SKIP LOCKED passes over those another run holds, as the purge does, and a completion or a
 -- replay never waits: responses are only ever inserted and read, and the claim, forget and purge that delete them
 -- wait for the batch at most. A row passed over stays as it was, for the next run.
+-- The batch is bounded by bytes as well as rows: it takes the locked rows, in order, while their sealed (or plain)
+-- bodies add up to $7 at most, and always the first, so that neither the rows fetched nor the reseal that writes
+-- them back comes near PostgreSQL's 1 GB message limit with responses of several MiB. The locked rows past the bound
+-- are only measured (octet_length reads no body), and left to the next batch, which starts after the last row taken.
+-- locked: how many rows were locked, so that the caller knows a batch cut short by $7 from the end of the table.
 -- $1 tenant and $2 key to start from, $3 include that row itself (the first batch), $4 the ids of the cipher's
--- older keys, $5 seal plain responses too, $6 batch size
-SELECT s.tenant, s.key, s.status, s.headers::text AS headers, s.body, s.body_size, s.sealed, s.sealed_with
-FROM {schema}.idempotency_responses AS s
-WHERE (s.tenant, s.key) >= ($1::text, $2::text)
-  AND ($3 OR (s.tenant, s.key) <> ($1::text, $2::text))
-  AND (s.sealed_with = ANY ($4::text[]) OR ($5 AND s.sealed IS NULL))
-ORDER BY s.tenant, s.key
-LIMIT $6
-FOR UPDATE SKIP LOCKED;
+-- older keys, $5 seal plain responses too, $6 batch size (rows), $7 batch size (bytes)
+WITH locked AS (
+    SELECT s.tenant, s.key, coalesce(octet_length(s.sealed), octet_length(s.body), 0) AS bytes
+    FROM {schema}.idempotency_responses AS s
+    WHERE (s.tenant, s.key) >= ($1::text, $2::text)
+      AND ($3 OR (s.tenant, s.key) <> ($1::text, $2::text))
+      AND (s.sealed_with = ANY ($4::text[]) OR ($5 AND s.sealed IS NULL))
+    ORDER BY s.tenant, s.key
+    LIMIT $6
+    FOR UPDATE SKIP LOCKED
+), measured AS (
+    SELECT l.tenant, l.key, count(*) OVER () AS locked,
+           row_number() OVER running AS n, sum(l.bytes) OVER running AS bytes_so_far
+    FROM locked AS l
+    WINDOW running AS (ORDER BY l.tenant, l.key ROWS UNBOUNDED PRECEDING)
+)
+SELECT s.tenant, s.key, s.status, s.headers::text AS headers, s.body, s.body_size, s.sealed, s.sealed_with, m.locked
+FROM measured AS m
+JOIN {schema}.idempotency_responses AS s ON s.tenant = m.tenant AND s.key = m.key
+WHERE m.n = 1 OR m.bytes_so_far <= $7
+ORDER BY s.tenant, s.key;
 
 -- name: reseal
 -- The batch's responses in their new form, in the transaction that locked them (reseal_batch).
