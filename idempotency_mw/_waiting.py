@@ -60,3 +60,9 @@ class Waiters:
         found = self.events.pop(fence, None)
         if found is not None:
             found[0].set()
+
+    def wake_all(self) -> None:
+        """Every claim may have settled unheard (the connection that listened was lost): all claim again."""
+        for event, _ in self.events.values():
+            event.set()
+        self.events.clear()

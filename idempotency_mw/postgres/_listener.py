@@ -14,9 +14,10 @@ CHANNEL = "idempotency_mw_settled"  # the LISTEN/NOTIFY channel (sql/queries.sql
 class SettlementListener:
     """Other processes' settlements, heard on one connection of the store's own that LISTENs on :data:`CHANNEL` and
     wakes the :class:`Waiters` they concern: started by the first waiter (who waits until it listens), held until
-    :meth:`stop` or until the connection is lost (the next waiter then starts it again). Where no session can listen
-    (behind a transaction-pooling proxy), waiters wake at their deadline, or when a settlement in their own process
-    wakes them."""
+    :meth:`stop` or until the connection is lost. A lost connection wakes every waiter, since what was notified
+    meanwhile went unheard: each claims again and, still waiting, subscribes again, which listens again. Where no
+    session can listen (behind a transaction-pooling proxy), waiters wake at their deadline, or when a settlement in
+    their own process wakes them."""
 
     def __init__(self, connector: Connector, schema: str, waiters: Waiters) -> None:
         self._connector = connector
@@ -50,12 +51,21 @@ class SettlementListener:
                 self._waiters.wake(int(fence))
 
     async def _listen(self, ended: asyncio.Event, listening: asyncio.Future[None]) -> None:
+        lost = False
+
+        def terminated(_: object) -> None:
+            nonlocal lost
+            lost = lost or not ended.is_set()  # set already: stopped, and the connection closed for it
+            ended.set()
+
         try:
             async with self._connector.listening(CHANNEL, self._notified) as connection:
                 if connection is not None:
-                    connection.add_termination_listener(lambda _: ended.set())
+                    connection.add_termination_listener(terminated)
                 listening.set_result(None)
                 await ended.wait()
         finally:
             if not listening.done():
                 listening.set_result(None)  # it could not listen: nobody waits for it
+            if lost:
+                self._waiters.wake_all()
