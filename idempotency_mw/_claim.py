@@ -499,7 +499,9 @@ class Ask:
     async def _as_earlier(self, claim: Claim, store: Store, earlier: Earlier | None) -> Claim:
         """A fresh claim, answered from what the package this app switched from recorded (``cutover.py``): its
         response becomes this record's (then replayed, here and to every later retry), a request it still runs is a
-        409, another request a 422; where it recorded nothing, the claim stands."""
+        409, another request a 422; where it recorded nothing, the claim stands. The 409 names no claim (fence 0):
+        the one taken here is released, and nothing tells this store when the other package's run ends, so a waiter
+        has nothing to wait for."""
         assert self.key is not None
         if earlier is None:
             return claim
@@ -507,8 +509,9 @@ class Ask:
         if response is not None and await store.complete(self.tenant, self.key, claim.fence, response):
             return Claim(ClaimOutcome.COMPLETED, fence=claim.fence, response=response, expires_at=claim.expires_at)
         await store.release(self.tenant, self.key, claim.fence)
-        outcome = ClaimOutcome.IN_PROGRESS if earlier.same_request else ClaimOutcome.MISMATCH
-        return Claim(outcome, fence=claim.fence)
+        if earlier.same_request:
+            return Claim(ClaimOutcome.IN_PROGRESS, fence=0)
+        return Claim(ClaimOutcome.MISMATCH, fence=claim.fence)
 
 
 # -- waiting for the claim of another request -----------------------------------------------------------------------
@@ -518,13 +521,15 @@ Watch = Callable[[int], contextlib.AbstractAsyncContextManager[Subscription]]
 
 async def claim_or_wait(claim: Callable[[], Awaitable[Claim]], watch: Watch, within: float) -> Claim:
     """The ``claim``; while another request runs under its key, watch that request's claim (``watch(fence)``), check
-    again, and wait for it to settle, then claim again; for ``within`` seconds at most."""
+    again, and wait for it to settle, then claim again; for ``within`` seconds at most. A request that runs under no
+    claim of the store's (fence 0: a cutover's earlier package runs it) is answered at once: nothing would wake the
+    waiter, and claiming again until the deadline would only spin."""
     claimed = await claim()
     if claimed.outcome is not ClaimOutcome.IN_PROGRESS:
         return claimed
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
-    while claimed.outcome is ClaimOutcome.IN_PROGRESS and deadline > loop.time():
+    while claimed.outcome is ClaimOutcome.IN_PROGRESS and claimed.fence and deadline > loop.time():
         running = claimed.fence
         async with watch(running) as settled:
             claimed = await claim()  # subscribed: a settlement before this is found here, one after wakes us

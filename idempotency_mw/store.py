@@ -72,7 +72,9 @@ class ClaimOutcome(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class Claim:
     outcome: ClaimOutcome
-    fence: int = 0  # OWNED: ours; IN_PROGRESS: the running claim's, whose settlement a waiter waits for
+    # OWNED: ours; IN_PROGRESS: the running claim's, whose settlement a waiter waits for, or 0 when the request runs
+    # under no claim of the store's (a cutover's earlier package runs it): nothing to wait for. Fences are never 0.
+    fence: int = 0
     response: StoredResponse | None = None  # only when COMPLETED
     attempts: int = 0  # requests that came with this key after the first (retries, conflicts, mismatches)
     # MISMATCH only: the record's fingerprint when it is a bare SHA-256, written before fingerprints were keyed; the
