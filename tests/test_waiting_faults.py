@@ -4,14 +4,18 @@ cutover's earlier package still running the request, a takeover racing a transac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import asyncpg
 from starlette.types import Scope
 
-from idempotency_mw import MemoryStore, PostgresStore, Store
+from idempotency_mw import MemoryStore, PostgresStore, Store, StoredResponse
 from idempotency_mw.cutover import Earlier
-from tests.conftest import client_for
+from idempotency_mw.store import ClaimOutcome
+from tests.conftest import client_for, tenant_of
+from tests.postgres.test_store import wait_for_lock_wait
 from tests.test_waiting import Original, started, waiting_app
 
 WAIT = 2.0  # every wait here is bounded by this
@@ -75,3 +79,74 @@ async def test_a_waiter_on_a_request_the_earlier_package_runs_answers_409_at_onc
             status, took, lookups = await asyncio.wait_for(answer_while_the_earlier_package_runs(store, key), 5)
             assert (status, lookups) == (409, 1), f"{type(store).__name__}: {lookups} lookups in {took:.2f}s"
             assert took < 0.5
+
+
+@contextlib.asynccontextmanager
+async def row_held(url: str, tenant: str, key: str) -> AsyncIterator[asyncpg.Connection]:
+    """The record row locked as a renewal or a duplicate's count locks it (FOR NO KEY UPDATE), until the block ends:
+    a claim that waits for the row then acts on a snapshot taken before it waited."""
+    admin = await asyncpg.connect(url)
+    try:
+        async with admin.transaction():
+            await admin.execute(
+                "SELECT FROM idempotency_records WHERE tenant = $1 AND key = $2 FOR NO KEY UPDATE", tenant, key
+            )
+            yield admin
+    finally:
+        await admin.close()
+
+
+async def test_a_takeover_of_a_lapsed_lease_replays_a_transactional_completion_that_commits_meanwhile(
+    idempotency_database_url: str, key: str
+) -> None:
+    """A transactional original whose lease lapsed commits its effect and response while a duplicate's takeover has
+    its snapshot and waits for the row: the duplicate gets the replay, and does not run the request again."""
+    response = StoredResponse(201, [], b'{"run":1}', 9)
+    async with PostgresStore(idempotency_database_url) as a, PostgresStore(idempotency_database_url) as b:
+        async with a.transaction() as original:
+            owned = await original.claim("t", key, b"f" * 40, lease=0.5, ttl=60)
+            assert owned.outcome is ClaimOutcome.OWNED
+            await original.begin()
+            assert await original.complete("t", key, owned.fence, response)
+            await asyncio.sleep(0.7)  # its lease lapses while it finishes (a slow commit, a pause)
+            async with row_held(idempotency_database_url, "t", key) as admin:
+                duplicate = asyncio.create_task(b.claim("t", key, b"f" * 40, lease=30, ttl=60))
+                await wait_for_lock_wait(admin)
+                await original.commit()
+        claim = await asyncio.wait_for(duplicate, 5)
+        record = await a.inspect("t", key)
+    assert record is not None
+    assert (record.state, record.fence) == ("completed", owned.fence)
+    assert (claim.outcome, claim.response) == (ClaimOutcome.COMPLETED, response)
+
+
+async def test_a_waiter_replays_a_transactional_original_that_commits_as_its_lease_is_taken_over(
+    idempotency_database_url: str, key: str
+) -> None:
+    """As above, through the middleware (transactional, on_conflict="wait"): the duplicate answers the original's
+    response, and its handler never runs."""
+    async with PostgresStore(idempotency_database_url) as a, PostgresStore(idempotency_database_url) as b:
+        second = Original()
+        second.go.set()
+        client = client_for(waiting_app(b, second, wait=WAIT, transactional=True))
+        probe = await client.post("/pay", json={"amount": 5}, headers={"Idempotency-Key": f"{key}-probe"})
+        assert probe.status_code == 201
+        found = await b.inspect(tenant_of(), f"{key}-probe")  # the tenant and fingerprint the middleware writes
+        assert found is not None
+        tenant, fingerprint, runs = found.tenant, found.fingerprint, second.runs
+        response = StoredResponse(201, [], b'{"run":"original"}', 18)
+        async with a.transaction() as original:
+            owned = await original.claim(tenant, key, fingerprint, lease=0.5, ttl=60)
+            assert owned.outcome is ClaimOutcome.OWNED
+            await original.begin()
+            assert await original.complete(tenant, key, owned.fence, response)
+            await asyncio.sleep(0.7)
+            async with row_held(idempotency_database_url, tenant, key) as admin:
+                duplicate = asyncio.create_task(
+                    client.post("/pay", json={"amount": 5}, headers={"Idempotency-Key": key})
+                )
+                await wait_for_lock_wait(admin)
+                await original.commit()
+        answer = await asyncio.wait_for(duplicate, 5)
+    assert second.runs == runs, "the duplicate ran the handler although the original had committed"
+    assert (answer.status_code, answer.content) == (201, response.body)

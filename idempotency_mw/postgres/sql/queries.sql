@@ -94,6 +94,16 @@ WHERE e.completed AND e.fingerprint = ANY ($3) AND NOT e.expired;
 -- is not in the snapshot, so that case returns no row either.
 -- Every condition that a concurrent write can change is written on the row being updated (r), which the UPDATE
 -- re-reads after waiting for such a write; e is the snapshot's record and response.
+-- A completion in a handler's transaction writes no record row and leaves the lease set, so nothing in r shows one
+-- that committed while the UPDATE waited for a renewal or a duplicate's count of the row: a takeover of a request
+-- whose effect committed. So a lapsed lease of this request is locked first (as the UPDATE locks it), and
+-- idempotency_settled then reads with a snapshot of its own, as in release: a response (or recovery point) of this
+-- life committed since the snapshot, which e shows neither, is a race: the row is left alone, no row returns, and
+-- claim_locked answers (a replay). (A record with recovery points in the snapshot is taken over as before: the
+-- check cannot tell a response from its points.) The lock is FOR NO KEY UPDATE, which does not wait for the
+-- completion's own FOR KEY SHARE: FOR UPDATE would, but it marks the row as though its key changed, and under
+-- REPEATABLE READ and SERIALIZABLE an original whose snapshot predates the takeover could then never complete
+-- (see complete_in_transaction: the first to commit its response wins).
 -- $1 to $8 as for claim
 WITH commit_setting AS MATERIALIZED (
     SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
@@ -113,6 +123,18 @@ WITH commit_setting AS MATERIALIZED (
     LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
         AND (s.life = r.created_at OR s.life IS NULL)  -- of this life only (migrations/0006)
     WHERE r.tenant = $1 AND r.key = $2 AND NOT EXISTS (SELECT FROM inserted)
+), locked AS MATERIALIZED (  -- a lapsed lease of this request only: an expired record starts a new life
+    SELECT r.created_at FROM {schema}.idempotency_records AS r
+    WHERE r.tenant = $1 AND r.key = $2 AND r.expires_at > now() AND r.lease_expires_at <= now()
+      AND r.fingerprint = ANY ($3) AND NOT EXISTS (SELECT FROM inserted)
+    FOR NO KEY UPDATE
+), settled AS MATERIALIZED (
+    SELECT {schema}.idempotency_settled($1, $2, l.created_at)  -- after the lock
+           AND NOT EXISTS (
+               SELECT FROM {schema}.idempotency_recovery_points AS p
+               WHERE p.tenant = $1 AND p.key = $2 AND p.life = l.created_at
+           ) AS since  -- a response or point committed since the snapshot
+    FROM locked AS l
 ), cleared AS (
     -- An expired record starts afresh, without the response of its earlier life.
     DELETE FROM {schema}.idempotency_responses AS s
@@ -133,7 +155,8 @@ WITH commit_setting AS MATERIALIZED (
         request_parts    = CASE WHEN r.expires_at <= now() THEN $9 ELSE r.request_parts END
     FROM existing AS e
     WHERE r.tenant = $1 AND r.key = $2
-      AND NOT (e.completed AND r.fingerprint = ANY ($3) AND r.expires_at > now())
+      AND NOT ((e.completed OR EXISTS (SELECT FROM settled AS l WHERE l.since))
+               AND r.fingerprint = ANY ($3) AND r.expires_at > now())
     RETURNING r.fence, r.fingerprint, r.attempts, r.expires_at, r.lease_expires_at IS NULL AS ended,
               e.completed, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with,
               e.fence AS previous_fence, r.request_parts
