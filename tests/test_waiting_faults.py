@@ -1,5 +1,6 @@
 """Waiting (``on_conflict="wait"``) when something goes wrong around it: the store's LISTEN connection lost, a
-cutover's earlier package still running the request, a takeover racing a transactional original's commit."""
+cutover's earlier package still running the request, a takeover racing a transactional original's commit, an
+original that wins over its taker under REPEATABLE READ."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import asyncpg
 from starlette.types import Scope
 
 from idempotency_mw import MemoryStore, PostgresStore, Store, StoredResponse
+from idempotency_mw._claim import claim_or_wait
 from idempotency_mw.cutover import Earlier
+from idempotency_mw.postgres._lending import PostgresTransaction
 from idempotency_mw.store import ClaimOutcome
 from tests.conftest import client_for, tenant_of
 from tests.postgres.test_store import wait_for_lock_wait
@@ -150,3 +153,44 @@ async def test_a_waiter_replays_a_transactional_original_that_commits_as_its_lea
         answer = await asyncio.wait_for(duplicate, 5)
     assert second.runs == runs, "the duplicate ran the handler although the original had committed"
     assert (answer.status_code, answer.content) == (201, response.body)
+
+
+async def test_a_waiter_that_followed_a_takeover_hears_the_original_win_it(
+    isolation_urls: dict[str, str], key: str
+) -> None:
+    """REPEATABLE READ: a transactional original (A) stalls past its lease, C takes the key over and the waiter (B)
+    follows C's claim; A's snapshot predates the takeover, so A's completion commits first and wins, and C's is
+    refused and released. The waiter is told (A's notice names the record's current fence, and C's refused release
+    notifies too), and replays A's response at once instead of sleeping out its wait."""
+    url = isolation_urls["repeatable read"]
+    response = StoredResponse(201, [], b'{"run":"A"}', 11)
+    async with PostgresStore(url) as a, PostgresStore(url) as b, PostgresStore(url) as c:
+        async with a.transaction() as original:
+            assert isinstance(original, PostgresTransaction)
+            owned = await original.claim("t", key, b"f" * 40, lease=0.5, ttl=60)
+            assert owned.outcome is ClaimOutcome.OWNED
+            await original.begin()
+            await original.connection.execute("SELECT 1")  # the handler's first statement: its snapshot
+            waiter = asyncio.create_task(
+                claim_or_wait(lambda: b.claim("t", key, b"f" * 40, lease=30, ttl=60), b.watch, WAIT)
+            )
+            await asyncio.sleep(0.7)  # A's lease lapses
+            async with c.transaction() as taker:
+                assert isinstance(taker, PostgresTransaction)
+                taken = await taker.claim("t", key, b"f" * 40, lease=30, ttl=60)
+                assert taken.outcome is ClaimOutcome.OWNED
+                assert taken.fence != owned.fence
+                await taker.begin()
+                await taker.connection.execute("SELECT 1")
+                await asyncio.sleep(0.1)  # the waiter follows the takeover
+                assert await original.complete("t", key, owned.fence, response)
+                await original.commit()  # A's effect and response commit first
+                settled = time.monotonic()
+                with contextlib.suppress(asyncpg.SerializationError):
+                    assert not await taker.complete("t", key, taken.fence, StoredResponse(201, [], b"{}", 2))
+                await taker.rollback()
+            assert not await c.release("t", key, taken.fence)  # what the middleware does after a refused completion
+        claim = await asyncio.wait_for(waiter, 5)
+        took = time.monotonic() - settled
+    assert (claim.outcome, claim.response) == (ClaimOutcome.COMPLETED, response)
+    assert took < 1.0, f"the waiter replayed {took:.2f}s after the key completed (wait={WAIT})"

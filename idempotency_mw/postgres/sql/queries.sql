@@ -341,10 +341,12 @@ ON CONFLICT (tenant, key) DO UPDATE
 -- that committed while this statement waited, or in the moment before, is seen, and the record stays (the store
 -- answers False), as the foreign key's check used to make sure. Responses and points of the key's earlier lives go
 -- with it. Waiters of a record that had duplicates are notified, as for a completion: one of them claims the key
--- afresh.
+-- afresh. So are they when the record stays because it completed: under REPEATABLE READ an original whose snapshot
+-- predates this claim's takeover can complete first (complete_in_transaction), and its notice may go to the fence
+-- it had, while the waiters follow this claim's.
 -- $1 tenant, $2 key, $3 fence
 WITH locked AS MATERIALIZED (
-    SELECT r.created_at FROM {schema}.idempotency_records AS r
+    SELECT r.created_at, r.attempts FROM {schema}.idempotency_records AS r
     WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
     FOR UPDATE
 ), released AS (
@@ -359,11 +361,15 @@ WITH locked AS MATERIALIZED (
 ), points AS (
     DELETE FROM {schema}.idempotency_recovery_points AS p
     WHERE p.tenant = $1 AND p.key = $2 AND EXISTS (SELECT FROM released)
+), kept AS (
+    SELECT pg_notify('idempotency_mw_settled', '{schema_name}:' || $3)
+    FROM locked AS l
+    WHERE l.attempts > 0 AND NOT EXISTS (SELECT FROM released)
 )
 SELECT count(*) AS released
 FROM released AS r, LATERAL (
     SELECT CASE WHEN r.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || $3) END
-) AS notified;
+) AS notified, (SELECT count(*) FROM kept) AS told;  -- a SELECT in WITH runs only where it is read
 
 -- name: notify_waiters
 -- After a transactional request's COMMIT, the waiters of its record in other processes are told (_listener.py), if
@@ -373,10 +379,13 @@ FROM released AS r, LATERAL (
 -- connections when first lent, and run there with EXECUTE, since planning it anew cost the server about 90 us a
 -- request (benchmarks/results/tail.md); elsewhere with its values written in. The functions it calls are named
 -- with their schema, so a handler's search_path cannot put another pg_notify in their place.
+-- The record's current fence is told too: under REPEATABLE READ a completion whose snapshot predates a takeover
+-- can commit first (complete_in_transaction), and the waiters then follow the taker's claim. (A notification sent
+-- twice in a transaction is delivered once.)
 -- $1 tenant, $2 key, $3 fence
-SELECT pg_catalog.pg_notify('idempotency_mw_settled', '{schema_name}:' || $3::bigint)
-FROM {schema}.idempotency_records
-WHERE tenant = $1 AND key = $2 AND fence = $3::bigint AND attempts > 0;
+SELECT pg_catalog.pg_notify('idempotency_mw_settled', '{schema_name}:' || f.fence)
+FROM {schema}.idempotency_records AS r, LATERAL (VALUES ($3::bigint), (r.fence)) AS f (fence)
+WHERE r.tenant = $1 AND r.key = $2 AND r.attempts > 0;
 
 -- name: committed
 -- Whether a transactional request's completion committed: asked only after an error in the round trip of its
