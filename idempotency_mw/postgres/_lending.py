@@ -163,10 +163,12 @@ def _refuse_taken(connection: Any) -> None:
         statement._con_release_ctr = driver._pool_release_ctr
 
 
-def _noting_taken(name: str) -> Any:
+def _noting(name: str, flag: str) -> Any:
+    """The method ``name``, which also notes ``flag`` on the loan: what its give-back must know (NOTED)."""
+
     def method(self: LentConnection, *args: Any, **kwargs: Any) -> Any:
         found = getattr(self._live(name), name)
-        self.took = True
+        setattr(self, flag, True)
         return found(*args, **kwargs)
 
     return functools.update_wrapper(method, getattr(asyncpg.Connection, name))
@@ -203,24 +205,6 @@ async def _forgetting_statements(connection: asyncpg.Connection, name: str, args
     return await getattr(connection, name)(*args, **kwargs)
 
 
-def _noting_client_state(name: str) -> Any:
-    def method(self: LentConnection, *args: Any, **kwargs: Any) -> Any:
-        found = getattr(self._live(name), name)
-        self.client_state = True
-        return found(*args, **kwargs)
-
-    return functools.update_wrapper(method, getattr(asyncpg.Connection, name))
-
-
-def _noting_driver_state(name: str) -> Any:
-    def method(self: LentConnection, *args: Any, **kwargs: Any) -> Any:
-        found = getattr(self._live(name), name)
-        self.driver_state = True
-        return found(*args, **kwargs)
-
-    return functools.update_wrapper(method, getattr(asyncpg.Connection, name))
-
-
 CLIENT_STATE = ("add_listener", "add_log_listener")  # what the driver keeps on its side of a session
 # What the driver keeps on its side that its reset() leaves: after one of these, the connection is not lent again.
 DRIVER_STATE = (
@@ -244,18 +228,20 @@ SQL_TEXT = (
 )
 TAKEN = ("cursor", "prepare", "transaction")  # what returns an object of the connection's that outlives the call
 RUN_NOW = frozenset(SQL_TEXT) - set(TAKEN)  # those that run their SQL as they are awaited
+# The methods that only note something on the loan (the rest of TAKEN send SQL: _watching_sql notes it for them).
+NOTED = {
+    **dict.fromkeys(CLIENT_STATE, "client_state"),
+    **dict.fromkeys(DRIVER_STATE, "driver_state"),
+    "transaction": "took",
+}
 
 for _name, _member in inspect.getmembers(asyncpg.Connection, inspect.isfunction):
     if not _name.startswith("_"):
-        if _name in CLIENT_STATE:
-            kind = _noting_client_state
-        elif _name in DRIVER_STATE:
-            kind = _noting_driver_state
-        elif _name == "transaction":
-            kind = _noting_taken
+        if _name in NOTED:
+            method = _noting(_name, NOTED[_name])
         else:
-            kind = _watching_sql if _name in SQL_TEXT else _forwarding
-        setattr(LentConnection, _name, kind(_name))
+            method = _watching_sql(_name) if _name in SQL_TEXT else _forwarding(_name)
+        setattr(LentConnection, _name, method)
 
 
 class Lender(abc.ABC):
@@ -290,8 +276,8 @@ class Lender(abc.ABC):
         """Take a lent connection back as its pool gave it; closed if ``lost`` or if its reset fails. ``then`` is SQL
         to run after the reset, in its round trip (``notify_waiters``, after a transactional request's COMMIT);
         ``clean``: the reset already ran, in the COMMIT's round trip (:meth:`commit`), and nothing used the
-        connection since; ``keep=False``: closed once ``then`` ran, since the driver keeps state of the loan's
-        (``LentConnection.driver_state``)."""
+        connection since; ``keep=False``: closed instead of given back, since the driver keeps state of the loan's
+        (``LentConnection.driver_state``); ``then`` still runs where the COMMIT did not carry it (an app's pool)."""
 
     def notice_statement(self, connection: asyncpg.Connection) -> str | None:
         """The name of ``notify_waiters`` as prepared on ``connection``, if it is (the store's own connections)."""
