@@ -151,6 +151,26 @@ async def _role(url: str, name: str) -> str:
 
 
 @pytest.fixture
+async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]:
+    """A connection of the test's own to the database, beside the store's: to look at and set up what the store
+    reads and writes."""
+    connection = await asyncpg.connect(idempotency_database_url)
+    yield connection
+    await connection.close()
+
+
+@pytest.fixture
+async def opened_store(idempotency_database_url: str) -> AsyncIterator[PostgresStore]:
+    """An opened PostgresStore of up to four connections, closed without a grace period."""
+    store = PostgresStore(idempotency_database_url, min_size=1, max_size=4)
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.close(grace=0)
+
+
+@pytest.fixture
 async def leak_role(idempotency_database_url: str) -> str:
     """A role a handler switches to on the connection it was lent (row-level security), and leaves behind."""
     return await _role(idempotency_database_url, "imw_leak_role")

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -85,16 +84,6 @@ async def released(store: PostgresStore, key: str) -> None:
         await asyncio.sleep(0.02)
     assert await store.inspect(TENANT, key) is None
     assert lent(store) == 0
-
-
-@pytest.fixture
-async def opened_store(idempotency_database_url: str) -> AsyncIterator[PostgresStore]:
-    store = PostgresStore(idempotency_database_url, min_size=1, max_size=4)
-    await store.open()
-    try:
-        yield store
-    finally:
-        await store.close(grace=0)
 
 
 async def test_a_request_cancelled_as_its_transaction_begins_frees_its_key(

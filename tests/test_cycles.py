@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -149,16 +149,6 @@ async def test_no_cycles_on_memory_store(flow: str) -> None:
     app = app_on(MemoryStore())
     await warmed_up(app)
     assert await left_to_the_collector(flows(app)[flow]) == Counter()
-
-
-@pytest.fixture
-async def opened_store(idempotency_database_url: str) -> AsyncIterator[PostgresStore]:
-    store = PostgresStore(idempotency_database_url, min_size=1, max_size=4)
-    await store.open()
-    try:
-        yield store
-    finally:
-        await store.close(grace=0)
 
 
 @pytest.mark.parametrize("transactional", [False, True], ids=["plain", "transactional"])

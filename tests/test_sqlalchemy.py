@@ -42,13 +42,6 @@ from tests.sessions import SESSION_LEAKS, SESSION_STATE
 
 
 @pytest.fixture
-async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(idempotency_database_url)
-    yield connection
-    await connection.close()
-
-
-@pytest.fixture
 async def engine(idempotency_database_url: str, tables: None) -> AsyncIterator[AsyncEngine]:
     engine = create_async_engine(sqlalchemy_url(idempotency_database_url), pool_size=5, max_overflow=0)
     yield engine

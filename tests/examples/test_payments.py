@@ -47,13 +47,6 @@ async def client(app: FastAPI, api_key: str) -> AsyncIterator[httpx.AsyncClient]
         yield client
 
 
-@pytest.fixture
-async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(idempotency_database_url)
-    yield connection
-    await connection.close()
-
-
 def client_for(app: FastAPI, api_key: str | None, *, raise_app_exceptions: bool = True) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)

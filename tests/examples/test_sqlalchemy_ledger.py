@@ -32,13 +32,6 @@ async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-@pytest.fixture
-async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(idempotency_database_url)
-    yield connection
-    await connection.close()
-
-
 async def post(client: httpx.AsyncClient, path: str, body: dict[str, Any], key: str | None = None) -> httpx.Response:
     return await client.post(path, json=body, headers={"Idempotency-Key": key or str(uuid.uuid4())})
 

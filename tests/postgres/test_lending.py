@@ -4,7 +4,6 @@ back to its pool as the pool made it, whatever the handler did to its session.""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import asyncpg
@@ -18,13 +17,6 @@ from idempotency_mw import IdempotencyMiddleware, PostgresStore, idempotency_con
 from idempotency_mw.postgres import _lending
 from tests.conftest import client_for
 from tests.sessions import SESSION_LEAKS, SESSION_STATE
-
-
-@pytest.fixture
-async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(idempotency_database_url)
-    yield connection
-    await connection.close()
 
 
 def build_session_setter(store: PostgresStore) -> Starlette:

@@ -3,12 +3,10 @@ completion's arguments, and the header list as the ``headers`` column holds it."
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
 import orjson
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,13 +14,6 @@ from idempotency_mw.postgres._records import Records, claim_from_row, new_fence
 from idempotency_mw.store import Claim, ClaimOutcome, Headers, StoredResponse, decode_headers, encode_headers
 
 HEADERS: Headers = [(b"set-cookie", b"a=1"), (b"X-Odd", b"\xff\x00 caf\xc3\xa9"), (b"set-cookie", b"b=2")]
-
-
-@pytest.fixture
-async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]:
-    connection = await asyncpg.connect(idempotency_database_url)
-    yield connection
-    await connection.close()
 
 
 async def answer_row(db: asyncpg.Connection, **columns: Any) -> asyncpg.Record:
