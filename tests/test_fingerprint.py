@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import uuid
 from collections.abc import AsyncGenerator
@@ -412,6 +413,20 @@ def charge_digest(amount: int, cvc: str) -> bytes:
     return fp(json.dumps({"amount": amount, "card": {"cvc": cvc}}).encode(), path="/v1/charges")
 
 
+CHARGES = ((4_217, "073"), (99_999, "915"))  # (amount, CVC)
+
+
+@functools.cache
+def dictionary() -> dict[bytes, tuple[int, str]]:
+    """The attacker's dictionary for :data:`CHARGES`: every amount with the CVC known, every CVC with the amount
+    known (built once: the same for every source of keys)."""
+    guesses = {charge_digest(amount, cvc): (amount, cvc) for amount, cvc in CHARGES}
+    for amount_, cvc_ in CHARGES:
+        guesses.update({charge_digest(amount, cvc_): (amount, cvc_) for amount in range(100_001)})
+        guesses.update({charge_digest(amount_, f"{n:03}"): (amount_, f"{n:03}") for n in range(1000)})
+    return guesses
+
+
 async def stored_fingerprints(url: str, keys: list[str]) -> list[bytes]:
     connection = await asyncpg.connect(url)
     try:
@@ -437,7 +452,7 @@ async def test_a_dictionary_recovers_nothing_from_stored_fingerprints(
         monkeypatch.delenv("IDEMPOTENCY_TENANT_SECRET")
         cipher = ResponseCipher({"2026-11": bytes(range(32))})
         options["tenant"] = header_tenant("x-account")
-    charges = {f"dict-{uuid.uuid4().hex}": (amount, cvc) for amount, cvc in ((4_217, "073"), (99_999, "915"))}
+    charges = {f"dict-{uuid.uuid4().hex}": charge for charge in CHARGES}
     async with PostgresStore(idempotency_database_url, cipher=cipher) as store:
         app = charge_app(store, **options)
         async with client_for(app) as client:
@@ -450,11 +465,7 @@ async def test_a_dictionary_recovers_nothing_from_stored_fingerprints(
     stored = await stored_fingerprints(idempotency_database_url, list(charges))
     assert len(stored) == 2
     digests = {digest for fingerprint in stored for digest in (fingerprint, fingerprint[-32:])}
-    # The dictionary: every amount with the CVC known, every CVC with the amount known.
-    guesses = {charge_digest(amount, cvc): (amount, cvc) for amount, cvc in charges.values()}
-    for amount_, cvc_ in charges.values():
-        guesses.update({charge_digest(amount, cvc_): (amount, cvc_) for amount in range(100_001)})
-        guesses.update({charge_digest(amount_, f"{n:03}"): (amount_, f"{n:03}") for n in range(1000)})
+    guesses = dictionary()
     assert len(guesses) > 100_000
     assert [guesses[digest] for digest in digests if digest in guesses] == []
     # Where the keys came from is named in each fingerprint, never the key itself.
