@@ -342,7 +342,7 @@ def as_account(app: FastAPI, api_key: str | None) -> httpx.AsyncClient:
     return client
 
 
-@pytest.mark.parametrize("idempotency_key", [str(uuid.uuid4()), "not a key", None])
+@pytest.mark.parametrize("idempotency_key", [str(uuid.uuid4()), "not a key", None], ids=["key", "not-a-key", "none"])
 async def test_the_apps_own_authentication_answers_first(store: Any, idempotency_key: str | None) -> None:
     """A bad API key gets the app's 401, whatever its Idempotency-Key (none on a route that requires one, or a
     malformed one): the middleware answers only once the app's authentication has."""
