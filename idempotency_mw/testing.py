@@ -20,15 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 try:
     import pytest
 except ImportError as error:
     raise ImportError("idempotency_mw.testing needs pytest: pip install 'idempotency-mw[testing]'") from error
+
+import asyncpg
 
 from idempotency_mw.devdb import local_database
 from idempotency_mw.postgres._store import PostgresStore
@@ -54,12 +58,44 @@ def _async_fixture(function: Callable[..., Any]) -> Any:
 
 
 @pytest.fixture(scope="session")
-def idempotency_database_url() -> Iterator[str]:
+def idempotency_database_url(request: pytest.FixtureRequest) -> Iterator[str]:
     """URL of a PostgreSQL with the store's tables migrated, for the whole session: $DATABASE_URL if set (in
-    asyncpg's spelling), else an embedded server started for the session and removed after it."""
-    with local_database() as url:
+    asyncpg's spelling), else an embedded server started for the session and removed after it.
+
+    Under pytest-xdist every worker has a database of its own, so that one worker's records, locks and counts never
+    meet another's: an embedded server is the worker's own; on $DATABASE_URL's server the worker creates a database
+    named after the one in the URL and the worker (``app_test_gw0``), afresh, and drops it after the session."""
+    # xdist's own word for "this is a worker" (its PYTEST_XDIST_WORKER variable would reach a pytest run in a child)
+    worker = getattr(request.config, "workerinput", {}).get("workerid")
+    with local_database() as url, contextlib.ExitStack() as stack:
+        if worker and os.environ.get("DATABASE_URL"):
+            url = stack.enter_context(_database_of_its_own(url, worker))
         asyncio.run(_migrate(url))
         yield url
+
+
+@contextlib.contextmanager
+def _database_of_its_own(url: str, worker: str) -> Iterator[str]:
+    """A database created on ``url``'s server for ``worker`` (one a killed run left behind is dropped first), and
+    dropped afterwards."""
+    parts = urlsplit(url)
+    name = f"{parts.path.lstrip('/') or 'postgres'}_{worker}"
+    asyncio.run(_recreate(url, name, create=True))
+    try:
+        yield urlunsplit(parts._replace(path=f"/{name}"))
+    finally:
+        asyncio.run(_recreate(url, name, create=False))
+
+
+async def _recreate(url: str, name: str, *, create: bool) -> None:
+    quoted = '"' + name.replace('"', '""') + '"'
+    connection = await asyncpg.connect(url)
+    try:
+        await connection.execute(f"DROP DATABASE IF EXISTS {quoted} WITH (FORCE)")
+        if create:
+            await connection.execute(f"CREATE DATABASE {quoted}")
+    finally:
+        await connection.close()
 
 
 async def _migrate(url: str) -> None:

@@ -3,14 +3,18 @@ and running an app's lifespan around a test the way a server does."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
 import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+import asyncpg
 import pytest
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -38,6 +42,58 @@ def test_pytest_fixtures_says_what_each_fixture_gives(tmp_path: Path) -> None:
         assert "no docstring available" not in doc, name
     assert "DATABASE_URL" in shown["idempotency_database_url"]
     assert "PostgresStore" in shown["idempotency_store"]
+
+
+# Every test claims the same key: on a database shared between workers, the second worker's claim would find the
+# first's in progress.
+WORKER_TESTS = """
+import asyncpg
+import pytest
+
+from idempotency_mw.store import ClaimOutcome
+
+
+@pytest.mark.asyncio
+async def test_the_key_is_this_workers_alone(idempotency_store, idempotency_database_url):
+    claim = await idempotency_store.claim("t", "one-key", b"f" * 32, lease=30, ttl=60)
+    assert claim.outcome is ClaimOutcome.OWNED
+    connection = await asyncpg.connect(idempotency_database_url)
+    try:
+        name = await connection.fetchval("SELECT current_database()")
+    finally:
+        await connection.close()
+    with open("databases.txt", "a") as seen:
+        seen.write(name + "\\n")
+"""
+
+
+@pytest.mark.slow
+async def test_each_xdist_worker_on_database_url_gets_a_database_of_its_own(
+    tmp_path: Path, idempotency_database_url: str
+) -> None:
+    """Under pytest-xdist the workers shared $DATABASE_URL's database: one worker's records answered another's
+    claims. Each now creates its own, named after the worker, and drops it after the session."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    (tmp_path / "test_workers.py").write_text(WORKER_TESTS)
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "each", "-p", "no:cacheprovider", "-q"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "DATABASE_URL": idempotency_database_url},
+    )
+    assert "2 passed" in done.stdout, done.stdout + done.stderr
+    base = urlsplit(idempotency_database_url).path.lstrip("/")
+    seen = (tmp_path / "databases.txt").read_text().split()
+    assert sorted(seen) == [f"{base}_gw0", f"{base}_gw1"]
+    connection = await asyncpg.connect(idempotency_database_url)
+    try:
+        left = await connection.fetch("SELECT datname FROM pg_database WHERE datname = ANY($1)", seen)
+    finally:
+        await connection.close()
+    assert left == []  # dropped after the session
 
 
 class Recorder:
