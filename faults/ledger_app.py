@@ -8,10 +8,11 @@ in either mode of the middleware, and a ledger that tells afterwards how many ti
 - plain (``FAULTS_TRANSACTIONAL=0``): the row is written at once through the app's own pool, and the record is
   completed after the handler returns: the seen-set window of docs/design.md §6.
 
-Every handler first notes its entry in ``faults_entries`` (its own pool, committed at once, so a test sees
-handlers that are mid-flight) and checks, through the request's connection, that the middleware's claim on its
-key is committed; a handler that finds none writes ``faults_violations``. ``POST /big?size=N&pace=S`` streams N bytes
-(S seconds between 64 KiB chunks).
+Every handler first checks, through the request's connection, that the middleware's claim on its key is committed
+(a handler that finds none writes ``faults_violations``), then notes its entry in ``faults_entries`` (its own pool,
+committed at once, so a test sees handlers that are mid-flight): a test that freezes or kills a handler once its
+entry shows never lands between the two and has it check after the retry settled. ``POST /big?size=N&pace=S``
+streams N bytes (S seconds between 64 KiB chunks).
 
 Served in a child process with ``ServerProcess("faults.ledger_app:create_app", factory=True, env=...)``; the
 settings come from the environment: ``FAULTS_DSN``, ``FAULTS_TRANSACTIONAL``, ``FAULTS_LEASE`` (seconds),
@@ -121,7 +122,6 @@ def create_app(
         context = idempotency_context(request)
         tenant = context.tenant if context else ""
         key = context.key if context else None
-        await pools["app"].execute("INSERT INTO faults_entries (key, pid) VALUES ($1, $2)", key, pid)
         if key is not None and context is not None:
             connection: Any = context.connection or pools["app"]
             state = await connection.fetchval(RECORD_STATE, tenant, key)
@@ -132,6 +132,7 @@ def create_app(
                     pid,
                     f"handler ran while the record was {state!r}",
                 )
+        await pools["app"].execute("INSERT INTO faults_entries (key, pid) VALUES ($1, $2)", key, pid)
         return tenant, key
 
     async def write_effect(request: Request, tenant: str, key: str | None, note: str) -> int:

@@ -2,9 +2,9 @@
 as an ORM object through the request's ``AsyncSession`` (``idempotency_mw.sqlalchemy``), on the app's own engine.
 
 Transactional mode only (that is what the SQLAlchemy flavour is for): the row commits with the idempotency record
-or not at all. Like the asyncpg ledger, every handler first notes its entry in ``faults_entries`` (through a pool
-of its own, committed at once) and checks, through its session, that the middleware's claim on its key is
-committed, writing ``faults_violations`` if not. ``POST /effects?delay=S`` works S seconds after the write.
+or not at all. Like the asyncpg ledger, every handler first checks, through its session, that the middleware's claim
+on its key is committed, writing ``faults_violations`` if not, then notes its entry in ``faults_entries`` (through a
+pool of its own, committed at once). ``POST /effects?delay=S`` works S seconds after the write.
 
 Served with ``ServerProcess("faults.ledger_sqlalchemy:create_app", factory=True, env=...)``; settings from the
 environment: ``FAULTS_DSN``, ``FAULTS_LEASE`` (seconds) and ``FAULTS_STORE_TIMEOUT`` (seconds).
@@ -82,7 +82,6 @@ def create_app() -> Starlette:
         context = idempotency_context(request)
         assert context is not None
         session = idempotency_session(request)
-        await pools["app"].execute("INSERT INTO faults_entries (key, pid) VALUES ($1, $2)", context.key, pid)
         if context.key is not None:
             state = await session.scalar(
                 text(RECORD_STATE.replace("$1", ":tenant").replace("$2", ":key")),
@@ -95,6 +94,7 @@ def create_app() -> Starlette:
                     pid,
                     f"handler ran while the record was {state!r}",
                 )
+        await pools["app"].execute("INSERT INTO faults_entries (key, pid) VALUES ($1, $2)", context.key, pid)
         effect = Effect(tenant=context.tenant, key=context.key, pid=pid, note=body[:200].decode("utf-8", "replace"))
         session.add(effect)
         await session.flush()  # the row is written (uncommitted) before the handler works on: a kill lands after it
