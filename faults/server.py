@@ -51,16 +51,19 @@ SERVERS = ("uvicorn", "hypercorn", "granian")
 process the child starts."""
 
 
-CLIENT_KEEP_ALIVE = 2.0
-"""Seconds the scenarios' clients keep an idle connection for reuse: well under the servers' (``SERVER_KEEP_ALIVE``).
-With both at 5 s (httpx's default and uvicorn's), a client that reuses a connection after about 5 s idle can meet a
-busy server closing it in the same instant, and the request on it ends in a ReadError with no answer."""
+CLIENT_KEEP_ALIVE = 15.0
+"""Seconds the scenarios' clients keep an idle connection for reuse: half the servers' (``SERVER_KEEP_ALIVE``), and
+long enough that a storm's busy connections do not expire while it runs. httpcore (1.0.9) hands an idle connection to a
+request, and the request's task clears the connection's expiry only when it runs: a pass of the pool for another
+request in between finds it expired and closes it under the first, whose request ends in a ReadError
+(``ClosedResourceError``: closed on this side) with no answer and no word in the server's log. On a starved
+machine that gap is long; at 2 s the storm through PgBouncer met it about one run in three with four busy loops
+beside it, and in none of eight at 15 s."""
 
 SERVER_KEEP_ALIVE = 30
-"""Seconds uvicorn keeps an idle connection here (its default is 5). The two clocks start apart: the server's when it
-sends a response, the client's when it reads it, which on a machine starved by the whole suite can come seconds
-later (a storm through PgBouncer once got such a ReadError under the whole suite, the client at 2 s and uvicorn at
-5, with no word in the workers' logs). Idle connections still close at once when a server stops."""
+"""Seconds uvicorn keeps an idle connection here (its default is 5): well over the clients' keep-alive, whose clock
+starts later (when the client reads the response), so that a client never reuses a connection the server is
+closing in the same instant. Idle connections still close at once when a server stops."""
 
 
 class ServerStartFailed(RuntimeError):
