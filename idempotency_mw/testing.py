@@ -80,19 +80,21 @@ def _database_of_its_own(url: str, worker: str) -> Iterator[str]:
     dropped afterwards."""
     parts = urlsplit(url)
     name = f"{parts.path.lstrip('/') or 'postgres'}_{worker}"
-    asyncio.run(_recreate(url, name, create=True))
+    asyncio.run(_drop(url, name, then_create=True))
     try:
         yield urlunsplit(parts._replace(path=f"/{name}"))
     finally:
-        asyncio.run(_recreate(url, name, create=False))
+        asyncio.run(_drop(url, name))
 
 
-async def _recreate(url: str, name: str, *, create: bool) -> None:
+async def _drop(url: str, name: str, *, then_create: bool = False) -> None:
+    """Drop database ``name`` on ``url``'s server if it is there (its sessions too); create it empty again when
+    ``then_create``."""
     quoted = '"' + name.replace('"', '""') + '"'
     connection = await asyncpg.connect(url)
     try:
         await connection.execute(f"DROP DATABASE IF EXISTS {quoted} WITH (FORCE)")
-        if create:
+        if then_create:
             await connection.execute(f"CREATE DATABASE {quoted}")
     finally:
         await connection.close()
