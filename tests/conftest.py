@@ -162,12 +162,8 @@ async def db(idempotency_database_url: str) -> AsyncIterator[asyncpg.Connection]
 @pytest.fixture
 async def opened_store(idempotency_database_url: str) -> AsyncIterator[PostgresStore]:
     """An opened PostgresStore of up to four connections, closed without a grace period."""
-    store = PostgresStore(idempotency_database_url, min_size=1, max_size=4)
-    await store.open()
-    try:
+    async with opened(PostgresStore(idempotency_database_url, min_size=1, max_size=4)) as store:
         yield store
-    finally:
-        await store.close(grace=0)
 
 
 @pytest.fixture

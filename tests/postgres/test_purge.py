@@ -16,6 +16,7 @@ from idempotency_mw import PostgresStore, StoredResponse
 from idempotency_mw.postgres._lending import PostgresTransaction
 from idempotency_mw.postgres._sql import contract_statements
 from idempotency_mw.store import ClaimOutcome
+from tests.conftest import opened
 from tests.postgres.test_store import fetch, wait_for_lock_wait
 
 FINGERPRINT = bytes(range(32))
@@ -49,13 +50,8 @@ async def isolation(request: pytest.FixtureRequest, shaped_url: str) -> str:
 
 @pytest.fixture
 async def store(shaped_url: str) -> AsyncIterator[PostgresStore]:
-    """Closed without a grace period: some tests leave a claim unsettled on purpose (a race they stop halfway)."""
-    store = PostgresStore(shaped_url, min_size=1, max_size=3)
-    await store.open()
-    try:
+    async with opened(PostgresStore(shaped_url, min_size=1, max_size=3)) as store:  # some tests stop a race halfway
         yield store
-    finally:
-        await store.close(grace=0)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ Tests that need a database nobody else touches get one of their own (``fresh_url
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections import Counter
@@ -28,7 +27,7 @@ from idempotency_mw import IdempotencyMiddleware, PostgresStore, StoredResponse,
 from idempotency_mw.postgres._lending import PostgresTransaction
 from idempotency_mw.postgres._sql import bookkeeping, migrations
 from idempotency_mw.store import ClaimOutcome, StoreNotMigrated, StoreUnavailable
-from tests.conftest import client_for
+from tests.conftest import client_for, opened
 
 FINGERPRINT = bytes(range(32))
 RESPONSE = StoredResponse(201, [(b"content-type", b"application/json")], b'{"id": 1}', 9)
@@ -335,21 +334,9 @@ def claim_races(store: PostgresStore) -> Counter[str]:
     return counts
 
 
-@contextlib.asynccontextmanager
-async def store_on(url: str) -> AsyncIterator[PostgresStore]:
-    """An opened store of up to two connections, closed without a grace period: these tests leave claims unsettled,
-    and close() would wait out its timeout for them."""
-    store = PostgresStore(url, min_size=1, max_size=2)
-    await store.open()
-    try:
-        yield store
-    finally:
-        await store.close(grace=0)
-
-
 async def test_a_replay_writes_nothing(migrated_url: str) -> None:
     """A retry storm on completed keys must stay reads: no new row version, so no WAL and no dead tuples."""
-    async with store_on(migrated_url) as store:
+    async with opened(PostgresStore(migrated_url, min_size=1, max_size=2)) as store:
         statements = claim_races(store)
         claim = await store.claim("t", "paid", FINGERPRINT, lease=30, ttl=60)
         assert await store.complete("t", "paid", claim.fence, RESPONSE)
@@ -367,7 +354,7 @@ async def test_a_replay_writes_nothing(migrated_url: str) -> None:
 async def test_replays_are_counted_in_batches_for_inspect(migrated_url: str) -> None:
     """A replay still writes nothing; the count reaches the record in one statement for many replays, with the
     time of the last one, and a batch that fails is counted again the next time."""
-    async with store_on(migrated_url) as store:
+    async with opened(PostgresStore(migrated_url, min_size=1, max_size=2)) as store:
         claim = await store.claim("t", "counted", FINGERPRINT, lease=30, ttl=60, request="POST /v1/charges")
         assert await store.complete("t", "counted", claim.fence, RESPONSE)
         before = await row_version(migrated_url, "t", "counted")
@@ -382,7 +369,7 @@ async def test_replays_are_counted_in_batches_for_inspect(migrated_url: str) -> 
         assert abs(record.last_replayed_at - time.time()) < 60
         await store.claim("t", "counted", FINGERPRINT, lease=30, ttl=60)
     # close() wrote the last replay; a batch that cannot be written is kept for the next one.
-    async with store_on(migrated_url) as store:
+    async with opened(PostgresStore(migrated_url, min_size=1, max_size=2)) as store:
         record = await store.inspect("t", "counted")
         assert record is not None
         assert record.replays == 4
@@ -407,7 +394,7 @@ async def test_the_store_writes_its_replay_counts_on_its_own(
     migrated_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("idempotency_mw.postgres._store.REPLAYS_EVERY", 0.05)
-    async with store_on(migrated_url) as store:
+    async with opened(PostgresStore(migrated_url, min_size=1, max_size=2)) as store:
         claim = await store.claim("t", "timer", FINGERPRINT, lease=30, ttl=60)
         assert await store.complete("t", "timer", claim.fence, RESPONSE)
         await store.claim("t", "timer", FINGERPRINT, lease=30, ttl=60)
@@ -421,7 +408,7 @@ async def test_the_store_writes_its_replay_counts_on_its_own(
 
 
 async def test_a_record_that_starts_afresh_forgets_its_request_and_replays(migrated_url: str) -> None:
-    async with store_on(migrated_url) as store:
+    async with opened(PostgresStore(migrated_url, min_size=1, max_size=2)) as store:
         claim = await store.claim("t", "afresh", FINGERPRINT, lease=30, ttl=60, request="POST /v1/old")
         assert await store.complete("t", "afresh", claim.fence, RESPONSE)
         await store.claim("t", "afresh", FINGERPRINT, lease=30, ttl=60)
@@ -468,7 +455,7 @@ def counting_statements(store: PostgresStore, monkeypatch: pytest.MonkeyPatch) -
 async def test_every_answer_but_a_takeover_is_one_statement(migrated_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """claim answers a fresh key, a replay, a 409 and a 422 alone; an expired record or a lapsed lease to take over
     goes on to claim_or_take_over (sql/queries.sql), which PostgreSQL costs more to run for every claim."""
-    async with store_on(migrated_url) as store:
+    async with opened(PostgresStore(migrated_url, min_size=1, max_size=2)) as store:
         statements = claim_races(store)
         names = counting_statements(store, monkeypatch)
 
@@ -498,7 +485,7 @@ async def test_a_claim_says_when_its_record_expires_from_each_statement(migrated
     """The claim carries the record's expires_at as the database wrote it (the Idempotency-Expires header), from
     claim and from claim_or_take_over: a fresh record's, a lapsed lease's taken over (its first expiry, not a new
     ttl from now), a replay's; no extra statement. (claim_locked: the race test below.)"""
-    async with store_on(migrated_url) as store:
+    async with opened(PostgresStore(migrated_url, min_size=1, max_size=2)) as store:
 
         async def expiry() -> float:
             record = await store.inspect("t", "dated")
@@ -531,7 +518,7 @@ async def test_a_claim_that_meets_an_insert_committed_after_its_snapshot_still_a
     snapshot and answers from the row as it is: here, in progress, 409."""
     other = await asyncpg.connect(migrated_url)
     try:
-        async with store_on(migrated_url) as store:
+        async with opened(PostgresStore(migrated_url, min_size=1, max_size=2)) as store:
             statements = claim_races(store)
             transaction = other.transaction()
             await transaction.start()
@@ -559,7 +546,7 @@ async def test_a_claim_that_meets_a_completion_committed_after_its_snapshot_stil
     about to run, once claim has found a lapsed lease (a takeover is its to decide)."""
     other = await asyncpg.connect(migrated_url)
     try:
-        async with store_on(migrated_url) as store:
+        async with opened(PostgresStore(migrated_url, min_size=1, max_size=2)) as store:
             owned = await store.claim("t", "raced", FINGERPRINT, lease=30, ttl=60)
             await fetch(migrated_url, "UPDATE idempotency_records SET lease_expires_at = now() - interval '1 s'")
             completing = other.transaction()
