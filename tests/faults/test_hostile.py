@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from idempotency_mw import MemoryStore, PostgresStore, Store
@@ -264,7 +264,9 @@ def expected_problem(request: HostileRequest) -> str | None:
     if declared and declared[0].isdigit() and int(declared[0]) > MAX_REQUEST_BYTES:
         return "request_too_large"
     if request.disconnect_early:
-        return None
+        # The client leaves after its first chunk: only that chunk can pass the cap before the middleware reads the
+        # disconnect.
+        return "request_too_large" if len(request.chunks[0]) > MAX_REQUEST_BYTES else None
     if len(request.body) > MAX_REQUEST_BYTES:
         return "request_too_large"
     return None
@@ -328,7 +330,20 @@ async def check_hostile_request(store: Store, request: HostileRequest) -> None:
         assert second.headers_without_replay_marker() == first.headers
 
 
+# Found by hypothesis: a client that sent more than the cap in its first chunk and then left is answered 413, the
+# middleware refusing the body as soon as what it read passed the cap, before it reads the disconnect.
+OVERSIZED_FIRST_CHUNK_THEN_GONE = HostileRequest(
+    "POST",
+    "/echo",
+    b"",
+    [(b"idempotency-key", b"0"), (b"authorization", b"Bearer oversized-first-chunk")],
+    [b"]" * (MAX_REQUEST_BYTES + 1), b"]"],
+    disconnect_early=True,
+)
+
+
 @MEMORY
+@example(request=OVERSIZED_FIRST_CHUNK_THEN_GONE)
 @given(request=hostile_requests())
 async def test_hostile_requests_on_memory(request: HostileRequest) -> None:
     await check_hostile_request(MemoryStore(), request)
