@@ -335,12 +335,19 @@ async def test_disconnect_while_sending_the_body_claims_nothing(store: Store, ke
 
 
 async def test_slow_handler_keeps_its_claim_through_heartbeats(store: Store, key: str) -> None:
-    probe, client = setup(store, lease=0.3)
+    # A lease of 1 s, renewed every third of it: a 0.3 s lease lapsed on a loaded CI machine whose renewal came
+    # 0.2 s late, and the retry then took the key over and waited in the held handler until pytest's timeout.
+    probe, client = setup(store, lease=1.0)
     probe.hold()
     first = asyncio.create_task(client.post("/charge", content=b"a", headers={"Idempotency-Key": key}))
     await asyncio.wait_for(probe.entered.wait(), 5)
-    await asyncio.sleep(0.9)  # three leases long
-    during = await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+    await asyncio.sleep(2.5)  # two and a half leases long
+    retry = client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+    try:
+        during = await asyncio.wait_for(retry, 10)
+    except TimeoutError:
+        probe.release.set()
+        pytest.fail("the retry took the key over and ran the handler while the first request still held it")
     assert during.status_code == 409
     probe.release.set()
     assert (await first).status_code == 201
