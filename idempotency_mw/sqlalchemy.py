@@ -560,8 +560,8 @@ else:
 # -- Alembic ------------------------------------------------------------------------------------------------------
 
 STORE_TABLES = frozenset(
-    {"idempotency_records", "idempotency_responses", "idempotency_recovery_points", "idempotency_schema_migrations",
-     "idempotency_fence"}
+    {"idempotency_records", "idempotency_responses", "idempotency_recovery_points", "idempotency_replays",
+     "idempotency_schema_migrations", "idempotency_fence"}
 )  # fmt: skip
 """What the store keeps in its schema (the sequence only in schemas migrated before 0002)."""
 

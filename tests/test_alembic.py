@@ -227,7 +227,7 @@ def test_the_app_serves_with_a_role_that_only_reads_and_writes_rows(service: Ser
         service.owner_url,
         f"GRANT USAGE ON SCHEMA public TO {runtime}",
         "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_records, idempotency_responses, "
-        f"idempotency_recovery_points TO {runtime}",
+        f"idempotency_recovery_points, idempotency_replays TO {runtime}",
     )
 
     async def serve() -> None:
@@ -278,10 +278,11 @@ def test_the_statements_are_what_migrate_runs() -> None:
         """INSERT INTO "billing".idempotency_schema_migrations (version, name) """
         """VALUES (5, '0005_recovery_points.sql')""",
         """INSERT INTO "billing".idempotency_schema_migrations (version, name) VALUES (6, '0006_response_life.sql')""",
+        """INSERT INTO "billing".idempotency_schema_migrations (version, name) VALUES (7, '0007_replays.sql')""",
     ]
     assert not any("--" in s or s.endswith(";") for s in statements)
     assert "CREATE SCHEMA" not in " ".join(migration_statements())  # public always exists
-    assert migration_statements(applied={1, 2, 3, 4, 5, 6})[-1].startswith(
+    assert migration_statements(applied={1, 2, 3, 4, 5, 6, 7})[-1].startswith(
         "CREATE TABLE IF NOT EXISTS"
     )  # nothing to do
     removal = removal_statements()

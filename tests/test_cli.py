@@ -119,7 +119,7 @@ def test_migrate_creates_the_schema_then_is_up_to_date(capsys: pytest.CaptureFix
     applied = (
         "applied 0001_initial.sql\napplied 0002_responses.sql\napplied 0003_request_line.sql\n"
         "applied 0004_request_parts.sql\n"
-        "applied 0005_recovery_points.sql\napplied 0006_response_life.sql\n"
+        "applied 0005_recovery_points.sql\napplied 0006_response_life.sql\napplied 0007_replays.sql\n"
     )
     assert cli(capsys, *empty_db.options, "migrate") == (0, applied, "")
     assert cli(capsys, *empty_db.options, "migrate") == (0, "up to date\n", "")
@@ -167,7 +167,7 @@ def test_migrate_check_exits_4_and_names_what_is_pending(
     """A CI gate or an init container asks without changing anything: the schema is not even created."""
     pending = (
         "pending: 0001_initial.sql, 0002_responses.sql, 0003_request_line.sql, 0004_request_parts.sql, "
-        "0005_recovery_points.sql, 0006_response_life.sql\n"
+        "0005_recovery_points.sql, 0006_response_life.sql, 0007_replays.sql\n"
     )
     assert cli(capsys, *empty_db.options, "migrate", "--check") == (4, pending, "")
     assert sql(empty_db.url, "SELECT to_regnamespace($1) IS NULL", empty_db.schema, fetch=True) == "True"
@@ -211,6 +211,7 @@ def test_tables_another_tool_created_are_stamped_not_recreated(
         "recorded 0001_initial.sql as applied\nrecorded 0002_responses.sql as applied\n"
         "recorded 0003_request_line.sql as applied\nrecorded 0004_request_parts.sql as applied\n"
         "recorded 0005_recovery_points.sql as applied\nrecorded 0006_response_life.sql as applied\n"
+        "recorded 0007_replays.sql as applied\n"
     )
     assert cli(capsys, *empty_db.options, "migrate", "--stamp") == (0, stamped, "")
     assert cli(capsys, *empty_db.options, "migrate") == (0, "up to date\n", "")

@@ -56,7 +56,8 @@ def test_the_wheel_holds_the_library_alone(wheel: zipfile.ZipFile) -> None:
         "idempotency_mw/postgres/sql/migrations/0005_recovery_points.sql",
         "idempotency_mw/postgres/sql/migrations/0004_request_parts.sql",
         "idempotency_mw/postgres/sql/migrations/0006_response_life.sql",
-        "idempotency_mw/postgres/sql/contract/0007_no_foreign_keys.sql",
+        "idempotency_mw/postgres/sql/migrations/0007_replays.sql",
+        "idempotency_mw/postgres/sql/contract/0008_no_foreign_keys.sql",
     } <= set(names)
 
 

@@ -1,5 +1,5 @@
 """The purge, and every statement that deletes a record or writes a response, without the foreign keys to the
-records (migrations/0006, contract/0007): on the schema as this release's migrate leaves it (the foreign keys still
+records (migrations/0006, contract/0008): on the schema as this release's migrate leaves it (the foreign keys still
 there, for the previous release running beside it) and as the contract step leaves it (the shape the statements are
 written for). Each race is played in its order by hand: a transaction held open on one connection while the other
 statement runs on another."""
@@ -182,13 +182,16 @@ async def test_a_release_after_a_rolled_back_completion_frees_the_key(
 async def test_the_purge_takes_the_responses_and_points_of_every_life_and_nothing_live(
     store: PostgresStore, admin: asyncpg.Connection
 ) -> None:
-    """Expired: a completed record, one holding a response of an earlier life (left by a completion that raced a
-    takeover), one stopped at a recovery point. Live: a completed record. The purge removes the three with all
-    their rows, and leaves the live one whole."""
+    """Expired: a completed and replayed record, one holding a response of an earlier life (left by a completion that
+    raced a takeover), one stopped at a recovery point. Live: a completed and replayed record. The purge removes the
+    three with all their rows, and leaves the live one whole."""
     for key in ("done", "stale", "stepped", "live"):
         claim = await store.claim("t", key, FINGERPRINT, lease=30, ttl=60)
         if key != "stepped":
             assert await store.complete("t", key, claim.fence, RESPONSE)
+    for key in ("done", "live"):
+        assert (await store.claim("t", key, FINGERPRINT, lease=30, ttl=60)).outcome is ClaimOutcome.COMPLETED
+    await store.count_replays()
     await admin.execute("UPDATE idempotency_responses SET life = life - interval '1 hour' WHERE key = 'stale'")
     await admin.execute(
         "INSERT INTO idempotency_recovery_points (tenant, key, life, step, position, done, result, fence, "
@@ -203,20 +206,27 @@ async def test_the_purge_takes_the_responses_and_points_of_every_life_and_nothin
     left = await admin.fetch(
         "SELECT 'record' AS kind, key FROM idempotency_records UNION ALL "
         "SELECT 'response', key FROM idempotency_responses UNION ALL "
-        "SELECT 'point', key FROM idempotency_recovery_points ORDER BY 1"
+        "SELECT 'point', key FROM idempotency_recovery_points UNION ALL "
+        "SELECT 'replays', key FROM idempotency_replays ORDER BY 1"
     )
-    assert [tuple(row) for row in left] == [("record", "live"), ("response", "live")]
+    assert [tuple(row) for row in left] == [("record", "live"), ("replays", "live"), ("response", "live")]
 
 
-async def test_forget_takes_the_points_too(store: PostgresStore, admin: asyncpg.Connection) -> None:
+async def test_forget_takes_the_points_and_the_replay_counts_too(
+    store: PostgresStore, admin: asyncpg.Connection
+) -> None:
     claim = await store.claim("t", "k", FINGERPRINT, lease=30, ttl=60)
     await admin.execute(
         "INSERT INTO idempotency_recovery_points (tenant, key, life, step, position, done, result, fence, "
         "committed_at) SELECT tenant, key, created_at, 'charge', 0, true, '{}', $1, now() FROM idempotency_records",
         claim.fence,
     )
+    assert await store.complete("t", "k", claim.fence, RESPONSE)
+    assert (await store.claim("t", "k", FINGERPRINT, lease=30, ttl=60)).outcome is ClaimOutcome.COMPLETED
+    await store.count_replays()
+    assert await rows(admin, "replays", "k") == 1
     assert await store.forget("t", "k")
-    assert await rows(admin, "recovery_points", "k") == 0
+    assert (await rows(admin, "recovery_points", "k"), await rows(admin, "replays", "k")) == (0, 0)
 
 
 async def test_a_completion_after_renewals_and_duplicates_still_lands(

@@ -261,3 +261,46 @@ async def test_a_replay_costs_one_round_trip_and_writes_no_wal(measured: Measure
     assert close_to(cost.commits, 1), cost  # and the replays' batch as the store closes: one for all N
     assert close_to(cost.flushes, 0), cost
     assert cost.wal_bytes == 0, cost
+
+
+async def test_counting_scattered_replays_writes_no_record_page(server: Server, measured: Measured) -> None:
+    """The replays' batch (count_replays) goes to a table of its own: a replay of each of many records scattered
+    over a large table would otherwise change each one's page, and the first change of a page after a checkpoint
+    writes the whole page to the WAL (benchmarks/results/scale.md). Each record here sits on a page of its own
+    among other records, as a key replayed at random among many does."""
+    sent = [f"replay-scatter-{n:04}" for n in range(REPLAYED)]
+    for key in sent:
+        assert (await measured.post("/plain", key)).status_code == 201
+        assert (await measured.post("/plain", key)).headers["idempotent-replayed"] == "true"
+    database = await asyncpg.connect(server.url)  # the store's database (the admin connection is on another)
+    try:
+        tenant = await database.fetchval("SELECT tenant FROM idempotency_records WHERE key = $1", sent[0])
+        await database.execute(FILLER, tenant, sent)
+        await database.execute("CLUSTER idempotency_records USING idempotency_records_pkey")
+        records = "SELECT ctid::text, xmin::text FROM idempotency_records WHERE key = ANY ($1) ORDER BY key"
+        before = await database.fetch(records, sent)
+        pages = {row["ctid"].split(",")[0] for row in before}
+        assert len(pages) == REPLAYED, pages  # each on a page of its own
+        await database.execute("CHECKPOINT")
+        lsn = await database.fetchval("SELECT pg_current_wal_insert_lsn()::text")
+        await measured.store.count_replays()
+        wal = await database.fetchval("SELECT pg_current_wal_insert_lsn() - $1::text::pg_lsn", lsn)
+        assert await database.fetch(records, sent) == before  # no record row was written
+        # 758 bytes a replay when this test was written (a row of the replays' table and its index entry, each
+        # new); 7,791 when the counts were written in the records: a whole page each.
+        assert wal / REPLAYED < 1000, wal / REPLAYED
+    finally:
+        await database.close()
+    info = await measured.store.inspect(tenant, sent[0])
+    assert info is not None
+    assert (info.replays, info.last_replayed_at is not None) == (1, True)
+
+
+REPLAYED = 200
+# Behind each replayed record in the primary key (its key, then a suffix), 50 of the same tenant's: more than a page
+# of the records table, once CLUSTER has written them in that order.
+FILLER = """
+INSERT INTO idempotency_records (tenant, key, fingerprint, fence, created_at, expires_at, request)
+SELECT $1, k || 'f' || n, sha256((k || n)::bytea), n, now(), now() + interval '1 day', 'POST /plain'
+FROM unnest($2::text[]) AS k, generate_series(10, 59) AS n
+"""

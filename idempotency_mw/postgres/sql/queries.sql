@@ -150,8 +150,6 @@ WITH commit_setting AS MATERIALIZED (
                                 ELSE r.expires_at END,
         attempts         = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.attempts + 1 END,
         request          = CASE WHEN r.expires_at <= now() THEN $8 ELSE r.request END,
-        replays          = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.replays END,
-        last_replayed_at = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.last_replayed_at END,
         request_parts    = CASE WHEN r.expires_at <= now() THEN $9 ELSE r.request_parts END
     FROM existing AS e
     WHERE r.tenant = $1 AND r.key = $2
@@ -238,8 +236,6 @@ WITH commit_setting AS MATERIALIZED (
                                 WHEN EXISTS (SELECT FROM response) AND r.fingerprint = ANY ($3) THEN r.attempts
                                 ELSE r.attempts + 1 END,
         request          = CASE WHEN r.expires_at <= now() THEN excluded.request ELSE r.request END,
-        replays          = CASE WHEN r.expires_at <= now() THEN 0 ELSE r.replays END,
-        last_replayed_at = CASE WHEN r.expires_at <= now() THEN NULL ELSE r.last_replayed_at END,
         request_parts    = CASE WHEN r.expires_at <= now() THEN excluded.request_parts ELSE r.request_parts END
     RETURNING r.fence, r.fingerprint, r.attempts, r.expires_at, r.request_parts
 )
@@ -339,8 +335,8 @@ ON CONFLICT (tenant, key) DO UPDATE
 -- completion or a step still in its transaction (they hold it FOR KEY SHARE), and only then does
 -- idempotency_settled look for this life's response or point, with a snapshot of its own (migrations/0006): one
 -- that committed while this statement waited, or in the moment before, is seen, and the record stays (the store
--- answers False), as the foreign key's check used to make sure. Responses and points of the key's earlier lives go
--- with it. Waiters of a record that had duplicates are notified, as for a completion: one of them claims the key
+-- answers False), as the foreign key's check used to make sure. Responses, points and replay counts of the key's
+-- earlier lives go with it. Waiters of a record that had duplicates are notified, as for a completion: one of them claims the key
 -- afresh. So are they when the record stays because it completed: under REPEATABLE READ an original whose snapshot
 -- predates this claim's takeover can complete first (complete_in_transaction), and its notice may go to the fence
 -- it had, while the waiters follow this claim's.
@@ -361,6 +357,9 @@ WITH locked AS MATERIALIZED (
 ), points AS (
     DELETE FROM {schema}.idempotency_recovery_points AS p
     WHERE p.tenant = $1 AND p.key = $2 AND EXISTS (SELECT FROM released)
+), replays AS (
+    DELETE FROM {schema}.idempotency_replays AS c
+    WHERE c.tenant = $1 AND c.key = $2 AND EXISTS (SELECT FROM released)
 ), kept AS (
     SELECT pg_notify('idempotency_mw_settled', '{schema_name}:' || $3)
     FROM locked AS l
@@ -396,12 +395,14 @@ SELECT EXISTS (
 ) AS committed;
 
 -- name: forget
--- The record with its responses and recovery points, of every life.
+-- The record with its responses, recovery points and replay count, of every life.
 -- $1 tenant, $2 key
 WITH response AS (
     DELETE FROM {schema}.idempotency_responses WHERE tenant = $1 AND key = $2
 ), points AS (
     DELETE FROM {schema}.idempotency_recovery_points WHERE tenant = $1 AND key = $2
+), replays AS (
+    DELETE FROM {schema}.idempotency_replays WHERE tenant = $1 AND key = $2
 )
 DELETE FROM {schema}.idempotency_records WHERE tenant = $1 AND key = $2;
 
@@ -416,7 +417,7 @@ SELECT r.tenant, r.key, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'complet
        extract(epoch FROM r.expires_at)::float8 AS expires_at,
        CASE WHEN s.key IS NULL THEN extract(epoch FROM r.lease_expires_at)::float8 END AS lease_expires_at,
        s.status, s.headers::text AS headers, s.body, s.body_size, s.sealed, s.sealed_with,
-       r.request, r.replays, extract(epoch FROM r.last_replayed_at)::float8 AS last_replayed_at,
+       r.request, coalesce(c.replays, 0) AS replays, extract(epoch FROM c.last_replayed_at)::float8 AS last_replayed_at,
        (SELECT p.step || CASE WHEN p.done THEN '' ELSE ' (began, outcome unknown)' END
         FROM {schema}.idempotency_recovery_points AS p
         WHERE p.tenant = r.tenant AND p.key = r.key AND p.life = r.created_at
@@ -426,17 +427,25 @@ SELECT r.tenant, r.key, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'complet
 FROM {schema}.idempotency_records AS r
 LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
     AND (s.life = r.created_at OR s.life IS NULL)  -- of this life only (migrations/0006)
+LEFT JOIN {schema}.idempotency_replays AS c ON c.tenant = r.tenant AND c.key = r.key AND c.life = r.created_at
 WHERE r.tenant = $1 AND r.key = $2;
 
 -- name: count_replays
 -- The replays counted in memory since the last batch (_records.py, Replays), written in one statement: a replay
 -- itself writes nothing. The last replay's time is this batch's, within the store's interval (REPLAYS_EVERY) of it.
--- Only a record still live gets them (one that expired and started afresh does not).
+-- Only a record still live gets them, added to those of its current life (migrations/0007: a row of an earlier
+-- life starts again from these). The records are only read. Rows are written in key order, so two stores' batches
+-- of the same keys take their locks in one order and never deadlock. A record purged while its batch runs can
+-- leave its row behind: never read (no life matches it), deleted with the key's next life.
 -- $1 tenants, $2 keys, $3 counts, one element per record
-UPDATE {schema}.idempotency_records AS r
-SET replays = r.replays + c.replays, last_replayed_at = now()
-FROM unnest($1::text[], $2::text[], $3::int[]) AS c (tenant, key, replays)
-WHERE r.tenant = c.tenant AND r.key = c.key AND r.expires_at > now();
+INSERT INTO {schema}.idempotency_replays AS c (tenant, key, life, replays, last_replayed_at)
+SELECT r.tenant, r.key, r.created_at, n.replays, now()
+FROM unnest($1::text[], $2::text[], $3::int[]) AS n (tenant, key, replays)
+JOIN {schema}.idempotency_records AS r ON r.tenant = n.tenant AND r.key = n.key AND r.expires_at > now()
+ORDER BY r.tenant, r.key
+ON CONFLICT (tenant, key) DO UPDATE
+SET replays = CASE WHEN c.life = excluded.life THEN c.replays + excluded.replays ELSE excluded.replays END,
+    life = excluded.life, last_replayed_at = excluded.last_replayed_at;
 
 -- name: tenants_between
 -- The tenants with records first claimed in a window, for finding one by the tag the logs show (idempotency-mw
@@ -450,13 +459,14 @@ WHERE created_at >= to_timestamp($1) AND created_at < to_timestamp($2);
 -- primary key leads with the tenant, so this reads that tenant's records only.
 -- $1 tenant, $2 since, $3 until (epoch seconds), $4 at most this many
 SELECT r.key, r.request, CASE WHEN s.key IS NULL THEN 'in_progress' ELSE 'completed' END AS state, r.attempts,
-       r.replays,
+       coalesce(c.replays, 0) AS replays,
        extract(epoch FROM r.created_at)::float8 AS created_at,
        extract(epoch FROM r.expires_at)::float8 AS expires_at,
        s.status, s.sealed_with, s.body_size
 FROM {schema}.idempotency_records AS r
 LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key = r.key
     AND (s.life = r.created_at OR s.life IS NULL)
+LEFT JOIN {schema}.idempotency_replays AS c ON c.tenant = r.tenant AND c.key = r.key AND c.life = r.created_at
 WHERE r.tenant = $1 AND r.created_at >= to_timestamp($2) AND r.created_at < to_timestamp($3)
 ORDER BY r.created_at
 LIMIT $4;
@@ -464,10 +474,10 @@ LIMIT $4;
 -- name: purge_expired
 -- Batched so that a large backlog never holds locks for long; the expires_at index finds the batch, and rows locked
 -- by live requests are passed over (SKIP LOCKED), a completion or a step still in its transaction too (it holds
--- the record FOR KEY SHARE): the next batch takes them. The responses and recovery points of the batch's keys, of
--- every life, go in the same statement, each found through its primary key (one index probe per key: the OFFSET 0
+-- the record FOR KEY SHARE): the next batch takes them. The responses, recovery points and replay counts of the
+-- batch's keys, of every life, go in the same statement, each found through its primary key (one index probe per key: the OFFSET 0
 -- keeps the planner from reading the whole table into a hash instead), and nothing checks each deleted record for
--- rows that refer to it once the foreign keys are gone (migrations/0006, contract/0007).
+-- rows that refer to it once the foreign keys are gone (migrations/0006, contract/0008).
 -- $1 batch size
 WITH doomed AS MATERIALIZED (
     SELECT ctid, tenant, key FROM {schema}.idempotency_records WHERE expires_at <= now()
@@ -485,6 +495,13 @@ WITH doomed AS MATERIALIZED (
         SELECT found.ctid FROM doomed AS d CROSS JOIN LATERAL (
             SELECT p.ctid FROM {schema}.idempotency_recovery_points AS p
             WHERE p.tenant = d.tenant AND p.key = d.key OFFSET 0
+        ) AS found
+    ))
+), replays AS (
+    DELETE FROM {schema}.idempotency_replays
+    WHERE ctid = ANY (ARRAY(
+        SELECT found.ctid FROM doomed AS d CROSS JOIN LATERAL (
+            SELECT c.ctid FROM {schema}.idempotency_replays AS c WHERE c.tenant = d.tenant AND c.key = d.key OFFSET 0
         ) AS found
     ))
 )
@@ -590,7 +607,8 @@ LEFT JOIN {schema}.idempotency_responses AS s ON s.tenant = r.tenant AND s.key =
 -- startup with the command that fixes it, instead of at every request.
 -- The newest migrations' table and column are the sign: a schema an older version migrated is refused until migrate
 -- runs.
-SELECT to_regprocedure('{schema}.idempotency_settled(text, text, timestamptz)') IS NOT NULL AND EXISTS (
+SELECT to_regclass('{schema}.idempotency_replays') IS NOT NULL
+   AND to_regprocedure('{schema}.idempotency_settled(text, text, timestamptz)') IS NOT NULL AND EXISTS (
     SELECT FROM pg_attribute
     WHERE attrelid = to_regclass('{schema}.idempotency_responses') AND attname = 'life' AND NOT attisdropped
 );

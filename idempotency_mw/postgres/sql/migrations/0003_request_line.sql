@@ -1,9 +1,6 @@
--- What inspect shows of a record besides its key: the request (its method and route template) and how often it
--- was replayed, the last time when. Replays are counted in memory and written in batches (_records.py, Replays), so
--- a replay itself still writes nothing. Expand only: the previous version's statements name their columns and
--- leave these to their defaults, so it runs beside this one during a rolling deploy
--- (tests/scenarios/test_rolling_deploy.py). Adding columns without a volatile default rewrites nothing.
+-- What inspect and list show of a record besides its key: the request (its method and route template). Expand
+-- only: the previous version's statements name their columns and leave this one NULL, so it runs beside this one
+-- during a rolling deploy (tests/scenarios/test_rolling_deploy.py). Adding a column without a default rewrites
+-- nothing. (How often a record was replayed is kept in a table of its own: 0007.)
 ALTER TABLE {schema}.idempotency_records
-    ADD COLUMN request           text,
-    ADD COLUMN replays           integer     NOT NULL DEFAULT 0,
-    ADD COLUMN last_replayed_at  timestamptz;
+    ADD COLUMN request text;
