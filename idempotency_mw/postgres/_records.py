@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,8 @@ from idempotency_mw.store import (
 
 if TYPE_CHECKING:
     from idempotency_mw.encryption import ResponseCipher
+
+logger = logging.getLogger("idempotency_mw")
 
 Run = Callable[[str, tuple[Any, ...]], Awaitable[Any]]  # one statement by name and arguments: its first row
 
@@ -111,11 +114,16 @@ async def run_unprepared(
     return await connection.fetchrow(sql, *args, timeout=deadline)
 
 
+# A batch of replay counts that fails with one of these is written again with the next one.
+AGAIN = (StoreUnavailable, asyncpg.exceptions.TransactionRollbackError)
+
+
 class Replays:
     """The replays of a store's records since they were last written: a replay writes nothing, and the counts go to
-    the table in one statement now and then (``count_replays``, which also sets the time of the last replay, to
+    their table in one statement now and then (``count_replays``, which also sets the time of the last replay, to
     within that interval), so ``inspect`` can say how often, and about when last, a response was replayed. A crash
-    loses the counts not yet written."""
+    loses the counts not yet written; so does a batch the database refuses (a runtime role without its grant on
+    ``idempotency_replays``), which is logged: counts kept for a batch that can never be written would only grow."""
 
     def __init__(self) -> None:
         self._counted: dict[tuple[str, str], int] = {}
@@ -139,13 +147,15 @@ class Replays:
             self._counted[tenant, key] = self._counted.get((tenant, key), 0) + replays
 
     async def write(self, run: Run) -> None:
-        """The counts so far, in one ``count_replays`` statement; kept for the next time if it fails."""
+        """The counts so far, in one ``count_replays`` statement. Kept for the next time if the database could not
+        be reached, rolled the batch back (a deadlock with another store's), or the write was cancelled; lost if it
+        refused them, and the error raised."""
         if not self._counted:
             return
         taken = self.take()
         try:
             await run("count_replays", taken)
-        except BaseException:
+        except (*AGAIN, asyncio.CancelledError):
             self.give_back(taken)
             raise
 
@@ -155,20 +165,27 @@ class Replays:
             self._writing = asyncio.create_task(self._keep_writing(run, every), name="idempotency replays")
 
     async def stop(self, run: Run) -> None:
-        """No more writing every few seconds: write what is counted once more (lost if the database is gone)."""
+        """No more writing every few seconds: write what is counted once more (lost if the database is gone or
+        refuses them)."""
         if self._writing is not None:
             self._writing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writing
             self._writing = None
-        with contextlib.suppress(StoreUnavailable):
-            await self.write(run)
+        await self._write_or_log(run)
 
     async def _keep_writing(self, run: Run, every: float) -> None:
         while True:
             await asyncio.sleep(every)
-            with contextlib.suppress(StoreUnavailable):
-                await self.write(run)
+            await self._write_or_log(run)
+
+    async def _write_or_log(self, run: Run) -> None:
+        try:
+            await self.write(run)
+        except AGAIN:
+            pass  # counted again next time
+        except Exception as error:  # a background batch: its error is the log's, not a request's
+            logger.error("idempotency replay counts not written, and dropped: %r", error)
 
 
 class Records:

@@ -407,6 +407,74 @@ async def test_the_store_writes_its_replay_counts_on_its_own(
         assert record.replays == 1
 
 
+async def test_replay_counts_the_database_refuses_are_logged_and_dropped(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch the database refuses (a runtime role without its grant on the replays' table, when the migration that
+    brought it ran and no GRANT yet; here a constraint no row meets): its counts are dropped and the error logged,
+    and the store writes later batches and closes cleanly, rather than keep counts that can never be written until
+    memory runs out."""
+    monkeypatch.setattr("idempotency_mw.postgres._store.REPLAYS_EVERY", 0.05)
+    refuse = "ALTER TABLE idempotency_replays ADD CONSTRAINT refused CHECK (replays < 0) NOT VALID"
+    async with opened(PostgresStore(migrated_url, min_size=1, max_size=2)) as store:
+        claim = await store.claim("t", "refused", FINGERPRINT, lease=30, ttl=60)
+        assert await store.complete("t", "refused", claim.fence, RESPONSE)
+        await sql(migrated_url, refuse)
+        await store.claim("t", "refused", FINGERPRINT, lease=30, ttl=60)
+        with pytest.raises(asyncpg.CheckViolationError):
+            await store.count_replays()  # asked directly: the error is the caller's
+        await store.claim("t", "refused", FINGERPRINT, lease=30, ttl=60)
+        for _ in range(100):
+            if "replay counts not written, and dropped" in caplog.text:
+                break
+            await asyncio.sleep(0.02)
+        assert "replay counts not written, and dropped" in caplog.text  # written by the store's own timer
+        await sql(migrated_url, "ALTER TABLE idempotency_replays DROP CONSTRAINT refused")
+        await store.claim("t", "refused", FINGERPRINT, lease=30, ttl=60)
+    async with opened(PostgresStore(migrated_url, min_size=1, max_size=2)) as store:
+        record = await store.inspect("t", "refused")
+        assert record is not None
+        assert record.replays == 1  # the replay after the refusals ended, written as the store closed
+
+
+async def test_a_replay_batch_that_loses_a_deadlock_is_written_with_the_next(migrated_url: str) -> None:
+    """Two batches lock their rows in key order and never deadlock each other; another transaction that locks them
+    in the other order can, and the batch PostgreSQL rolls back is counted again, not dropped."""
+    async with opened(PostgresStore(migrated_url, min_size=1, max_size=2)) as store:
+        for key in ("a", "b"):
+            claim = await store.claim("t", key, FINGERPRINT, lease=30, ttl=60)
+            assert await store.complete("t", key, claim.fence, RESPONSE)
+            await store.claim("t", key, FINGERPRINT, lease=30, ttl=60)
+        await store.count_replays()
+        for key in ("a", "b"):
+            await store.claim("t", key, FINGERPRINT, lease=30, ttl=60)
+        other = await asyncpg.connect(migrated_url)
+        try:
+            await other.execute("SET deadlock_timeout = '10s'")  # the batch's own check finds the deadlock first
+            async with other.transaction():
+                await other.execute("UPDATE idempotency_replays SET replays = replays WHERE key = 'b'")
+                batch = asyncio.create_task(store.count_replays())  # updates a, then waits for b
+                await wait_for_lock_wait(other)
+                await other.execute("UPDATE idempotency_replays SET replays = replays WHERE key = 'a'")
+                with pytest.raises(asyncpg.DeadlockDetectedError):
+                    await batch
+        finally:
+            await other.close()
+        await store.count_replays()
+        for key in ("a", "b"):
+            record = await store.inspect("t", key)
+            assert record is not None
+            assert record.replays == 2
+
+
+async def sql(url: str, statement: str) -> None:
+    connection = await asyncpg.connect(url)
+    try:
+        await connection.execute(statement)
+    finally:
+        await connection.close()
+
+
 async def test_a_record_that_starts_afresh_forgets_its_request_and_replays(migrated_url: str) -> None:
     async with opened(PostgresStore(migrated_url, min_size=1, max_size=2)) as store:
         claim = await store.claim("t", "afresh", FINGERPRINT, lease=30, ttl=60, request="POST /v1/old")
