@@ -7,7 +7,8 @@
 -- changes is indexed; the fill factor leaves room for the new version).
 -- A row counts the replays of one life of its record (life: the record's created_at), so that a record that
 -- expired and was claimed afresh starts again from nothing without a write here; every statement that deletes a
--- record deletes its row with it. Expand only: the previous release never reads or writes it.
+-- record deletes its row with it. Expand only: the previous release never reads or writes it (nor deletes from
+-- it: the rows of the records its purge deletes during a roll stay, never read; docs/operations.md).
 CREATE TABLE {schema}.idempotency_replays (
     tenant            text        NOT NULL,
     key               text        NOT NULL,
