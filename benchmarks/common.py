@@ -41,6 +41,7 @@ TABLES = (
     "idempotency_records",
     "idempotency_responses",
     "idempotency_recovery_points",  # refers to the records: truncated with them
+    "idempotency_replays",
     "idempotency_keys",
     "fastapi_idempotency_requests",
 )
