@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import os
 from collections.abc import Awaitable, Callable, Iterator
@@ -114,50 +115,55 @@ async def run_unprepared(
     return await connection.fetchrow(sql, *args, timeout=deadline)
 
 
-# A batch of replay counts that fails with one of these is written again with the next one.
-AGAIN = (StoreUnavailable, asyncpg.exceptions.TransactionRollbackError)
-
-
 class Replays:
     """The replays of a store's records since they were last written: a replay writes nothing, and the counts go to
-    their table in one statement now and then (``count_replays``, which also sets the time of the last replay, to
-    within that interval), so ``inspect`` can say how often, and about when last, a response was replayed. A crash
-    loses the counts not yet written; so does a batch the database refuses (a runtime role without its grant on
-    ``idempotency_replays``), which is logged: counts kept for a batch that can never be written would only grow."""
+    their table now and then (``count_replays``, which also sets the time of the last replay, to within that
+    interval), so ``inspect`` can say how often, and about when last, a response was replayed. Each count is of one
+    life of its record (the ``created_at`` the claim returned). A crash loses the counts not yet written; so does a
+    batch the database refuses (a role whose grant was revoked), which is logged: kept, it would be refused again."""
+
+    CHUNK = 1000  # records a statement writes: a batch of many is written in short statements, each within timeout
+    KEPT = 100_000  # records whose counts are kept through failed batches; beyond, they are dropped and logged
 
     def __init__(self) -> None:
-        self._counted: dict[tuple[str, str], int] = {}
+        self._counted: dict[tuple[str, str, datetime.datetime], int] = {}
         self._writing: asyncio.Task[None] | None = None  # writes them every few seconds, while the store is open
 
-    def count(self, tenant: str, key: str) -> None:
+    def count(self, tenant: str, key: str, life: datetime.datetime) -> None:
         counted = self._counted
-        counted[tenant, key] = counted.get((tenant, key), 0) + 1
+        counted[tenant, key, life] = counted.get((tenant, key, life), 0) + 1
 
     def __bool__(self) -> bool:
         return bool(self._counted)
 
-    def take(self) -> tuple[list[str], list[str], list[int]]:
-        """The counts so far, as the three arrays of ``count_replays``; counting starts again from nothing."""
-        taken, self._counted = self._counted, {}
-        return [tenant for tenant, _ in taken], [key for _, key in taken], list(taken.values())
-
-    def give_back(self, taken: tuple[list[str], list[str], list[int]]) -> None:
-        """Counts whose batch failed: counted again, with whatever came since."""
-        for tenant, key, replays in zip(*taken, strict=True):
-            self._counted[tenant, key] = self._counted.get((tenant, key), 0) + replays
-
     async def write(self, run: Run) -> None:
-        """The counts so far, in one ``count_replays`` statement. Kept for the next time if the database could not
-        be reached, rolled the batch back (a deadlock with another store's), or the write was cancelled; lost if it
-        refused them, and the error raised."""
-        if not self._counted:
-            return
-        taken = self.take()
-        try:
-            await run("count_replays", taken)
-        except (*AGAIN, asyncio.CancelledError):
-            self.give_back(taken)
-            raise
+        """The counts so far, in ``count_replays`` statements of at most ``CHUNK`` records. Those not written are
+        kept for the next time if the database could not be reached or did not answer in time, rolled a statement
+        back (a deadlock, a lock timeout), is read-only for now (a failover), or the write was cancelled; lost if it
+        refused them (a missing grant, a bad value), and the error raised."""
+        taken, self._counted = list(self._counted.items()), {}
+        for start in range(0, len(taken), self.CHUNK):
+            chunk = taken[start : start + self.CHUNK]
+            try:
+                await run("count_replays", columns(chunk))
+            except BaseException as error:
+                if not refused(error):
+                    self._give_back(taken[start:])
+                raise
+
+    def _give_back(self, taken: list[tuple[tuple[str, str, datetime.datetime], int]]) -> None:
+        """Counts whose statement failed: counted again with whatever came since, up to ``KEPT`` records."""
+        counted = self._counted
+        dropped = 0
+        for record, replays in taken:
+            if record in counted or len(counted) < self.KEPT:
+                counted[record] = counted.get(record, 0) + replays
+            else:
+                dropped += 1
+        if dropped:
+            logger.error(
+                "idempotency replay counts of %d records dropped: %d kept already, unwritten", dropped, len(counted)
+            )
 
     def start(self, run: Run, every: float) -> None:
         """Write the counts every ``every`` seconds from now on (an outage: counted again next time)."""
@@ -182,10 +188,37 @@ class Replays:
     async def _write_or_log(self, run: Run) -> None:
         try:
             await self.write(run)
-        except AGAIN:
-            pass  # counted again next time
+        except StoreUnavailable:
+            pass  # kept for the next batch; the requests meet the outage too
         except Exception as error:  # a background batch: its error is the log's, not a request's
-            logger.error("idempotency replay counts not written, and dropped: %r", error)
+            if refused(error):
+                logger.error("idempotency replay counts not written, and dropped: %r", error)
+            else:
+                logger.warning("idempotency replay counts not written, kept for the next batch: %r", error)
+
+
+def columns(
+    counts: list[tuple[tuple[str, str, datetime.datetime], int]],
+) -> tuple[list[str], list[str], list[datetime.datetime], list[int]]:
+    """Counts as the four arrays of ``count_replays``."""
+    return (
+        [tenant for (tenant, _, _), _ in counts],
+        [key for (_, key, _), _ in counts],
+        [life for (_, _, life), _ in counts],
+        [replays for _, replays in counts],
+    )
+
+
+# SQLSTATE classes of an error the database would raise again for the same statement: a data exception (22), an
+# integrity constraint (23), a syntax error or access rule violation (42: a missing grant). Any other error of a
+# replay count (an outage, a timeout, a rollback, a server read-only during a failover) keeps the counts.
+REFUSING = ("22", "23", "42")
+
+
+def refused(error: BaseException) -> bool:
+    """Whether the database refused the statement, and would refuse it again."""
+    sqlstate = getattr(error, "sqlstate", None)
+    return isinstance(error, asyncpg.PostgresError) and isinstance(sqlstate, str) and sqlstate[:2] in REFUSING
 
 
 class Records:
@@ -234,7 +267,7 @@ class Records:
         if claim.outcome is ClaimOutcome.OWNED:
             self._unsettled.add((tenant, key, claim.fence))
         elif claim.outcome is ClaimOutcome.COMPLETED:
-            self.replays.count(tenant, key)
+            self.replays.count(tenant, key, row["life"])
         return claim
 
     async def reseal(

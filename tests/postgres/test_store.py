@@ -25,8 +25,9 @@ from starlette.types import Receive, Scope, Send
 
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, StoredResponse, idempotency_context
 from idempotency_mw.postgres._lending import PostgresTransaction
+from idempotency_mw.postgres._records import Replays
 from idempotency_mw.postgres._sql import bookkeeping, migrations
-from idempotency_mw.store import ClaimOutcome, StoreNotMigrated, StoreUnavailable
+from idempotency_mw.store import ClaimOutcome, RecordInfo, StoreNotMigrated, StoreUnavailable
 from tests.conftest import client_for, opened
 
 FINGERPRINT = bytes(range(32))
@@ -473,6 +474,75 @@ async def sql(url: str, statement: str) -> None:
         await connection.execute(statement)
     finally:
         await connection.close()
+
+
+async def test_a_replay_counts_for_the_life_it_replayed(migrated_url: str) -> None:
+    """A replay counted in memory, then its record expires and is claimed afresh before the batch: the count belongs
+    to the life it replayed, which is gone, and the new life shows none."""
+    async with opened(PostgresStore(migrated_url, min_size=1, max_size=2)) as store:
+        claim = await store.claim("t", "lives", FINGERPRINT, lease=30, ttl=60)
+        assert await store.complete("t", "lives", claim.fence, RESPONSE)
+        assert (await store.claim("t", "lives", FINGERPRINT, lease=30, ttl=60)).outcome is ClaimOutcome.COMPLETED
+        await sql(migrated_url, "UPDATE idempotency_records SET expires_at = now() - interval '1 second'")
+        fresh = await store.claim("t", "lives", FINGERPRINT, lease=30, ttl=60)
+        assert fresh.outcome is ClaimOutcome.OWNED
+        await store.count_replays()
+        record = await store.inspect("t", "lives")
+        assert record is not None
+        assert (record.state, record.replays, record.last_replayed_at) == ("in_progress", 0, None)
+
+
+async def test_replay_counts_are_written_in_short_statements_and_kept_through_an_outage_up_to_a_bound(
+    migrated_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Counts go out in statements of at most CHUNK records; an outage keeps those not yet written for the next
+    batch, up to KEPT records (beyond, dropped and logged: an outage must not grow the memory without bound)."""
+    monkeypatch.setattr(Replays, "CHUNK", 2)
+    keys = ["k1", "k2", "k3", "k4", "k5"]
+    async with opened(PostgresStore(migrated_url, min_size=1, max_size=2)) as store:
+        for key in keys:
+            claim = await store.claim("t", key, FINGERPRINT, lease=30, ttl=60)
+            assert await store.complete("t", key, claim.fence, RESPONSE)
+            await store.claim("t", key, FINGERPRINT, lease=30, ttl=60)
+        run = store._connector.run
+        sizes: list[int] = []
+
+        async def second_statement_fails(name: str, args: tuple[Any, ...], **options: bool) -> Any:
+            if name == "count_replays":
+                sizes.append(len(args[0]))
+                if len(sizes) == 2:
+                    raise StoreUnavailable("the database went away")
+            return await run(name, args, **options)
+
+        store._connector.run = second_statement_fails  # type: ignore[method-assign]
+        with pytest.raises(StoreUnavailable):
+            await store.count_replays()  # two written, three kept
+        await store.count_replays()
+        assert sizes == [2, 2, 2, 1]
+        assert [(await inspected(store, key)).replays for key in keys] == [1, 1, 1, 1, 1]
+
+        monkeypatch.setattr(Replays, "KEPT", 1)
+        for key in keys:
+            await store.claim("t", key, FINGERPRINT, lease=30, ttl=60)
+
+        async def outage(name: str, args: tuple[Any, ...], **options: bool) -> Any:
+            if name == "count_replays":
+                raise StoreUnavailable("the database went away")
+            return await run(name, args, **options)
+
+        store._connector.run = outage  # type: ignore[method-assign]
+        with pytest.raises(StoreUnavailable):
+            await store.count_replays()
+        assert "idempotency replay counts of 4 records dropped" in caplog.text
+        store._connector.run = run  # type: ignore[method-assign]
+        await store.count_replays()
+        assert sum([(await inspected(store, key)).replays for key in keys]) == 5 + 1  # the one kept
+
+
+async def inspected(store: PostgresStore, key: str) -> RecordInfo:
+    record = await store.inspect("t", key)
+    assert record is not None
+    return record
 
 
 async def test_a_record_that_starts_afresh_forgets_its_request_and_replays(migrated_url: str) -> None:

@@ -38,6 +38,7 @@
 -- $7 synchronous_commit, $8 the request (method and route template, for inspect), $9 its parts (NULL: none)
 -- A record that is this request's, or that it replays, comes back with its expires_at (the Idempotency-Expires
 -- header): set here, when the record is claimed, and moved only by a renewal or a takeover (never by a completion).
+-- A replay also comes back with the life of the record it replays (its created_at), which its count is written to.
 WITH commit_setting AS MATERIALIZED (
     SELECT set_config('synchronous_commit', coalesce($7::text, current_setting('synchronous_commit')), true)
 ), inserted AS (
@@ -49,7 +50,7 @@ WITH commit_setting AS MATERIALIZED (
     ON CONFLICT (tenant, key) DO NOTHING
     RETURNING r.fence, r.attempts, r.expires_at
 ), existing AS (
-    SELECT r.fence, r.fingerprint, r.attempts, r.expires_at, r.expires_at <= now() AS expired,
+    SELECT r.fence, r.fingerprint, r.attempts, r.expires_at, r.expires_at <= now() AS expired, r.created_at,
            s.key IS NOT NULL AS completed,
            s.status, s.headers::text AS headers, s.body, s.body_size, s.sealed, s.sealed_with
     FROM {schema}.idempotency_records AS r
@@ -66,18 +67,18 @@ WITH commit_setting AS MATERIALIZED (
 SELECT true AS owned, false AS completed, true AS same_request, i.attempts,
        NULL::smallint AS status, NULL::text AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
        NULL::bytea AS sealed, NULL::text AS sealed_with, i.fence, NULL::bytea AS unkeyed,
-       extract(epoch FROM i.expires_at)::float8 AS expires_at, NULL::bytea AS parts
+       extract(epoch FROM i.expires_at)::float8 AS expires_at, NULL::bytea AS parts, NULL::timestamptz AS life
 FROM inserted AS i
 UNION ALL
 SELECT false, c.completed, c.fingerprint = ANY ($3), c.attempts, NULL, NULL, NULL, NULL, NULL, NULL, c.fence,
        CASE WHEN length(c.fingerprint) = 32 AND c.fingerprint <> ALL ($3) THEN c.fingerprint END, NULL,
        CASE WHEN c.fingerprint <> ALL ($3)
              AND substring(c.request_parts FOR 8) = substring(c.fingerprint FROM length(c.fingerprint) - 7)
-            THEN c.request_parts END
+            THEN c.request_parts END, NULL
 FROM counted AS c
 UNION ALL
 SELECT false, true, true, e.attempts, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with, e.fence,
-       NULL, extract(epoch FROM e.expires_at)::float8, NULL
+       NULL, extract(epoch FROM e.expires_at)::float8, NULL, e.created_at
 FROM existing AS e
 WHERE e.completed AND e.fingerprint = ANY ($3) AND NOT e.expired;
 
@@ -116,7 +117,7 @@ WITH commit_setting AS MATERIALIZED (
     ON CONFLICT (tenant, key) DO NOTHING
     RETURNING r.fence, r.fingerprint, r.attempts, r.expires_at
 ), existing AS (
-    SELECT r.fence, r.fingerprint, r.attempts, r.expires_at, r.expires_at <= now() AS expired,
+    SELECT r.fence, r.fingerprint, r.attempts, r.expires_at, r.expires_at <= now() AS expired, r.created_at,
            s.key IS NOT NULL AS completed,
            s.status, s.headers::text AS headers, s.body, s.body_size, s.sealed, s.sealed_with
     FROM {schema}.idempotency_records AS r
@@ -157,7 +158,7 @@ WITH commit_setting AS MATERIALIZED (
                AND r.fingerprint = ANY ($3) AND r.expires_at > now())
     RETURNING r.fence, r.fingerprint, r.attempts, r.expires_at, r.lease_expires_at IS NULL AS ended,
               e.completed, e.status, e.headers, e.body, e.body_size, e.sealed, e.sealed_with,
-              e.fence AS previous_fence, r.request_parts
+              e.fence AS previous_fence, r.request_parts, r.created_at
 ), woken AS (
     -- A lapsed lease taken over: requests that wait for the claim that lapsed (on_conflict="wait", _waiting.py) are
     -- told, and wait for this one instead. The attempts count this request: above 1, another one came.
@@ -167,16 +168,16 @@ WITH commit_setting AS MATERIALIZED (
 ), found AS (
     SELECT i.fence, i.fingerprint, i.attempts, i.expires_at, false AS completed,
            NULL::smallint AS status, NULL::text AS headers, NULL::bytea AS body, NULL::bigint AS body_size,
-           NULL::bytea AS sealed, NULL::text AS sealed_with, NULL::bytea AS request_parts
+           NULL::bytea AS sealed, NULL::text AS sealed_with, NULL::bytea AS request_parts, NULL::timestamptz AS life
     FROM inserted AS i
     UNION ALL
     SELECT u.fence, u.fingerprint, u.attempts, u.expires_at, u.completed AND u.fence <> $6, u.status, u.headers, u.body,
-           u.body_size, u.sealed, u.sealed_with, u.request_parts
+           u.body_size, u.sealed, u.sealed_with, u.request_parts, u.created_at
     FROM updated AS u
     WHERE u.fence = $6 OR u.completed OR NOT u.ended  -- ended, but not completed in the snapshot: a race
     UNION ALL
     SELECT e.fence, e.fingerprint, e.attempts, e.expires_at, true, e.status, e.headers, e.body, e.body_size, e.sealed,
-           e.sealed_with, NULL
+           e.sealed_with, NULL, e.created_at
     FROM existing AS e
     WHERE NOT EXISTS (SELECT FROM updated) AND e.completed AND NOT e.expired AND e.fingerprint = ANY ($3)
 )
@@ -198,7 +199,8 @@ SELECT
     extract(epoch FROM f.expires_at)::float8 AS expires_at,  -- read by the store for a claim it owns or replays
     CASE WHEN f.fingerprint <> ALL ($3)
           AND substring(f.request_parts FOR 8) = substring(f.fingerprint FROM length(f.fingerprint) - 7)
-         THEN f.request_parts END AS parts
+         THEN f.request_parts END AS parts,
+    CASE WHEN f.completed AND f.fingerprint = ANY ($3) THEN f.life END AS life  -- a replay's, for its count
 FROM found AS f, (SELECT count(*) FROM woken) AS notified;  -- a SELECT in WITH runs only where it is read
 
 -- name: claim_locked
@@ -237,7 +239,7 @@ WITH commit_setting AS MATERIALIZED (
                                 ELSE r.attempts + 1 END,
         request          = CASE WHEN r.expires_at <= now() THEN excluded.request ELSE r.request END,
         request_parts    = CASE WHEN r.expires_at <= now() THEN excluded.request_parts ELSE r.request_parts END
-    RETURNING r.fence, r.fingerprint, r.attempts, r.expires_at, r.request_parts
+    RETURNING r.fence, r.fingerprint, r.attempts, r.expires_at, r.request_parts, r.created_at
 )
 SELECT
     c.fence = $6 AS owned,
@@ -255,7 +257,8 @@ SELECT
     extract(epoch FROM c.expires_at)::float8 AS expires_at,
     CASE WHEN c.fingerprint <> ALL ($3)
           AND substring(c.request_parts FOR 8) = substring(c.fingerprint FROM length(c.fingerprint) - 7)
-         THEN c.request_parts END AS parts
+         THEN c.request_parts END AS parts,
+    CASE WHEN c.fence <> $6 AND c.fingerprint = ANY ($3) THEN c.created_at END AS life  -- a replay's, for its count
 FROM claimed AS c LEFT JOIN response AS s ON true;
 
 -- name: renew
@@ -433,19 +436,24 @@ WHERE r.tenant = $1 AND r.key = $2;
 -- name: count_replays
 -- The replays counted in memory since the last batch (_records.py, Replays), written in one statement: a replay
 -- itself writes nothing. The last replay's time is this batch's, within the store's interval (REPLAYS_EVERY) of it.
--- Only a record still live gets them, added to those of its current life (migrations/0007: a row of an earlier
--- life starts again from these). The records are only read. Rows are written in key order, so two stores' batches
--- of the same keys take their locks in one order and never deadlock. A record purged while its batch runs can
--- leave its row behind: never read (no life matches it), deleted with the key's next life.
--- $1 tenants, $2 keys, $3 counts, one element per record
+-- Each count is of the life of the record it replayed (the claim returned it): one that expired or was forgotten and
+-- claimed afresh since gets none of them, and a row of an earlier life starts again from these (migrations/0007),
+-- while a batch of an earlier life never overwrites a later one's. Only a record still live gets them. The records
+-- are only read. Rows are written in key order, so two stores' batches of the same keys take their locks in one
+-- order and never deadlock. A record purged while its batch runs can leave its row behind: never read (no life
+-- matches it), deleted with the key's next life. A count saturates at the column's largest value.
+-- $1 tenants, $2 keys, $3 lives, $4 counts, one element per record life
 INSERT INTO {schema}.idempotency_replays AS c (tenant, key, life, replays, last_replayed_at)
 SELECT r.tenant, r.key, r.created_at, n.replays, now()
-FROM unnest($1::text[], $2::text[], $3::int[]) AS n (tenant, key, replays)
-JOIN {schema}.idempotency_records AS r ON r.tenant = n.tenant AND r.key = n.key AND r.expires_at > now()
+FROM unnest($1::text[], $2::text[], $3::timestamptz[], $4::int[]) AS n (tenant, key, life, replays)
+JOIN {schema}.idempotency_records AS r
+    ON r.tenant = n.tenant AND r.key = n.key AND r.created_at = n.life AND r.expires_at > now()
 ORDER BY r.tenant, r.key
 ON CONFLICT (tenant, key) DO UPDATE
-SET replays = CASE WHEN c.life = excluded.life THEN c.replays + excluded.replays ELSE excluded.replays END,
-    life = excluded.life, last_replayed_at = excluded.last_replayed_at;
+SET replays = CASE WHEN c.life = excluded.life THEN least(c.replays::bigint + excluded.replays, 2147483647)::int
+                   ELSE excluded.replays END,
+    life = excluded.life, last_replayed_at = excluded.last_replayed_at
+WHERE c.life <= excluded.life;
 
 -- name: tenants_between
 -- The tenants with records first claimed in a window, for finding one by the tag the logs show (idempotency-mw
