@@ -204,6 +204,26 @@ class StoreNotMigrated(StoreUnavailable):
         self.schema = schema
 
 
+class StoreNotGranted(StoreUnavailable):
+    """The store's role lacks privileges its statements need on the store's tables or function: typically grants
+    that name the tables one by one, given before a migration added one. The message names what is missing and the
+    GRANT that gives it."""
+
+    def __init__(self, schema: str, missing: list[str]) -> None:
+        tables = sorted({entry.split(":")[0] for entry in missing if not entry.startswith("idempotency_settled")})
+        fixes = []
+        if tables:
+            fixes.append(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {', '.join(tables)} TO <its role>")
+        if len(tables) < len(missing):
+            fixes.append("GRANT EXECUTE ON FUNCTION idempotency_settled(text, text, timestamptz) TO <its role>")
+        super().__init__(
+            f'the idempotency store\'s role lacks privileges it needs in schema "{schema}": {"; ".join(missing)}. '
+            f"As the tables' owner, in that schema: {'; '.join(fixes)} (docs/operations.md, the runtime role's grants)"
+        )
+        self.schema = schema
+        self.missing = missing
+
+
 class SealedResponseError(Exception):
     """A stored response is sealed (``idempotency_mw.encryption``) and cannot be opened: it was changed or moved to
     another record since it was sealed, or it is sealed under a key the store was not given (:class:`UnknownKeyId`).

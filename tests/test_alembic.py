@@ -21,6 +21,7 @@ import pytest
 import idempotency_mw
 from idempotency_mw import PostgresStore
 from idempotency_mw.postgres import migration_statements, removal_statements
+from idempotency_mw.store import StoreNotGranted
 from tests.apps import Probe, build_app
 from tests.conftest import tenant_of, with_database
 from tests.orm import sqlalchemy_url
@@ -201,10 +202,15 @@ def test_alembic_runs_the_store_migration_and_autogenerate_leaves_its_tables_alo
     assert fetchval(service.owner_url, "SELECT to_regclass('idempotency_responses') IS NOT NULL") is True
     # Autogenerate against the models (which do not hold the store's tables) proposes no change...
     assert "No new upgrade operations detected" in service.alembic("check").stdout
-    # ...where without the filter it proposed to drop all three of them.
+    # ...where without the filter it proposed to drop each of them.
     unfiltered = service.alembic("check", check=False, WITH_FILTER="0")
     assert unfiltered.returncode != 0
-    for table in ("idempotency_records", "idempotency_responses", "idempotency_schema_migrations"):
+    for table in (
+        "idempotency_records",
+        "idempotency_responses",
+        "idempotency_replays",
+        "idempotency_schema_migrations",
+    ):
         assert "remove_table" in unfiltered.stdout + unfiltered.stderr
         assert table in unfiltered.stdout + unfiltered.stderr
     # The store's own bookkeeping agrees: nothing pending for `idempotency-mw migrate --check`.
@@ -220,15 +226,29 @@ def test_alembic_runs_the_store_migration_and_autogenerate_leaves_its_tables_alo
 @pytest.mark.slow  # each Alembic command is a process of its own
 def test_the_app_serves_with_a_role_that_only_reads_and_writes_rows(service: Service) -> None:
     """The runtime grants of docs/operations.md are enough for every request path (claim, completion, replay,
-    release), and nothing more is given: the role cannot create or drop a table."""
+    release), and nothing more is given: the role cannot create or drop a table. Granted only the tables of an
+    earlier version, the store refuses to open, naming what is missing and the GRANT that gives it."""
     service.alembic("upgrade", "head")
     runtime = urlsplit(service.runtime_url).netloc.split(":")[0]
     admin(
         service.owner_url,
         f"GRANT USAGE ON SCHEMA public TO {runtime}",
         "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_records, idempotency_responses, "
-        f"idempotency_recovery_points, idempotency_replays TO {runtime}",
+        f"idempotency_recovery_points TO {runtime}",
+        f"GRANT SELECT ON idempotency_replays TO {runtime}",
     )
+
+    async def refused() -> StoreNotGranted:
+        store = PostgresStore(service.runtime_url, min_size=1, max_size=2)
+        with pytest.raises(StoreNotGranted) as refusal:
+            await store.open()
+        await store.close()  # the connection it opened to ask
+        return refusal.value
+
+    refusal = asyncio.run(refused())
+    assert refusal.missing == ["idempotency_replays: INSERT, UPDATE, DELETE"]
+    assert "GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_replays TO <its role>" in str(refusal)
+    admin(service.owner_url, f"GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_replays TO {runtime}")
 
     async def serve() -> None:
         async with PostgresStore(service.runtime_url, min_size=1, max_size=2) as store:
@@ -259,7 +279,8 @@ def test_the_app_serves_with_a_role_that_only_reads_and_writes_rows(service: Ser
 def test_downgrade_removes_the_store_and_its_bookkeeping(service: Service) -> None:
     service.alembic("upgrade", "head")
     service.alembic("downgrade", "base")
-    for table in ("idempotency_records", "idempotency_responses", "idempotency_schema_migrations", "orders"):
+    tables = ("idempotency_records", "idempotency_responses", "idempotency_replays", "idempotency_schema_migrations")
+    for table in (*tables, "orders"):
         assert fetchval(service.owner_url, f"SELECT to_regclass('{table}') IS NULL") is True
 
 

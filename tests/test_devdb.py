@@ -87,6 +87,7 @@ def test_the_devdb_command_serves_a_database_until_stopped_then_removes_it(stop:
         assert asyncio.run(tables(url)) == [
             "idempotency_records",
             "idempotency_recovery_points",
+            "idempotency_replays",
             "idempotency_responses",
             "idempotency_schema_migrations",
         ]

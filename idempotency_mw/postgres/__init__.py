@@ -1,4 +1,4 @@
-"""The PostgreSQL store: records in two tables, on asyncpg, through connections of its own or of the app's.
+"""The PostgreSQL store: records in tables of its own, on asyncpg, through connections of its own or of the app's.
 
 ``PostgresStore`` is the store; ``postgres_url`` turns a deploy's ``DATABASE_URL`` (SQLAlchemy's spelling
 included) into one asyncpg takes; ``migration_statements`` and ``removal_statements`` are the store's DDL for a

@@ -29,6 +29,7 @@ from idempotency_mw.store import (
     RecordLine,
     ResealedBatch,
     StoredResponse,
+    StoreNotGranted,
     StoreNotMigrated,
     Subscription,
     Transaction,
@@ -142,8 +143,9 @@ class PostgresStore:
         return self._connector.database_isolation
 
     async def open(self) -> None:
-        """Connect now (``min_size`` connections) and check that the tables exist, so that a database that cannot
-        be reached, or was never migrated, fails at startup: :class:`StoreNotMigrated` names the command to run.
+        """Connect now (``min_size`` connections) and check that the tables exist and the role may use them, so that
+        a database that cannot be reached, was never migrated, or whose role lacks a grant fails at startup:
+        :class:`StoreNotMigrated` names the command to run, :class:`StoreNotGranted` the GRANT.
 
         :meth:`migrate` needs no ``open()`` first (it would refuse a database that is not migrated yet). A closed
         store opens again (a lifespan run once per test): on new connections, and without the claims of before the
@@ -155,6 +157,9 @@ class PostgresStore:
         row = await self._connector.run("migrated", ())
         if row is None or not row[0]:
             raise StoreNotMigrated(self.schema)
+        row = await self._connector.run("missing_grants", ())
+        if row is not None and row["missing"]:
+            raise StoreNotGranted(self.schema, list(row["missing"]))
         self._records.replays.start(self._connector.run, REPLAYS_EVERY)
 
     async def close(self, *, grace: float | None = None) -> None:

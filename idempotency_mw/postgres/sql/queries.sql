@@ -621,6 +621,22 @@ SELECT to_regclass('{schema}.idempotency_replays') IS NOT NULL
     WHERE attrelid = to_regclass('{schema}.idempotency_responses') AND attname = 'life' AND NOT attisdropped
 );
 
+-- name: missing_grants
+-- open() runs this once, after migrated: what the store's statements need and the session's role lacks, on each of
+-- the store's tables and on idempotency_settled (docs/operations.md, "The runtime role's grants"). A role granted
+-- the tables one by one before a migration added one then fails at startup, not in a release or a purge.
+SELECT coalesce(array_agg(m.missing ORDER BY m.missing), '{}') AS missing FROM (
+    SELECT t.name || ': ' || string_agg(p.privilege, ', ' ORDER BY p.n) AS missing
+    FROM (VALUES ('idempotency_records'), ('idempotency_responses'), ('idempotency_recovery_points'),
+                 ('idempotency_replays')) AS t (name),
+         (VALUES (1, 'SELECT'), (2, 'INSERT'), (3, 'UPDATE'), (4, 'DELETE')) AS p (n, privilege)
+    WHERE NOT has_table_privilege('{schema}.' || t.name, p.privilege)
+    GROUP BY t.name
+    UNION ALL
+    SELECT 'idempotency_settled(text, text, timestamptz): EXECUTE'
+    WHERE NOT has_function_privilege('{schema}.idempotency_settled(text, text, timestamptz)', 'EXECUTE')
+) AS m;
+
 -- name: database_identity
 -- SQLAlchemyStore.open() compares this on the store's connection and on the app's engine: the handlers'
 -- transactions complete the records, so the engine must reach the store's database (same server, same database).
