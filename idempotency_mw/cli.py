@@ -65,7 +65,7 @@ from idempotency_mw.postgres._recovery import (
 )
 from idempotency_mw.postgres._sql import check_schema, migration_statements, migrations
 from idempotency_mw.postgres._store import PostgresStore
-from idempotency_mw.store import ResealedBatch, SealedResponseError, StoreNotMigrated
+from idempotency_mw.store import ResealedBatch, SealedResponseError, StoreNotGranted, StoreNotMigrated
 
 if TYPE_CHECKING:
     from idempotency_mw.encryption import ResponseCipher
@@ -319,6 +319,10 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
             await store.open()
         except StoreNotMigrated as error:
             if args.handler is not cmd_migrate:  # migrate creates the tables (open() connected before it checked)
+                raise explain(error, args.timeout) from error
+        except StoreNotGranted as error:
+            # A support desk's role may only read: inspect, list and stats do, and migrate runs as the tables' owner.
+            if args.handler not in (cmd_inspect, cmd_list, cmd_stats, cmd_migrate):
                 raise explain(error, args.timeout) from error
         except (ValueError, OverflowError) as error:  # asyncpg's DSN parser, a malformed or out-of-range port
             raise CommandError(f"invalid database URL: {error}") from error

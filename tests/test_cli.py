@@ -436,6 +436,33 @@ def test_unknown_key_is_exit_1_with_a_hint(capsys: pytest.CaptureFixture[str], d
     assert "--authorization" not in err  # a tenant the default resolver made: the hint has nothing to add
 
 
+def test_a_role_that_only_reads_inspects_lists_and_counts_but_is_told_what_forget_needs(
+    capsys: pytest.CaptureFixture[str], db: Database
+) -> None:
+    """A support desk's role, granted SELECT on the store's tables and nothing more: the store refuses to open for
+    it (StoreNotGranted), yet inspect, list and stats only read, and run; forget, which deletes, says what it lacks."""
+    on_db(db, lambda store: completed(store, "", "desk-key", b"ok"))
+    role = f"desk_{uuid.uuid4().hex[:8]}"
+    sql(db.url, f"CREATE ROLE {role} LOGIN PASSWORD 'desk-pw'")
+    try:
+        sql(db.url, f'GRANT USAGE ON SCHEMA "{db.schema}" TO {role}')
+        sql(db.url, f'GRANT SELECT ON ALL TABLES IN SCHEMA "{db.schema}" TO {role}')
+        parts = urlsplit(db.url)
+        desk = urlunsplit(parts._replace(netloc=f"{role}:desk-pw@{parts.netloc.rsplit('@', 1)[-1]}"))
+        options = ["--database-url", desk, "--schema", db.schema]
+        assert cli(capsys, *options, "inspect", "", "desk-key")[0] == 0
+        assert cli(capsys, *options, "stats")[0] == 0
+        assert cli(capsys, *options, "list", "", "--since", "1h")[0] == 0
+        code, out, err = cli(capsys, *options, "forget", "", "desk-key")
+        assert (code, out) == (3, "")
+        assert "lacks privileges" in err
+        assert "idempotency_records: INSERT, UPDATE, DELETE" in err
+        assert on_db(db, lambda store: store.inspect("", "desk-key")) is not None
+    finally:
+        sql(db.url, f"DROP OWNED BY {role}")
+        sql(db.url, f"DROP ROLE {role}")
+
+
 def test_forget_deletes_then_reports_absence(capsys: pytest.CaptureFixture[str], db: Database) -> None:
     on_db(db, lambda store: completed(store, "", "anon-key", b"ok"))
     assert cli(capsys, *db.options, "forget", "", "anon-key") == (
