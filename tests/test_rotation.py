@@ -140,9 +140,10 @@ async def test_copies_racing_on_both_steps_run_once(store_and_mode: tuple[Store,
     assert {answer.status_code for answer in answers} <= {201, 409}
     assert all(ledger.runs[key] <= 1 for key in keys), ledger.runs  # never twice
     # A key whose copies all met one another's claims got 409 everywhere, as a storm without a rotation can: its
-    # retry runs it, once.
+    # retry runs it, once. How many depends on the machine's load (on PostgreSQL, 0 to 8 of 30 run alone on 2 cores,
+    # up to 18 beside the rest of the suite): the race must not stop every key, and the retries settle them all.
     unsettled = [key for key in keys if not ledger.runs[key]]
-    assert len(unsettled) < len(keys) // 2  # a few (0 to 5 of 30 in runs on PostgreSQL)
+    assert len(unsettled) < len(keys)
     for key in unsettled:
         assert (await post(apps[1], key)).status_code == 201
     assert all(ledger.runs[key] == 1 for key in keys), ledger.runs
