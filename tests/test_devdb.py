@@ -94,9 +94,13 @@ def test_the_devdb_command_serves_a_database_until_stopped_then_removes_it(stop:
         process.send_signal(stop)
         _, err = process.communicate(timeout=60)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        if process.poll() is None:  # an assertion failed: stop it as a user would, or its PostgreSQL outlives it
+            process.send_signal(stop)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
     assert process.returncode == 0, err
     assert "stopped" in err
     assert not Path(socket_dir).exists()  # the data directory, which holds the socket, is gone
