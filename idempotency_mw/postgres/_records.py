@@ -133,9 +133,6 @@ class Replays:
         counted = self._counted
         counted[tenant, key, life] = counted.get((tenant, key, life), 0) + 1
 
-    def __bool__(self) -> bool:
-        return bool(self._counted)
-
     async def write(self, run: Run) -> None:
         """The counts so far, in ``count_replays`` statements of at most ``CHUNK`` records. Those not written are
         kept for the next time if the database could not be reached or did not answer in time, rolled a statement
