@@ -210,12 +210,13 @@ class StoreNotGranted(StoreUnavailable):
     GRANT that gives it."""
 
     def __init__(self, schema: str, missing: list[str]) -> None:
-        tables = sorted({entry.split(":")[0] for entry in missing if not entry.startswith("idempotency_settled")})
+        function = "idempotency_settled(text, text, timestamptz)"
+        tables = [entry.split(":")[0] for entry in missing if not entry.startswith(function)]
         fixes = []
         if tables:
             fixes.append(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {', '.join(tables)} TO <its role>")
-        if len(tables) < len(missing):
-            fixes.append("GRANT EXECUTE ON FUNCTION idempotency_settled(text, text, timestamptz) TO <its role>")
+        if len(tables) < len(missing):  # the function is missing too
+            fixes.append(f"GRANT EXECUTE ON FUNCTION {function} TO <its role>")
         super().__init__(
             f'the idempotency store\'s role lacks privileges it needs in schema "{schema}": {"; ".join(missing)}. '
             f"As the tables' owner, in that schema: {'; '.join(fixes)} (docs/operations.md, the runtime role's grants)"
