@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 async def test_every_payout_takes_effect_once_locally_and_at_the_provider(idempotency_database_url: str) -> None:
     result, findings = await run_steps(idempotency_database_url, operations=30, copies=3, kills=3)
-    assert findings.kills == 3
+    assert 3 <= findings.kills <= 6  # more only for a gap the first three missed
     for gap in BETWEEN_STEPS:  # otherwise the round proved nothing about that gap
         assert findings.gaps[gap] > 0, (gap, findings.gaps)
     assert result.duplicates == 0  # one payout row per operation, one provider transfer per payout
