@@ -152,7 +152,11 @@ class MemoryStore:
         return self._waiters.watch(fence)
 
     async def forget(self, tenant: str, key: str) -> bool:
-        return self._records.pop((tenant, key), None) is not None
+        record = self._records.pop((tenant, key), None)
+        if record is None:
+            return False
+        self._waiters.wake(record.fence)  # its waiters claim again, and the first runs
+        return True
 
     async def inspect(self, tenant: str, key: str) -> RecordInfo | None:
         record = self._records.get((tenant, key))

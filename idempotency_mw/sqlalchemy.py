@@ -211,7 +211,7 @@ class SQLAlchemyStore(PostgresStore):
             return await super().forget(tenant, key, connection=connection)
         with _reachable(self.timeout, self.schema):
             result = await connection.exec_driver_sql(self._records.sql["forget"], (tenant, key))
-        return bool(result.rowcount == 1)
+        return result.first() is not None
 
 
 class SQLAlchemyTransaction:

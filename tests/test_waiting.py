@@ -25,7 +25,7 @@ from idempotency_mw import IdempotencyMiddleware, PostgresStore, Store, StoredRe
 from idempotency_mw._waiting import Waiters
 from idempotency_mw.sqlalchemy import SQLAlchemyStore, SQLAlchemyTransaction
 from idempotency_mw.store import Claim, ClaimOutcome, Transaction
-from tests.conftest import client_for
+from tests.conftest import client_for, tenant_of
 
 FINGERPRINT = b"f" * 40
 RESPONSE = StoredResponse(201, [], b"{}", 2)
@@ -96,6 +96,30 @@ async def test_a_duplicate_runs_when_the_original_was_released(store: Store, key
     assert original.runs == 2
 
 
+async def test_a_forgotten_claim_wakes_its_waiters(store: Store, key: str) -> None:
+    """An operator forgets the key of a request still running (``idempotency-mw forget``): a copy waiting for it
+    claims afresh now, not at the end of its wait, and runs; the original's completion is fenced out."""
+    original = Original()
+    client = client_for(waiting_app(store, original, wait=30))
+    first = await started(client, original, key)
+    duplicate = asyncio.create_task(client.post("/pay", json={"amount": 5}, headers={"Idempotency-Key": key}))
+    await asyncio.sleep(0.2)
+    assert not duplicate.done(), "the duplicate answered instead of waiting"
+    original.entered.clear()
+    assert await store.forget(tenant_of(), key)
+    try:
+        await asyncio.wait_for(original.entered.wait(), 5)  # the copy runs, woken: its wait had 30 s left
+    except TimeoutError:
+        duplicate.cancel()
+        raise
+    finally:
+        original.go.set()
+    ran = await duplicate
+    assert (ran.status_code, ran.json(), "idempotent-replayed" in ran.headers) == (201, {"run": 2}, False)
+    await first  # its completion fenced out: what it answers is the handler's own
+    assert original.runs == 2
+
+
 async def test_after_the_bound_a_waiting_duplicate_gets_409(store: Store, key: str) -> None:
     original = Original()
     client = client_for(waiting_app(store, original, wait=0.3))
@@ -137,6 +161,35 @@ async def test_a_waiter_in_another_process_is_woken_by_the_database(idempotency_
         assert time.monotonic() - released < 5
         assert (replay.headers["idempotent-replayed"], replay.content) == ("true", live.content)
         assert original.runs == 1
+
+
+async def test_a_waiter_in_another_process_is_woken_by_a_forget(idempotency_database_url: str, key: str) -> None:
+    """The key forgotten from one process (the command line's store, say): a copy waiting in another is told by the
+    database, claims afresh and runs, long before its bound."""
+    original = Original()
+    async with PostgresStore(idempotency_database_url) as here, PostgresStore(idempotency_database_url) as there:
+        first = await started(client_for(waiting_app(here, original, wait=30)), original, key)
+        elsewhere = Original()
+        duplicate = asyncio.create_task(
+            client_for(waiting_app(there, elsewhere, wait=30)).post(
+                "/pay", json={"amount": 5}, headers={"Idempotency-Key": key}
+            )
+        )
+        await asyncio.sleep(0.5)  # it claimed (409 inside), and waits
+        assert not duplicate.done()
+        async with PostgresStore(idempotency_database_url) as operator:
+            assert await operator.forget(tenant_of(), key)
+        try:
+            await asyncio.wait_for(elsewhere.entered.wait(), 5)  # woken: its wait had 30 s left
+        except TimeoutError:
+            duplicate.cancel()
+            raise
+        finally:
+            elsewhere.go.set()
+            original.go.set()
+        assert (await duplicate).status_code == 201
+        await first
+        assert (original.runs, elsewhere.runs) == (1, 1)
 
 
 async def test_five_hundred_waiting_duplicates_hold_no_connection(idempotency_database_url: str, key: str) -> None:

@@ -255,13 +255,17 @@ class PostgresStore:
     # -- operators' commands ---------------------------------------------------------------------------------
 
     async def forget(self, tenant: str, key: str, *, connection: asyncpg.Connection | None = None) -> bool:
-        """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names."""
-        if connection is None:
-            status = await self._connector.run("forget", (tenant, key), status=True)
-        else:
+        """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names. Requests
+        waiting for it claim again: in this process at once, in others once it commits."""
+        if connection is not None:
             with reachable(self.schema):
-                status = await connection.execute(self._records.sql["forget"], tenant, key, timeout=self.timeout)
-        return bool(status == "DELETE 1")
+                row = await connection.fetchrow(self._records.sql["forget"], tenant, key, timeout=self.timeout)
+            return row is not None
+        row = await self._connector.run("forget", (tenant, key))
+        if row is None:
+            return False
+        self._records.waiters.wake(row["fence"])
+        return True
 
     async def inspect(self, tenant: str, key: str) -> RecordInfo | None:
         row = await self._connector.run("inspect", (tenant, key))

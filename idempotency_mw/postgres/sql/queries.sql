@@ -398,7 +398,9 @@ SELECT EXISTS (
 ) AS committed;
 
 -- name: forget
--- The record with its responses, recovery points and replay count, of every life.
+-- The record with its responses, recovery points and replay count, of every life; its fence, if there was one.
+-- Waiters of a record that had duplicates are notified, as for a release: they claim afresh now, not at the end of
+-- their wait (in a handler's transaction, once it commits).
 -- $1 tenant, $2 key
 WITH response AS (
     DELETE FROM {schema}.idempotency_responses WHERE tenant = $1 AND key = $2
@@ -406,8 +408,14 @@ WITH response AS (
     DELETE FROM {schema}.idempotency_recovery_points WHERE tenant = $1 AND key = $2
 ), replays AS (
     DELETE FROM {schema}.idempotency_replays WHERE tenant = $1 AND key = $2
+), forgotten AS (
+    DELETE FROM {schema}.idempotency_records WHERE tenant = $1 AND key = $2
+    RETURNING fence, attempts
 )
-DELETE FROM {schema}.idempotency_records WHERE tenant = $1 AND key = $2;
+SELECT f.fence
+FROM forgotten AS f, LATERAL (
+    SELECT CASE WHEN f.attempts > 0 THEN pg_notify('idempotency_mw_settled', '{schema_name}:' || f.fence) END
+) AS notified;
 
 -- name: inspect
 -- last_step: the last recovery point of the record's life (migrations/0005), for a request whose handler runs in
