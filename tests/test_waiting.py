@@ -69,13 +69,19 @@ async def started(client: httpx.AsyncClient, original: Original, key: str) -> as
     return first
 
 
+async def waiting(client: httpx.AsyncClient, key: str, *, claimed_within: float = 0.2) -> asyncio.Task[httpx.Response]:
+    """A duplicate of the original under ``key``, seen waiting ``claimed_within`` seconds later, not answered."""
+    duplicate = asyncio.create_task(client.post("/pay", json={"amount": 5}, headers={"Idempotency-Key": key}))
+    await asyncio.sleep(claimed_within)
+    assert not duplicate.done(), "the duplicate answered instead of waiting"
+    return duplicate
+
+
 async def test_a_duplicate_waits_and_gets_the_replay(store: Store, key: str) -> None:
     original = Original()
     client = client_for(waiting_app(store, original, wait=10))
     first = await started(client, original, key)
-    duplicate = asyncio.create_task(client.post("/pay", json={"amount": 5}, headers={"Idempotency-Key": key}))
-    await asyncio.sleep(0.2)
-    assert not duplicate.done(), "the duplicate answered instead of waiting"
+    duplicate = await waiting(client, key)
     original.go.set()
     live, replay = await first, await duplicate
     assert live.status_code == 201
@@ -102,9 +108,7 @@ async def test_a_forgotten_claim_wakes_its_waiters(store: Store, key: str) -> No
     original = Original()
     client = client_for(waiting_app(store, original, wait=30))
     first = await started(client, original, key)
-    duplicate = asyncio.create_task(client.post("/pay", json={"amount": 5}, headers={"Idempotency-Key": key}))
-    await asyncio.sleep(0.2)
-    assert not duplicate.done(), "the duplicate answered instead of waiting"
+    duplicate = await waiting(client, key)
     original.entered.clear()
     assert await store.forget(tenant_of(), key)
     try:
@@ -118,6 +122,8 @@ async def test_a_forgotten_claim_wakes_its_waiters(store: Store, key: str) -> No
     assert (ran.status_code, ran.json(), "idempotent-replayed" in ran.headers) == (201, {"run": 2}, False)
     await first  # its completion fenced out: what it answers is the handler's own
     assert original.runs == 2
+    again = await client.post("/pay", json={"amount": 5}, headers={"Idempotency-Key": key})
+    assert (again.headers["idempotent-replayed"], again.json()) == ("true", {"run": 2})  # the copy's, not the first's
 
 
 async def test_after_the_bound_a_waiting_duplicate_gets_409(store: Store, key: str) -> None:
@@ -151,9 +157,7 @@ async def test_a_waiter_in_another_process_is_woken_by_the_database(idempotency_
     async with PostgresStore(idempotency_database_url) as here, PostgresStore(idempotency_database_url) as there:
         first = await started(client_for(waiting_app(here, original, wait=30)), original, key)
         elsewhere = client_for(waiting_app(there, Original(), wait=30))
-        duplicate = asyncio.create_task(elsewhere.post("/pay", json={"amount": 5}, headers={"Idempotency-Key": key}))
-        await asyncio.sleep(0.5)  # it claimed (409 inside), and waits
-        assert not duplicate.done()
+        duplicate = await waiting(elsewhere, key, claimed_within=0.5)  # it claimed (409 inside), and waits
         released = time.monotonic()
         original.go.set()
         live = await first
@@ -170,13 +174,7 @@ async def test_a_waiter_in_another_process_is_woken_by_a_forget(idempotency_data
     async with PostgresStore(idempotency_database_url) as here, PostgresStore(idempotency_database_url) as there:
         first = await started(client_for(waiting_app(here, original, wait=30)), original, key)
         elsewhere = Original()
-        duplicate = asyncio.create_task(
-            client_for(waiting_app(there, elsewhere, wait=30)).post(
-                "/pay", json={"amount": 5}, headers={"Idempotency-Key": key}
-            )
-        )
-        await asyncio.sleep(0.5)  # it claimed (409 inside), and waits
-        assert not duplicate.done()
+        duplicate = await waiting(client_for(waiting_app(there, elsewhere, wait=30)), key, claimed_within=0.5)
         async with PostgresStore(idempotency_database_url) as operator:
             assert await operator.forget(tenant_of(), key)
         try:
