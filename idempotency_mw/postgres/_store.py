@@ -256,7 +256,7 @@ class PostgresStore:
 
     async def forget(self, tenant: str, key: str, *, connection: asyncpg.Connection | None = None) -> bool:
         """Delete the record; pass the ``connection`` of a transaction that deletes the resource it names. Requests
-        waiting for it claim again: in this process at once, in others once it commits."""
+        waiting for the record claim again at once (with ``connection``, once its transaction commits)."""
         if connection is not None:
             with reachable(self.schema):
                 row = await connection.fetchrow(self._records.sql["forget"], tenant, key, timeout=self.timeout)
