@@ -339,10 +339,10 @@ ON CONFLICT (tenant, key) DO UPDATE
 -- idempotency_settled look for this life's response or point, with a snapshot of its own (migrations/0006): one
 -- that committed while this statement waited, or in the moment before, is seen, and the record stays (the store
 -- answers False), as the foreign key's check used to make sure. Responses, points and replay counts of the key's
--- earlier lives go with it. Waiters of a record that had duplicates are notified, as for a completion: one of them claims the key
--- afresh. So are they when the record stays because it completed: under REPEATABLE READ an original whose snapshot
--- predates this claim's takeover can complete first (complete_in_transaction), and its notice may go to the fence
--- it had, while the waiters follow this claim's.
+-- earlier lives go with it. Waiters of a record that had duplicates are notified, as for a completion: one of them
+-- claims the key afresh. So are they when the record stays because it completed: under REPEATABLE READ an original
+-- whose snapshot predates this claim's takeover can complete first (complete_in_transaction), and its notice may go
+-- to the fence it had, while the waiters follow this claim's.
 -- $1 tenant, $2 key, $3 fence
 WITH locked AS MATERIALIZED (
     SELECT r.created_at, r.attempts FROM {schema}.idempotency_records AS r
@@ -491,9 +491,9 @@ LIMIT $4;
 -- Batched so that a large backlog never holds locks for long; the expires_at index finds the batch, and rows locked
 -- by live requests are passed over (SKIP LOCKED), a completion or a step still in its transaction too (it holds
 -- the record FOR KEY SHARE): the next batch takes them. The responses, recovery points and replay counts of the
--- batch's keys, of every life, go in the same statement, each found through its primary key (one index probe per key: the OFFSET 0
--- keeps the planner from reading the whole table into a hash instead), and nothing checks each deleted record for
--- rows that refer to it once the foreign keys are gone (migrations/0006, contract/0008).
+-- batch's keys, of every life, go in the same statement, each found through its primary key (one index probe per
+-- key: the OFFSET 0 keeps the planner from reading the whole table into a hash instead), and nothing checks each
+-- deleted record for rows that refer to it once the foreign keys are gone (migrations/0006, contract/0008).
 -- $1 batch size
 WITH doomed AS MATERIALIZED (
     SELECT ctid, tenant, key FROM {schema}.idempotency_records WHERE expires_at <= now()
