@@ -159,7 +159,10 @@ def validate_key(key: str) -> str:
 def _key_path(path: str, key: str) -> str:
     """The path of ``key``'s status: ``path`` with the key in place of ``{key}``, percent-encoded whole (a ``/`` in a
     key included), as ``key_status_route`` reads it back."""
-    return path.replace("{key}", quote(key, safe=""))
+    encoded = quote(key, safe="")
+    if encoded in (".", ".."):  # a dot segment, which URL resolution removes: the path above the route's
+        encoded = encoded.replace(".", "%2E")
+    return path.replace("{key}", encoded)
 
 
 def _check_status_path(path: str) -> str:
@@ -256,10 +259,11 @@ class _Call:
             state = None
         self.asked.append(answer.status_code if state is None else state)
         if state == "in_progress":
-            return self._next_delay(None)
+            return self._next_delay(parse_retry_after(answer.headers.get("retry-after")))
         if state is None:  # 404: no status route here; or another refusal: no status to be had in this call
             self.asking = False
         self._unknown = False
+        self._check_budget(0.0)  # the resend is a request like any other
         return None
 
     def result(self, response: httpx.Response) -> IdempotentResult:
@@ -271,14 +275,8 @@ class _Call:
     ) -> float:
         """The wait before the next request (an attempt or a question), or RetriesExhausted, naming the last
         attempt's outcome."""
-        if response is None and error is None:
-            response, error = self._last
-        sent = self.attempts + len(self.asked)
-        if sent >= self.retry.attempts:
-            raise self._exhausted("attempts", response, error)
-        delay = self.retry.delay(sent, retry_after)
-        if time.monotonic() + delay + _MIN_ATTEMPT_SECONDS >= self.deadline_at:
-            raise self._exhausted("deadline", response, error)
+        delay = self.retry.delay(self.attempts + len(self.asked), retry_after)
+        self._check_budget(delay, response, error)
         logger.debug(
             "retrying %s %s after attempt %d (%s) in %.3fs",
             self.request.method,
@@ -288,6 +286,18 @@ class _Call:
             delay,
         )
         return delay
+
+    def _check_budget(
+        self, delay: float, response: httpx.Response | None = None, error: Exception | None = None
+    ) -> None:
+        """RetriesExhausted, naming the last attempt's outcome, unless one more request may start after ``delay``:
+        one under ``Retry.attempts`` (attempts and questions alike), and with time for it before the deadline."""
+        if response is None and error is None:
+            response, error = self._last
+        if self.attempts + len(self.asked) >= self.retry.attempts:
+            raise self._exhausted("attempts", response, error)
+        if time.monotonic() + delay + _MIN_ATTEMPT_SECONDS >= self.deadline_at:
+            raise self._exhausted("deadline", response, error)
 
     def _exhausted(self, reason: str, response: httpx.Response | None, error: Exception | None) -> RetriesExhausted:
         why = "no attempts left" if reason == "attempts" else f"the {self.retry.deadline}s deadline would pass"

@@ -82,7 +82,9 @@ class FakeApp:
         return [request for request in self.sent if request.method == "GET"]
 
 
-def post(flavour: str, app: FakeApp, body: bytes = BIG, calls: int = 1, **options: Any) -> list[IdempotentResult]:
+def post(
+    flavour: str, app: Callable[[httpx.Request], httpx.Response], body: bytes = BIG, calls: int = 1, **options: Any
+) -> list[IdempotentResult]:
     """``calls`` POSTs of ``body`` to /uploads through one client with ``options``, on ``app``."""
     options = {"retry": FAST, "ask_first": AskFirst(), "headers": AUTH, **options}
     transport = httpx.MockTransport(app)
@@ -190,6 +192,62 @@ def test_questions_count_against_the_attempts(flavour: str, clock: FakeTime) -> 
         post(flavour, app, retry=Retry(attempts=4, deadline=60, backoff=0.01, max_backoff=0.05))
     assert (caught.value.reason, caught.value.attempts, len(app.asked())) == ("attempts", 1, 3)
     assert isinstance(caught.value.last_error, httpx.ReadTimeout)  # the last attempt's outcome, not a question's
+
+
+@pytest.mark.parametrize("state", ["completed", "absent", 404, 400])
+def test_the_resend_after_a_question_counts_against_the_attempts(
+    flavour: str, clock: FakeTime, state: str | int
+) -> None:
+    """Two HTTP requests in all: the attempt and the question. The resend the answer calls for would be the third."""
+    from idempotency_mw.client import RetriesExhausted
+
+    app = FakeApp([httpx.ReadTimeout, 201], [state])
+    with pytest.raises(RetriesExhausted) as caught:
+        post(flavour, app, retry=Retry(attempts=2, deadline=60, backoff=0.01, max_backoff=0.05))
+    assert (caught.value.reason, caught.value.attempts, len(app.sent)) == ("attempts", 1, 2)
+    assert isinstance(caught.value.last_error, httpx.ReadTimeout)
+
+
+def test_no_resend_starts_once_a_question_took_the_deadline(flavour: str, clock: FakeTime) -> None:
+    from idempotency_mw.client import RetriesExhausted
+
+    def slow_status(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            clock.now = 9.999  # the answer came in the deadline's last moment
+        return app(request)
+
+    app = FakeApp([httpx.ReadTimeout, 201], ["completed"])
+    retry = Retry(attempts=10, deadline=10, backoff=0.01, max_backoff=0.05)
+    with pytest.raises(RetriesExhausted) as caught:
+        post(flavour, slow_status, retry=retry)
+    assert (caught.value.reason, len(app.posted())) == ("deadline", 1)
+
+
+def test_an_in_progress_answer_is_asked_again_after_its_retry_after(flavour: str, clock: FakeTime) -> None:
+    def slow_down(request: httpx.Request) -> httpx.Response:
+        answer = app(request)
+        if request.method == "GET" and answer.json()["state"] == "in_progress":
+            answer.headers["retry-after"] = "2"
+        return answer
+
+    app = FakeApp([httpx.ReadTimeout, 201], ["in_progress", "completed"])
+    (result,) = post(flavour, slow_down)
+    assert result.asked == ("in_progress", "completed")
+    assert clock.sleeps[-1] >= 2.0  # the wait before the second question
+
+
+@pytest.mark.parametrize("key", [".", ".."])
+def test_a_key_of_dots_is_asked_about_under_its_own_path(clock: FakeTime, key: str) -> None:
+    """httpx drops a path's dot segments: a key "." or ".." would ask the path above the status route."""
+    app = FakeApp([httpx.ReadTimeout, 201], ["completed", "completed"])
+    transport = httpx.MockTransport(app)
+    with IdempotentClient(
+        "http://api.test", transport=transport, retry=FAST, ask_first=AskFirst(), headers=AUTH
+    ) as client:
+        result = client.post("/uploads", content=BIG, idempotency_key=key)
+        status = client.key_status(key)
+    assert (result.asked, status.key) == (("completed",), key)
+    assert [request.url.raw_path for request in app.asked()] == [b"/idempotency-keys/" + b"%2E" * len(key)] * 2
 
 
 def test_a_key_with_reserved_characters_is_asked_about_percent_encoded(flavour: str, clock: FakeTime) -> None:
