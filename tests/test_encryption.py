@@ -610,6 +610,61 @@ async def test_reencrypt_leaves_a_response_that_does_not_open_and_goes_on(migrat
         assert await store.responses_by_key() == {"2026-06": 1, "2026-11": 2}
 
 
+async def test_reencrypt_beside_a_completion_that_replaces_an_earlier_life_reseals_the_new_response(
+    migrated_url: str,
+) -> None:
+    """A response of an earlier life stays when a transactional completion raced the takeover of its expired record;
+    the new life's completion replaces it (``complete``'s ON CONFLICT). When that replacement commits while a
+    re-sealing batch walks toward the row, the batch locks the new version: it must re-seal that one, never the
+    earlier life's bytes its statement's snapshot still sees (a retry would then replay another request's answer)."""
+    earlier = StoredResponse(201, [], b'{"id":"ch_1","amount":1000}', 27)
+    newer = StoredResponse(201, [], b'{"id":"ch_2","amount":9900}', 27)
+    connection = await asyncpg.connect(migrated_url)
+    old = PostgresStore(migrated_url, cipher=cipher("2026-06"))  # an instance not given the new key yet
+    await old.open()
+    try:
+        async with old.transaction() as transaction:  # life 1, completed in its handler's transaction ...
+            first = await transaction.claim("t", "z", FINGERPRINT, lease=30, ttl=3600)
+            await transaction.begin()
+            assert await transaction.complete("t", "z", first.fence, earlier)
+            await connection.execute(  # ... as the record expires (its handler outlived its ttl)
+                "UPDATE idempotency_records SET expires_at = now() - interval '1 second', "
+                "lease_expires_at = now() - interval '1 second' WHERE key = 'z'"
+            )
+            taken = await old.claim("t", "z", FINGERPRINT, lease=30, ttl=3600)  # a retry takes it over: life 2
+            assert taken.outcome is ClaimOutcome.OWNED
+            await transaction.commit()
+        # Responses under the older key before it in the walk, so that the batch takes a while to reach it.
+        await connection.execute(
+            "INSERT INTO idempotency_records (tenant, key, fingerprint, fence, created_at, expires_at) "
+            "SELECT 'a', lpad(i::text, 8, '0'), '\\x00'::bytea, i, now(), now() + interval '1 hour' "
+            "FROM generate_series(1, 60000) AS i"
+        )
+        await connection.execute(
+            "INSERT INTO idempotency_responses "
+            "(tenant, key, fence, body_size, sealed, sealed_with, completed_at, life) "
+            "SELECT 'a', lpad(i::text, 8, '0'), i, 0, '\\x00'::bytea, '2026-06', now(), now() "
+            "FROM generate_series(1, 60000) AS i"
+        )
+        async with PostgresStore(migrated_url, cipher=cipher("2026-11", "2026-06")) as rotating:
+            resealing = asyncio.ensure_future(rotating.reencrypt(batch_size=100_000, batch_bytes=1 << 30))
+            while not await connection.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND pid <> pg_backend_pid() "
+                "AND query LIKE '-- The next responses to re-seal%'"
+            ):
+                assert not resealing.done()
+            assert await old.complete("t", "z", taken.fence, newer)  # life 2's answer, under the older key
+            assert not resealing.done()  # it did not wait for the batch: the batch had not reached the row
+            batch = await resealing
+            assert len(batch.unreadable) == 60000
+            sealed_with = await connection.fetchval("SELECT sealed_with FROM idempotency_responses WHERE key = 'z'")
+            assert sealed_with == "2026-11"  # re-sealed by that batch, after the completion
+            assert await replayed(rotating, "t", "z") == newer
+    finally:
+        await old.close()
+        await connection.close()
+
+
 async def test_reencrypt_bounds_each_batch_by_bytes_as_well_as_rows(migrated_url: str) -> None:
     """A batch of large responses (8 MiB each by default) would pass PostgreSQL's 1 GB message limit at 500 rows:
     each batch stops where its responses' bytes would pass ``batch_bytes``, with one row at least, and the next

@@ -533,17 +533,21 @@ SELECT count(*) FROM {schema}.idempotency_records WHERE expires_at <= now();
 -- that a run reads the table once however many batches it takes. A response under a key the cipher does not have
 -- is passed over (it cannot be opened here). The rows are locked until the batch's transaction commits with their
 -- new form (reseal); SKIP LOCKED passes over those another run holds, as the purge does, and a completion or a
--- replay never waits: responses are only ever inserted and read, and the claim, forget and purge that delete them
--- wait for the batch at most. A row passed over stays as it was, for the next run.
+-- replay never waits on a row not yet locked. A row passed over stays as it was, for the next run.
+-- What is re-sealed is what was locked: a completion may replace a row (a response of the record's earlier life,
+-- complete's ON CONFLICT) between this statement's snapshot and its lock, and the lock takes the new version (READ
+-- COMMITTED), while a second read of the table would still see the old one and write its bytes back over the new.
 -- The batch is bounded by bytes as well as rows: it takes the locked rows, in order, while their sealed (or plain)
 -- bodies add up to $7 at most, and always the first, so that neither the rows fetched nor the reseal that writes
 -- them back comes near PostgreSQL's 1 GB message limit with responses of several MiB. The locked rows past the bound
--- are only measured (octet_length reads no body), and left to the next batch, which starts after the last row taken.
+-- are left to the next batch, which starts after the last row taken (their bodies stay in the table: a CTE keeps a
+-- large value as a pointer to it).
 -- locked: how many rows were locked, so that the caller knows a batch cut short by $7 from the end of the table.
 -- $1 tenant and $2 key to start from, $3 include that row itself (the first batch), $4 the ids of the cipher's
 -- older keys, $5 seal plain responses too, $6 batch size (rows), $7 batch size (bytes)
 WITH locked AS (
-    SELECT s.tenant, s.key, coalesce(octet_length(s.sealed), octet_length(s.body), 0) AS bytes
+    SELECT s.tenant, s.key, s.status, s.headers::text AS headers, s.body, s.body_size, s.sealed, s.sealed_with,
+           coalesce(octet_length(s.sealed), octet_length(s.body), 0) AS bytes
     FROM {schema}.idempotency_responses AS s
     WHERE (s.tenant, s.key) >= ($1::text, $2::text)
       AND ($3 OR (s.tenant, s.key) <> ($1::text, $2::text))
@@ -552,16 +556,15 @@ WITH locked AS (
     LIMIT $6
     FOR UPDATE SKIP LOCKED
 ), measured AS (
-    SELECT l.tenant, l.key, count(*) OVER () AS locked,
+    SELECT l.*, count(*) OVER () AS locked,
            row_number() OVER running AS n, sum(l.bytes) OVER running AS bytes_so_far
     FROM locked AS l
     WINDOW running AS (ORDER BY l.tenant, l.key ROWS UNBOUNDED PRECEDING)
 )
-SELECT s.tenant, s.key, s.status, s.headers::text AS headers, s.body, s.body_size, s.sealed, s.sealed_with, m.locked
+SELECT m.tenant, m.key, m.status, m.headers, m.body, m.body_size, m.sealed, m.sealed_with, m.locked
 FROM measured AS m
-JOIN {schema}.idempotency_responses AS s ON s.tenant = m.tenant AND s.key = m.key
 WHERE m.n = 1 OR m.bytes_so_far <= $7
-ORDER BY s.tenant, s.key;
+ORDER BY m.tenant, m.key;
 
 -- name: reseal
 -- The batch's responses in their new form, in the transaction that locked them (reseal_batch).
