@@ -665,6 +665,28 @@ async def test_reencrypt_beside_a_completion_that_replaces_an_earlier_life_resea
         await connection.close()
 
 
+async def test_reencrypt_reports_a_plain_row_no_store_wrote_and_seals_the_others(migrated_url: str) -> None:
+    """A plain row whose headers are not a list of pairs, or whose status no response has, cannot be sealed: it is
+    reported and left as it is, as a response that does not open is, and the batch goes on (it failed whole, every
+    run again at the same row)."""
+    async with PostgresStore(migrated_url) as plain:
+        for name in ("a", "b", "c", "d"):
+            await completed(plain, "t", name)
+    connection = await asyncpg.connect(migrated_url)
+    try:
+        await connection.execute("""UPDATE idempotency_responses SET headers = '{"a": 1}' WHERE key = 'b'""")
+        await connection.execute("UPDATE idempotency_responses SET status = -1 WHERE key = 'c'")
+    finally:
+        await connection.close()
+    async with PostgresStore(migrated_url, cipher=cipher("2026-11")) as store:
+        batch = await store.reencrypt(batch_size=10, seal_plain=True)
+        assert batch.resealed == 2
+        assert [(tenant, key) for tenant, key, _ in batch.unreadable] == [("t", "b"), ("t", "c")]
+        assert all("not a response a store wrote" in why for _, _, why in batch.unreadable)
+        assert await store.responses_by_key() == {None: 2, "2026-11": 2}
+        assert await replayed(store, "t", "d") == RESPONSE
+
+
 async def test_reencrypt_bounds_each_batch_by_bytes_as_well_as_rows(migrated_url: str) -> None:
     """A batch of large responses (8 MiB each by default) would pass PostgreSQL's 1 GB message limit at 500 rows:
     each batch stops where its responses' bytes would pass ``batch_bytes``, with one row at least, and the next

@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import logging
 import os
+import struct
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -426,17 +427,22 @@ def reseal_rows(
     rows: list[asyncpg.Record], cipher: ResponseCipher
 ) -> tuple[tuple[list[str], list[str], list[bytes]], list[tuple[str, str, str]]]:
     """The ``reseal_batch`` rows sealed again under the cipher's current key, as the ``reseal`` statement's three
-    arrays (tenants, keys, sealed), and those that do not open: ``(tenant, key, why)``."""
+    arrays (tenants, keys, sealed), and those that do not open: ``(tenant, key, why)``. A plain row that no store
+    wrote (headers that are not a list of pairs, a status out of range: written by hand) is one of those too, so
+    that it stops neither the batch nor every run after it."""
     resealed: tuple[list[str], list[str], list[bytes]] = ([], [], [])
     unreadable: list[tuple[str, str, str]] = []
     for row in rows:
         tenant, key = row["tenant"], row["key"]
         try:
-            response = response_from_row(row, tenant, key, cipher, resealing=True)
+            sealed = cipher.seal(tenant, key, response_from_row(row, tenant, key, cipher, resealing=True)).sealed
         except SealedResponseError as error:
             unreadable.append((tenant, key, str(error)))
             continue
+        except (ValueError, TypeError, AttributeError, struct.error) as error:  # only a plain row gets here
+            unreadable.append((tenant, key, f"not a response a store wrote: {error}"))
+            continue
         resealed[0].append(tenant)
         resealed[1].append(key)
-        resealed[2].append(cipher.seal(tenant, key, response).sealed)
+        resealed[2].append(sealed)
     return resealed, unreadable
