@@ -306,16 +306,31 @@ class CookieTenant:
     A request without the cookie is not the middleware's to scope: it passes through untouched, as a request without
     a key does (a browser may add an ``Idempotency-Key`` to every form it posts, a login form included, and the app
     answers those as it would without the middleware); a route that ``required`` keys still refuses it (400).
-    ``anonymous`` names a namespace such requests share instead (their keys then meet one another's)."""
+    ``anonymous`` names a namespace such requests share instead (their keys then meet one another's).
+
+    ``others`` (else, with the secret from the environment, ``IDEMPOTENCY_TENANT_OTHER_SECRETS``) are the secrets of
+    a rotation in progress, as for :class:`AuthorizationTenant`: a fresh claim also looks for the request's record
+    under each of them (:meth:`alternates`)."""
 
     requirement = "the session cookie"
 
-    def __init__(self, name: str, secret: str | bytes | None = None, *, anonymous: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        secret: str | bytes | None = None,
+        *,
+        anonymous: str | None = None,
+        others: Sequence[str | bytes] | None = None,
+    ) -> None:
         if not isinstance(name, str) or not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name):
             raise ValueError(f"CookieTenant needs a cookie name, got {name!r}")
         self.name = name
         self.requirement = f"the {name} cookie"
-        self._keyed = hmac.new(_secret_bytes(secret), b"cookie:", hashlib.sha256)
+        current = _secret_bytes(secret)
+        if others is None and secret is not None:
+            others = ()  # the environment's other secrets go with the environment's secret
+        self._keyed = hmac.new(current, b"cookie:", hashlib.sha256)
+        self._others = [hmac.new(other, b"cookie:", hashlib.sha256) for other in _other_secrets(others, current)]
         self.anonymous = _anonymous(anonymous)
         self.passes_unscoped = self.anonymous is None
 
@@ -326,6 +341,18 @@ class CookieTenant:
         keyed = self._keyed.copy()
         keyed.update(value.encode("latin-1"))
         return PREFIX + keyed.hexdigest()
+
+    def alternates(self, scope: Scope) -> tuple[str, ...]:
+        """The tenants of the same request under the other secrets of a rotation in progress (none without one)."""
+        value = _cookie(scope, self.name) if self._others else None
+        if not value:
+            return ()  # the anonymous namespace does not depend on the secret
+        found = []
+        for secret in self._others:
+            keyed = secret.copy()
+            keyed.update(value.encode("latin-1"))
+            found.append(PREFIX + keyed.hexdigest())
+        return tuple(found)
 
 
 def shared_namespace(resolver: object) -> str | None:

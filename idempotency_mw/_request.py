@@ -47,6 +47,7 @@ from idempotency_mw._fingerprint import FingerprintKeys
 from idempotency_mw._keys import (
     HEADER,
     AuthorizationTenant,
+    CookieTenant,
     InvalidKey,
     KeyFunctionFailed,
     MissingKey,
@@ -224,6 +225,8 @@ class IdempotentRequest:
             if isinstance(resolver, AuthorizationTenant):  # the default: its header values are picked out already
                 tenant = resolver.of(self.headers.authorization)
                 alternates = resolver.alternates(self.headers.authorization)  # a rotation of its secret
+            elif isinstance(resolver, CookieTenant):  # a browser's: its tenant follows a rotation too
+                tenant, alternates = resolver(self.scope), resolver.alternates(self.scope)
             else:  # not from the app: a resolver's
                 tenant, alternates = await resolve_tenant(resolver, self.scope), ()  # type: ignore[arg-type]
             if tenant is None and passes_unscoped(resolver) and not self.policy.required:

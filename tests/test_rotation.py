@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from idempotency_mw import AuthorizationTenant, IdempotencyMiddleware
+from idempotency_mw import AuthorizationTenant, CookieTenant, IdempotencyMiddleware
 from idempotency_mw.store import Store
 
 OLD = "old-tenant-secret-" + "o" * 20
@@ -147,6 +147,50 @@ async def test_copies_racing_on_both_steps_run_once(store_and_mode: tuple[Store,
     for key in unsettled:
         assert (await post(apps[1], key)).status_code == 201
     assert all(ledger.runs[key] == 1 for key in keys), ledger.runs
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [(BEFORE, STEP_ONE), (STEP_ONE, STEP_TWO), (STEP_TWO, STEP_ONE), (BEFORE, STEP_TWO), (STEP_TWO, AFTER)],
+    ids=["before, then step one", "step one, then two", "step two, then one", "before, then two", "two, then after"],
+)
+async def test_a_browser_retry_across_the_rotation_is_replayed(
+    store: Store, monkeypatch: pytest.MonkeyPatch, first: Config, then: Config
+) -> None:
+    """The session-cookie resolver, configured from the environment as the guide's table says: its tenant follows
+    the rotation too, and a retry across it is replayed, never run again."""
+    runs: Counter[str] = Counter()
+
+    async def charge(request: Request) -> Response:
+        runs[request.headers["idempotency-key"]] += 1
+        return JSONResponse({"charge": f"ch_{uuid.uuid4().hex[:8]}"}, status_code=201)
+
+    async def post_from_browser(config: Config, key: str) -> httpx.Response:
+        secret, others = config
+        monkeypatch.setenv("IDEMPOTENCY_TENANT_SECRET", secret)
+        monkeypatch.setenv("IDEMPOTENCY_TENANT_OTHER_SECRETS", ",".join(others))
+        app = Starlette(routes=[Route("/charges", charge, methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=store, tenant=CookieTenant("session"))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            headers = {"Idempotency-Key": key, "Cookie": "session=s_7f3a"}
+            return await http.post("/charges", json={"amount": 10}, headers=headers)
+
+    key = str(uuid.uuid4())
+    original = await post_from_browser(first, key)
+    retry = await post_from_browser(then, key)
+    assert (retry.status_code, retry.content) == (201, original.content)
+    assert runs[key] == 1
+
+
+def test_the_cookie_resolvers_other_secrets_are_checked() -> None:
+    rotating = CookieTenant("session", NEW, others=[OLD])
+    scope = {"type": "http", "headers": [(b"cookie", b"session=s_7f3a")]}
+    assert rotating(scope) == CookieTenant("session", NEW)(scope)
+    assert rotating.alternates(scope) == (CookieTenant("session", OLD)(scope),)
+    assert rotating.alternates({"type": "http", "headers": []}) == ()  # no cookie: no tenant under any secret
+    with pytest.raises(ValueError, match="is the current tenant secret"):
+        CookieTenant("session", NEW, others=[NEW])
 
 
 def test_the_other_secrets_are_checked() -> None:
