@@ -519,21 +519,34 @@ class Ask:
 Watch = Callable[[int], contextlib.AbstractAsyncContextManager[Subscription]]
 
 
-async def claim_or_wait(claim: Callable[[], Awaitable[Claim]], watch: Watch, within: float) -> Claim:
-    """The ``claim``; while another request runs under its key, watch that request's claim (``watch(fence)``), check
+class ClaimOrWait:
+    """The claim; while another request runs under its key, watch that request's claim (``watch(fence)``), check
     again, and wait for it to settle, then claim again; for ``within`` seconds at most. A request that runs under no
     claim of the store's (fence 0: a cutover's earlier package runs it) is answered at once: nothing would wake the
-    waiter, and claiming again until the deadline would only spin."""
-    claimed = await claim()
-    if claimed.outcome is not ClaimOutcome.IN_PROGRESS:
+    waiter, and claiming again until the deadline would only spin.
+
+    ``asleep`` says whether it waits for a settlement, with no claim of its on the way: a request cancelled then
+    stops it there (nothing of it can be lost), where one cancelled as it claims lets the claim land first."""
+
+    def __init__(self, claim: Callable[[], Awaitable[Claim]], watch: Watch, within: float) -> None:
+        self._claim, self._watch, self._within = claim, watch, within
+        self.asleep = False
+
+    async def run(self) -> Claim:
+        claimed = await self._claim()
+        if claimed.outcome is not ClaimOutcome.IN_PROGRESS:
+            return claimed
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._within
+        while claimed.outcome is ClaimOutcome.IN_PROGRESS and claimed.fence and deadline > loop.time():
+            running = claimed.fence
+            async with self._watch(running) as settled:
+                claimed = await self._claim()  # subscribed: a settlement before this is found here, one after wakes us
+                if claimed.outcome is ClaimOutcome.IN_PROGRESS and claimed.fence == running:
+                    self.asleep = True
+                    try:
+                        await settled.wait(deadline - loop.time())
+                    finally:
+                        self.asleep = False
+                    claimed = await self._claim()
         return claimed
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while claimed.outcome is ClaimOutcome.IN_PROGRESS and claimed.fence and deadline > loop.time():
-        running = claimed.fence
-        async with watch(running) as settled:
-            claimed = await claim()  # subscribed: a settlement before this is found here, one after wakes us
-            if claimed.outcome is ClaimOutcome.IN_PROGRESS and claimed.fence == running:
-                await settled.wait(deadline - loop.time())
-                claimed = await claim()
-    return claimed

@@ -24,9 +24,9 @@ from idempotency_mw import _problems as problems
 from idempotency_mw._channels import BufferedBody, Read, ReplayHook, handler_scope, replay, replayed
 from idempotency_mw._claim import (
     Ask,
+    ClaimOrWait,
     LeaseKeeper,
     OwnedClaim,
-    claim_or_wait,
     outlasting,
     start_eagerly,
     store_failure,
@@ -267,16 +267,19 @@ class IdempotentRequest:
         ask, store = self.ask, middleware.store
         earlier = middleware.earlier and partial(middleware.earlier, self.scope, self.body.body)  # a cutover
         asking = partial(ask.claim, claimer, store, lease=policy.lease, ttl=policy.ttl, earlier=earlier)
-        claiming = claim_or_wait(asking, store.watch, policy.wait) if policy.on_conflict == "wait" else asking()
+        waiting = ClaimOrWait(asking, store.watch, policy.wait) if policy.on_conflict == "wait" else None
         started = time.perf_counter()
-        task = start_eagerly(claiming, "idempotency claim")  # a cancellation must not lose a claim that landed
+        # A cancellation must not lose a claim that landed: the claim runs in a task of its own, started eagerly.
+        task = start_eagerly(asking() if waiting is None else waiting.run(), "idempotency claim")
         try:
             claim = await outlasting(task)
         except asyncio.CancelledError:
             # Cancelled (a server shutting down, an outer timeout) while the claim was on its way: it may have
             # landed. A claim that turns out to be ours is released, so the key is not left to its lease; a
             # transactional claim's connection goes back after it, not from under it (the app may be telling its
-            # tenant: its run ends with this cancellation).
+            # tenant: its run ends with this cancellation). A copy asleep waiting for another's claim stops.
+            if waiting is not None and waiting.asleep:
+                task.cancel()
             if isinstance(self.ran, TransactionalRun):
                 self.ran.abandoned = True
             self.abandoning = asyncio.ensure_future(self._abandon(task, self.ran))
@@ -329,6 +332,10 @@ class IdempotentRequest:
         try:
             claim = await claiming
             return await self._own(claim).release() if claim.outcome is ClaimOutcome.OWNED else Outcome.CANCELLED
+        except asyncio.CancelledError:
+            if not claiming.cancelled():
+                raise  # this release's own cancellation
+            return Outcome.CANCELLED  # stopped asleep (ClaimOrWait): no claim of its was on the way
         except Exception:
             return Outcome.STORE_ERROR  # the claim failed: nothing of it is left
         finally:

@@ -126,6 +126,36 @@ async def test_a_forgotten_claim_wakes_its_waiters(store: Store, key: str) -> No
     assert (again.headers["idempotent-replayed"], again.json()) == ("true", {"run": 2})  # the copy's, not the first's
 
 
+async def test_a_cancelled_waiter_stops_waiting(store: Store, key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A waiting copy whose request is cancelled (its client left, a server timeout) stops waiting then: it claims
+    the key no more when the original settles, which would take a released key for a moment from the retry that
+    should have it, nor stays subscribed for the rest of its wait."""
+    claims = 0
+    claim = store.claim
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal claims
+        claims += 1
+        return await claim(*args, **kwargs)
+
+    monkeypatch.setattr(store, "claim", counted)
+    original = Original(503)  # transient: the key is released, which a waiter still there would claim
+    client = client_for(waiting_app(store, original, wait=30))
+    first = await started(client, original, key)
+    copies = [await waiting(client, key, claimed_within=0.1) for _ in range(3)]
+    for copy in copies:
+        copy.cancel()
+    await asyncio.gather(*copies, return_exceptions=True)
+    await asyncio.sleep(0.1)
+    claimed = claims
+    original.go.set()
+    assert (await first).status_code == 503
+    await asyncio.sleep(0.3)
+    assert claims == claimed  # nobody claimed again: the copies had stopped waiting
+    again = await client.post("/pay", json={"amount": 5}, headers={"Idempotency-Key": key})
+    assert (again.status_code, again.json()) == (201, {"run": 2})
+
+
 async def test_after_the_bound_a_waiting_duplicate_gets_409(store: Store, key: str) -> None:
     original = Original()
     client = client_for(waiting_app(store, original, wait=0.3))

@@ -13,7 +13,7 @@ import asyncpg
 from starlette.types import Scope
 
 from idempotency_mw import MemoryStore, PostgresStore, Store, StoredResponse
-from idempotency_mw._claim import claim_or_wait
+from idempotency_mw._claim import ClaimOrWait
 from idempotency_mw.cutover import Earlier
 from idempotency_mw.postgres._lending import PostgresTransaction
 from idempotency_mw.store import ClaimOutcome
@@ -172,7 +172,7 @@ async def test_a_waiter_that_followed_a_takeover_hears_the_original_win_it(
             await original.begin()
             await original.connection.execute("SELECT 1")  # the handler's first statement: its snapshot
             waiter = asyncio.create_task(
-                claim_or_wait(lambda: b.claim("t", key, b"f" * 40, lease=30, ttl=60), b.watch, WAIT)
+                ClaimOrWait(lambda: b.claim("t", key, b"f" * 40, lease=30, ttl=60), b.watch, WAIT).run()
             )
             await asyncio.sleep(0.7)  # A's lease lapses
             async with c.transaction() as taker:
