@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import httpx
@@ -23,6 +25,7 @@ from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, Store, StoredResponse, idempotency_context
 from idempotency_mw._waiting import Waiters
+from idempotency_mw.postgres import _listener
 from idempotency_mw.sqlalchemy import SQLAlchemyStore, SQLAlchemyTransaction
 from idempotency_mw.store import Claim, ClaimOutcome, Transaction
 from tests.conftest import client_for, tenant_of
@@ -195,6 +198,89 @@ async def test_a_waiter_in_another_process_is_woken_by_the_database(idempotency_
         assert time.monotonic() - released < 5
         assert (replay.headers["idempotent-replayed"], replay.content) == ("true", live.content)
         assert original.runs == 1
+
+
+class SilentHop:
+    """A TCP hop to the suite's PostgreSQL (through its socket on this machine) that can lose a LISTEN session's
+    bytes without a word, both ways, as a NAT's or a load balancer's idle timeout does: no FIN, no RST."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        self.silenced = False  # the sessions that have listened so far lose everything from now on
+        self._listened: list[dict[str, bool]] = []
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> int:
+        self._server = await asyncio.start_server(self._hop, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    def silence(self) -> None:
+        for session in self._listened:
+            session["silent"] = True
+
+    async def _hop(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_unix_connection(self.socket_path)
+        session = {"silent": False}
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, upstream: bool) -> None:
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                while data := await reader.read(65536):
+                    if upstream and b"LISTEN" in data:
+                        self._listened.append(session)
+                    if not session["silent"]:
+                        writer.write(data)
+                        await writer.drain()
+            writer.close()
+
+        await asyncio.gather(pipe(client_reader, server_writer, True), pipe(server_reader, client_writer, False))
+
+
+def local_socket(directory: str, port: str) -> str | None:
+    path = f"{directory}/.s.PGSQL.{port}"
+    return path if os.path.exists(path) else None
+
+
+async def test_a_listening_session_lost_without_a_word_is_found_and_replaced(
+    idempotency_database_url: str, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The waiters' LISTEN session is dropped on the way without a word: nothing ends it, and every notice after
+    is lost. The listener asks it whether it is there, finds it gone within the store's timeout, wakes its waiters
+    and listens again: the copy gets the replay long before its wait would have ended (30 s)."""
+    monkeypatch.setattr(_listener, "PROBE_EVERY", 0.2)
+    connection = await asyncpg.connect(idempotency_database_url)
+    try:
+        row = await connection.fetchrow(
+            "SELECT split_part(current_setting('unix_socket_directories'), ',', 1), current_setting('port')"
+        )
+    finally:
+        await connection.close()
+    assert row is not None
+    socket_path = local_socket(row[0].strip(), row[1])
+    if socket_path is None:
+        pytest.skip("the suite's PostgreSQL has no socket on this machine")
+    parts = urlsplit(idempotency_database_url)
+    hop = SilentHop(socket_path)
+    async with hop as hop_port:
+        credentials = parts.netloc.rpartition("@")[0] or "postgres"
+        through_hop = f"postgresql://{credentials}@127.0.0.1:{hop_port}{parts.path}"
+        async with PostgresStore(idempotency_database_url) as here, PostgresStore(through_hop, timeout=1) as there:
+            for round_key in (f"{key}-before", key):
+                original = Original()
+                first = await started(client_for(waiting_app(here, original, wait=30)), original, round_key)
+                duplicate = await waiting(client_for(waiting_app(there, Original(), wait=30)), round_key)
+                if round_key == key:
+                    hop.silence()  # the session that listens for the copy: from now on, it hears nothing
+                await asyncio.sleep(0.5)
+                completed = time.monotonic()
+                original.go.set()
+                live = await first
+                replay = await asyncio.wait_for(duplicate, 10)
+                assert time.monotonic() - completed < 5
+                assert (replay.headers["idempotent-replayed"], replay.content) == ("true", live.content)
 
 
 async def test_a_waiter_in_another_process_is_woken_by_a_forget(idempotency_database_url: str, key: str) -> None:
