@@ -390,7 +390,7 @@ class Ask:
 
     key: str | None = None
     tenant: str = ""  # whose record: the tenant, or a route's own tenant in a namespace of its own
-    owner: str = ""  # the tenant as resolved: what the handler's context and the event carry
+    owner: str = ""  # the tenant as resolved (its record's, across a rotation): what the context and event carry
     # Where the same request's record may be instead: a route's tenant as stored before routes had a namespace, or
     # its tenant under the other secret of a rotation in progress. A fresh claim looks there before it runs.
     others: tuple[str, ...] = ()
@@ -478,6 +478,10 @@ class Ask:
                 await store.release(self.tenant, self.key, claim.fence)
                 if moves == MAX_MOVES:
                     return Claim(ClaimOutcome.IN_PROGRESS, fence=found.fence)
+                # The request is the record's from now on, under the tenant it was first seen under: its context
+                # (downstream keys: a provider call it made then gets the same key) and its events say that one.
+                if self.owner == self.tenant:  # a resolver's tenant (a route's own names its namespace: it stays)
+                    self.owner = other
                 self.tenant, self.others = other, tuple(t for t in (self.tenant, *self.others) if t != other)
                 return await self.claim(claimer, store, lease=lease, ttl=ttl, moves=moves + 1, earlier=earlier)
         if earlier is not None:

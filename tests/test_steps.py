@@ -26,7 +26,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from idempotency_mw import Event, IdempotencyContext, IdempotencyMiddleware, Outcome, idempotency_context
+from idempotency_mw import (
+    AuthorizationTenant,
+    Event,
+    IdempotencyContext,
+    IdempotencyMiddleware,
+    Outcome,
+    idempotency_context,
+)
 from idempotency_mw._steps import MAX_RESULT_BYTES
 from idempotency_mw.cli import main
 from idempotency_mw.encryption import ResponseCipher
@@ -208,6 +215,27 @@ async def test_a_retry_resumes_after_the_last_recovery_point(isolated_flavour: F
     assert await effects(flavour, key) == {"created": 1, "recorded ch_1": 1}
     assert len(provider.charges) == 1
     assert provider.calls == calls
+
+
+async def test_a_retry_across_a_rotation_of_the_tenant_secret_calls_the_provider_with_the_same_key(
+    flavour: Flavour,
+) -> None:
+    """The provider charged, and its answer was lost; the retry comes after the instance moved its claims to the new
+    tenant secret (docs/guide.md, "Rotating the tenant secret"). It resumes the record kept under the old secret, and
+    its provider key is the one the first run sent, which the provider deduplicates: one charge."""
+    old, new = "old-tenant-secret-" + "o" * 20, "new-tenant-secret-" + "n" * 20
+    provider, plan = Provider(), Plan()
+    key = str(uuid.uuid4())
+    provider.fail = "after"
+    step_one = payments(flavour, provider, plan, tenant=AuthorizationTenant(old, others=[new]))
+    async with client_for(step_one) as client:
+        with pytest.raises(ProviderDown):
+            await pay(client, key)
+    step_two = payments(flavour, provider, plan, tenant=AuthorizationTenant(new, others=[old]))
+    async with client_for(step_two) as client:
+        retry = await pay(client, key)
+    assert (retry.status_code, retry.json()) == (201, first_answer(key))
+    assert (provider.calls, len(provider.charges)) == (2, 1)
 
 
 async def test_a_cancelled_request_stays_at_its_recovery_point(flavour: Flavour) -> None:
