@@ -232,6 +232,7 @@ class BufferedBody:
         self._limit = limit
         self.body = b""
         self.read = False  # the whole body is in ``body``
+        self.ended = False  # the client sent its last body message (``read``, or a body that passed the cap with it)
         self.buffered = False  # some of it was read here (all of it, if ``read``): the handler gets it first
         self.delivered = True  # nothing is waiting for the handler: it reads the real channel
 
@@ -250,10 +251,11 @@ class BufferedBody:
                 chunks.append(chunk)
                 size += len(chunk)
                 if size > self._limit:
+                    self.ended = not message.get("more_body", False)
                     return Read.TOO_LARGE
                 if not message.get("more_body", False):
                     break
-            self.read = True
+            self.read = self.ended = True
             return Read.WHOLE
         finally:
             # What was read, whole or not: a handler that runs all the same (the middleware switched off) gets it.
@@ -272,9 +274,9 @@ class BufferedBody:
         raise InvalidKey("this route takes its idempotency key from the body, which must be JSON or a form")
 
     async def receive(self) -> Message:
-        """The handler's ``receive``: the buffered body once (with more to come when it was read only in part), then
-        the real channel."""
+        """The handler's ``receive``: the buffered body once (with more to come unless the client sent its last
+        message), then the real channel."""
         if not self.delivered:
             self.delivered = True
-            return {"type": "http.request", "body": self.body, "more_body": not self.read}
+            return {"type": "http.request", "body": self.body, "more_body": not self.ended}
         return await self._receive()

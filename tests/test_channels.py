@@ -21,7 +21,7 @@ from starlette.responses import FileResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
-from idempotency_mw import IdempotencyMiddleware, PostgresStore, Store
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, Store
 from idempotency_mw._channels import BufferedBody, Read
 from idempotency_mw._keys import InvalidKey
 from tests.apps import Probe, build_app
@@ -315,3 +315,40 @@ async def test_a_payload_that_is_neither_json_nor_a_form_is_an_invalid_key() -> 
     await body.read_all(b"")
     with pytest.raises(InvalidKey, match="JSON or a form"):
         body.payload(b"text/plain")
+
+
+async def test_a_body_that_passes_the_cap_in_its_last_message_is_handed_over_as_ended() -> None:
+    """Refused for the cap, it may still go to a handler (observing, switched off): whole, and with nothing more to
+    come, since the client sent its last message; a handler told of more would wait for it for ever."""
+    receive, _ = channel(chunk(b"x" * 5, more=True), chunk(b"x" * 5))
+    body = BufferedBody(receive, limit=9)
+    assert await body.read_all(b"") is Read.TOO_LARGE
+    assert await body.receive() == chunk(b"x" * 10)
+
+
+WEBHOOK = {"/upload": {"key_from": lambda event: event.get("id"), "tenant": lambda scope: "provider"}}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"observe": True}, {"observe": True, "routes": WEBHOOK}, {"enabled": False, "routes": WEBHOOK}],
+    ids=["observing", "observing a webhook", "switched off"],
+)
+async def test_a_handler_gets_a_chunked_body_over_the_cap_whole(options: dict[str, Any]) -> None:
+    """A chunked upload (no Content-Length) whose last message passes ``max_request_bytes``: observing, or switched
+    off (where a route that takes its key from the body reads it first), the middleware fails no request for it,
+    and the handler reads it to its end."""
+    received: list[bytes] = []
+
+    async def upload(request: Request) -> Response:
+        received.append(await request.body())
+        return Response(b"ok")
+
+    app = Starlette(routes=[Route("/upload", upload, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), max_request_bytes=64, **options)
+    receive, _ = channel(chunk(b"x" * 126))  # then the disconnect, which a handler told of more would meet
+    sent: list[Message] = []
+    headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer sk_test_upload")]
+    scope = http_scope("/upload", str(uuid.uuid4()), headers=headers)
+    await asyncio.wait_for(app(scope, receive, recorder(sent)), 5)
+    assert (sent[0]["status"], received) == (200, [b"x" * 126])
