@@ -845,6 +845,24 @@ async def test_the_off_switch_answers_nothing_and_breaks_no_route(
         assert len(notes) >= 3  # each transactional run committed its write: twice keyed, once keyless
 
 
+@pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "switched off"])
+async def test_a_keyless_request_never_meets_the_tenant_resolver(enabled: bool) -> None:
+    """A resolver may count on what only keyed API calls carry (the account an auth layer put in the scope): a
+    request without a key is not the middleware's, switched on or off, and runs as without it."""
+
+    def account(scope: Scope) -> str:
+        return str(scope["state"]["account"])  # a KeyError for anyone the auth layer did not see
+
+    async def page(request: Request) -> Response:
+        return JSONResponse({"ok": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/page", page, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), tenant=account, enabled=enabled)
+    async with client_for(app) as client:
+        answer = await client.post("/page", json={})
+    assert answer.status_code == 201
+
+
 # -- keys from the payload (webhooks) -----------------------------------------------------------------------------
 
 
