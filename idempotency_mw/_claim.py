@@ -46,6 +46,7 @@ from idempotency_mw.store import (
     Claim,
     ClaimOutcome,
     PoolExhausted,
+    RecordInfo,
     Store,
     StoredResponse,
     StoreUnavailable,
@@ -474,7 +475,7 @@ class Ask:
             return claim
         for other in self.others:
             found = await self._looked_up(store, claim.fence, store.inspect(other, self.key))
-            if found is not None and found.expires_at > time.time():
+            if found is not None and found.expires_at > time.time() and self._may_move_to(found):
                 await store.release(self.tenant, self.key, claim.fence)
                 if moves == MAX_MOVES:
                     return Claim(ClaimOutcome.IN_PROGRESS, fence=found.fence)
@@ -487,6 +488,15 @@ class Ask:
         if earlier is not None:
             return await self._as_earlier(claim, store, await self._looked_up(store, claim.fence, earlier(self.key)))
         return claim
+
+    def _may_move_to(self, found: RecordInfo) -> bool:
+        """Whether a live record found elsewhere is this request's to move to. Under the other secret of a rotation
+        it is the same caller's: any request of theirs (another one is a reused key, 422). Under the bare tenant a
+        route's records had before routes had a namespace, only this very request's (the event redelivered): any
+        other is a resolver tenant's that happens to spell the route's, which must not block its events."""
+        if not self.tenant.startswith(ROUTE_TENANTS):
+            return True
+        return found.fingerprint in self.digests or found.fingerprint == self.digest
 
     async def _looked_up(self, store: Store, fence: int, looking: Awaitable[T]) -> T:
         """What ``looking`` (a look elsewhere after the fresh claim ``fence``) finds. Where it fails (a record there

@@ -505,13 +505,17 @@ class TenantFromAppRequest(IdempotentRequest):
         """Steps 2 and 4, for the tenant the app tells (``idempotency_mw.claim``). Raises :class:`ClaimAnswered` when
         the answer went out without the handler (a refusal, a replay, a conflict)."""
         state = take_pending(self, tenant)
-        if self.refusal is None and tenant is None and self.ask.key is not None:
-            self.refusal = problems.tenant_unknown_to(self.middleware.tenant, self.middleware.notices)
+        keyed = self.ask.key is not None
+        if self.refusal is None and keyed:
+            if tenant is None:
+                self.refusal = problems.tenant_unknown_to(self.middleware.tenant, self.middleware.notices)
+            elif not self.ask.scope_to(tenant, route_owns_it=False):  # in the namespace of routes' own tenants
+                self.refusal = problems.tenant_reserved(self.middleware.tenant, self.middleware.notices)
         if self.refusal is not None:
             await self._refuse(*self.refusal)
             raise ClaimAnswered
         self.ask.tenant = self.ask.owner = tenant or ""
-        if not (await self._begin() if self.ask.key is None else await self._claim()):  # keyless: no record
+        if not (await self._claim() if keyed else await self._begin()):  # keyless: no record
             raise ClaimAnswered
         context = state.get(STATE_KEY)
         assert isinstance(context, IdempotencyContext)

@@ -903,6 +903,50 @@ async def test_a_routes_own_tenant_never_meets_a_tenant_of_the_resolver(store: S
     assert (probe.calls["charge"], probe.calls["status"]) == (1, 1)
 
 
+async def test_a_resolver_tenant_that_came_first_never_blocks_a_routes_events(store: Store) -> None:
+    """The other order: the customer's request under its account "provider", with the event's id as key, came first.
+    The event's look for a record the previous release wrote under the bare tenant finds the customer's, of another
+    request: that is not the event's, which runs (it was answered 422 on every delivery, never handled)."""
+    probe = Probe()
+    app = build_app(store, probe, tenant=header_tenant("x-account"), routes=webhook_routes())
+    client = client_for(app)
+    event = {"id": f"evt_{uuid.uuid4().hex}", "type": "charge.succeeded"}
+    customer = await client.post("/status/201", headers={"x-account": "provider", "Idempotency-Key": event["id"]})
+    webhook = await client.post("/charge", json=event)
+    again = await client.post("/charge", json=event)
+    assert (customer.status_code, webhook.status_code) == (201, 201)
+    assert (again.headers["idempotent-replayed"], again.content) == ("true", webhook.content)
+    assert (probe.calls["charge"], probe.calls["status"]) == (1, 1)
+
+
+async def test_a_tenant_the_app_tells_in_the_routes_namespace_is_refused(key: str) -> None:
+    """A tenant told from inside the app (FastAPI's ``TenantDependency``, ``claim_for``) is held to the resolver's
+    rule: none in the namespace of routes' own tenants, whose records it could otherwise write first."""
+    from fastapi import Depends, FastAPI
+
+    from idempotency_mw.fastapi import TenantDependency, setup
+
+    async def account(request: Request) -> str:
+        return request.headers["x-account"]
+
+    store, tenant = MemoryStore(), TenantDependency(account)
+    app = FastAPI(dependencies=[Depends(tenant)])
+    app.add_middleware(IdempotencyMiddleware, store=store, tenant=tenant, routes=webhook_routes())
+    setup(app)
+    runs: list[str] = []
+
+    @app.post("/orders", status_code=201)
+    async def orders() -> dict[str, bool]:
+        runs.append("orders")
+        return {"ok": True}
+
+    async with client_for(app) as client:
+        answer = await client.post("/orders", headers={"x-account": "route:provider", "Idempotency-Key": key})
+    assert problem(answer)["code"] == "idempotency_tenant_unknown"
+    assert runs == []
+    assert await store.inspect("route:provider", key) is None
+
+
 async def test_a_resolver_tenant_in_the_routes_namespace_is_refused(
     store: Store, key: str, caplog: pytest.LogCaptureFixture
 ) -> None:
