@@ -336,7 +336,8 @@ class SQLAlchemyTransaction:
         """Flush the session's pending changes into the transaction: the handler is done with it.
 
         A session whose flush failed and that was not rolled back (the handler caught the error and went on, but
-        what the session had written is gone) is refused as its own commit would refuse it: ``PendingRollbackError``.
+        what the session had written is gone: in a savepoint it began, everything since the savepoint) is refused as
+        its own commit would refuse it: ``PendingRollbackError``.
         """
         with self._reachable():
             if self.session.info.get(DISCARDED):
@@ -344,9 +345,12 @@ class SQLAlchemyTransaction:
                     "the request's session was closed after a failed flush, and what it had written was rolled back "
                     "with it: the answer cannot be recorded without the writes it was built on"
                 )
-            transaction = self.session.sync_session.get_transaction()  # the proxy's own fails on SQLAlchemy 2.0.0
-            if transaction is not None and not transaction.is_active:
-                await self.session.commit()  # raises, as it would for the handler
+            sync_session = self.session.sync_session  # the proxy's own getters fail on SQLAlchemy 2.0.0
+            transaction = sync_session.get_nested_transaction() or sync_session.get_transaction()
+            while transaction is not None:  # the innermost savepoint the handler began, up to the session's own
+                if not transaction.is_active:
+                    await self.session.commit()  # raises, as it would for the handler
+                transaction = transaction.parent
             await self.session.flush()
 
     async def give_back(self, *, app_failed: bool) -> None:
@@ -461,19 +465,26 @@ def lent_session_class(session_class: type[AsyncSession]) -> type[AsyncSession]:
     keep anything: its close rolls back as usual, and the request fails rather than record that answer.
     """
 
-    async def close(self: AsyncSession) -> None:
-        if self.info.get(LENT):
-            transaction = self.sync_session.get_transaction()
+    async def keep(session: AsyncSession) -> None:
+        if session.info.get(LENT):
+            transaction = session.sync_session.get_transaction()
             if transaction is not None:
                 if transaction.is_active:
-                    await self.commit()
+                    await session.commit()
                 else:
-                    self.info[DISCARDED] = True
+                    session.info[DISCARDED] = True
+
+    async def close(self: AsyncSession) -> None:
+        await keep(self)
         await session_class.close(self)
+
+    async def reset(self: AsyncSession) -> None:  # SQLAlchemy 2.0.22's close that leaves the session usable
+        await keep(self)
+        await session_class.reset(self)
 
     lent = _lent_classes.get(session_class)
     if lent is None:
-        namespace = {"close": close, "__doc__": session_class.__doc__}
+        namespace = {"close": close, "reset": reset, "__doc__": session_class.__doc__}
         lent = _lent_classes[session_class] = type(f"Lent{session_class.__name__}", (session_class,), namespace)
     return lent
 
