@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import re
 import time
 from collections.abc import Callable
@@ -23,6 +24,8 @@ def non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
 def at_least(kind: Callable[[str], Any], *, zero: bool) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         value = kind(text)
+        if not math.isfinite(value):  # float("nan") passes every comparison below, and inf waits for ever
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < 0 or (value == 0 and not zero):
             raise argparse.ArgumentTypeError(f"must {'not be negative' if zero else 'be positive'}, got {text}")
         return value
@@ -44,19 +47,27 @@ _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 def moment(text: str) -> float:
     """A time as epoch seconds: ISO 8601 (``2026-11-28T06:00:00Z``; without a zone, UTC) or an age (``90s``, ``30m``,
-    ``2h``, ``7d``: that long before now)."""
+    ``2h``, ``7d``: that long before now); between the years 1 and 9999 in UTC, which the listing shows."""
     ago = _AGO.fullmatch(text.strip())
     if ago is not None:
-        return time.time() - float(ago[1]) * _UNIT_SECONDS[ago[2]]
-    try:
-        when = datetime.datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected an ISO 8601 time (2026-11-28T06:00:00Z) or an age (90s, 30m, 2h, 7d), got {text!r}"
-        ) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.UTC)
-    return when.timestamp()
+        seconds = time.time() - float(ago[1]) * _UNIT_SECONDS[ago[2]]
+    else:
+        try:
+            when = datetime.datetime.fromisoformat(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an ISO 8601 time (2026-11-28T06:00:00Z) or an age (90s, 30m, 2h, 7d), got {text!r}"
+            ) from None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        seconds = when.timestamp()
+    if not _FIRST <= seconds <= _LAST:
+        raise argparse.ArgumentTypeError(f"{text!r} is outside the years 1 to 9999 (UTC)")
+    return seconds
+
+
+_FIRST = datetime.datetime.min.replace(tzinfo=datetime.UTC).timestamp()
+_LAST = datetime.datetime.max.replace(tzinfo=datetime.UTC).timestamp()
 
 
 def tenant_tag_text(text: str) -> str:

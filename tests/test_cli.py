@@ -850,6 +850,23 @@ def test_schema_and_timeout_come_from_the_environment_the_app_reads(
     assert "plain lower-case identifier" in err
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        ["gc", "--pause", "nan"],  # passed every comparison, then slept for ever after the first batch
+        ["stats", "--timeout", "nan"],
+        ["stalled", "--lapsed-for", "inf"],
+        ["list", "t", "--since", "800000d"],  # a time the listing cannot show (before the year 1)
+        ["list", "t", "--until", "9999-12-31T23:59:59-14:00"],  # after the year 9999, in UTC
+    ],
+)
+def test_a_value_no_command_can_use_is_a_usage_error(capsys: pytest.CaptureFixture[str], arguments: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(arguments)
+    assert exit_info.value.code == 2
+    assert "error: argument" in capsys.readouterr().err
+
+
 def test_a_bad_global_option_after_the_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["stats", "--timeout", "0"])
