@@ -344,7 +344,8 @@ def _cipher(args: argparse.Namespace) -> ResponseCipher | None:
     except ImportError as error:
         raise CommandError(str(error), EXIT_USAGE) from None
     try:
-        return ResponseCipher.from_env(variable)
+        # Showing a record is no place to refuse a plain one: the app's own cipher decides what it replays.
+        return ResponseCipher.from_env(variable, allow_plain=args.handler is not cmd_reencrypt)
     except ValueError as error:
         raise CommandError(str(error), EXIT_USAGE) from None
 

@@ -740,6 +740,9 @@ def test_the_command_line_reencrypts_and_inspects(
 
     keys_text = ",".join(f"{key_id}:{KEYS[key_id].hex()}" for key_id in ("2026-11", "2026-06"))
     monkeypatch.setenv("MY_KEYS", keys_text)
+    # A plain record is shown with the keys given too: showing is no place to refuse one (the app's cipher decides).
+    assert main([*database, "inspect", "t", "plain", "--keys-from", "MY_KEYS"]) == 0
+    assert "201" in capsys.readouterr().out
     assert main([*database, "reencrypt", "--keys-from", "MY_KEYS", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "under '2026-06': 3 responses, to re-seal" in out
