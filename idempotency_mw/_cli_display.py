@@ -100,7 +100,16 @@ def format_record(shown: dict[str, Any]) -> str:
             more = "…" if response["body_size"] > PREVIEW_BYTES else ""
             rows.append((f"body ({response['body_preview_encoding']})", text + more))
     width = max(len(label) for label, _ in rows)
-    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+    return "\n".join(f"{label:<{width}}  {visible(value)}" for label, value in rows)
+
+
+def visible(text: str) -> str:
+    """``text`` as a terminal shows it, never acts on it: a control character (an escape sequence's, a bell) is
+    written as its escape (``\\x1b``). What the app stored (a resolver's tenant, a response header, a step's name)
+    is not the command line's to trust."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _parts(parts: dict[str, Any]) -> str:
@@ -199,7 +208,7 @@ def format_listing(listed: list[dict[str, Any]], since: float, until: float) -> 
     blocks = []
     for entry in listed:
         records = entry["records"]
-        tenant = entry["tenant"] or "'' (empty)"
+        tenant = visible(entry["tenant"]) or "'' (empty)"
         head = f"tenant {tenant}: {len(records)} record{plural(len(records))} first claimed "
         head += f"between {iso(since)} and {iso(until)}"
         rows = [("created", "key", "key hash", "request", "state", "status", "attempts", "replays")]
@@ -209,7 +218,7 @@ def format_listing(listed: list[dict[str, Any]], since: float, until: float) -> 
                 status = f"sealed ({record['sealed_with']})"
             created, key, key_hash = record["created_at"], record["key"], record["key_hash"]
             request, attempts, replays = record["request"] or "-", str(record["attempts"]), str(record["replays"])
-            rows.append((created, key, key_hash, request, record["state"], status, attempts, replays))
+            rows.append((created, visible(key), key_hash, visible(request), record["state"], status, attempts, replays))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         table = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
         blocks.append("\n".join([head, *(table if records else [])]))
@@ -244,6 +253,8 @@ def format_stalled(shown: list[dict[str, Any]]) -> str:
         expiry = "expired" if each["expired"] else f"expires {each['expires_at']}"
         tenant = each["tenant"] or "''"
         lines.append(
-            f"{tenant}  {each['key']}  {each['request'] or '-'}  after {step}  lapsed {each['lapsed_at']}  {expiry}"
+            visible(
+                f"{tenant}  {each['key']}  {each['request'] or '-'}  after {step}  lapsed {each['lapsed_at']}  {expiry}"
+            )
         )
     return "\n".join(lines)

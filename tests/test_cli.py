@@ -247,6 +247,25 @@ def test_a_bad_schema_name_is_a_usage_error(capsys: pytest.CaptureFixture[str], 
 # -- inspect and forget ---------------------------------------------------------------------------------------
 
 
+def test_what_an_app_stored_reaches_the_terminal_as_text_never_as_control(
+    capsys: pytest.CaptureFixture[str], db: Database
+) -> None:
+    """A tenant from a resolver of the app's, a response header: an escape sequence in them (a title set, the screen
+    cleared, colours) is printed as its escape, not sent to the operator's terminal to act on."""
+    tenant, header = "acct\x1b]0;PWNED\x07\x1b[2J", b"a\x1b[31mRED"
+
+    async def work(store: PostgresStore) -> None:
+        claim = await store.claim(tenant, "k1", FINGERPRINT, lease=60, ttl=3600, request="POST /x\x1b[31m")
+        assert await store.complete(tenant, "k1", claim.fence, StoredResponse(201, [(b"x-echo", header)], b"{}", 2))
+
+    on_db(db, work)
+    for command in (["inspect", tenant, "k1"], ["list", tenant]):
+        code, out, _ = cli(capsys, *db.options, *command)
+        assert code == 0
+        assert not {"\x1b", "\x07"} & set(out)
+        assert "acct\\x1b]0;PWNED\\x07\\x1b[2J" in out
+
+
 def test_inspect_shows_a_completed_record(capsys: pytest.CaptureFixture[str], db: Database) -> None:
     on_db(db, lambda store: completed(store, TENANT, "order-1", b'{"id": "ch_1",\n"amount": 10}', retries=2))
     info = on_db(db, lambda store: store.inspect(TENANT, "order-1"))
