@@ -187,7 +187,9 @@ def build_refusing(store: SQLAlchemyStore) -> Starlette:
         assert context.key is not None
         how = request.query_params["how"]
         session.add(Effect(key=context.key, note=how))
-        if how == "failed_flush":
+        if how in ("failed_flush", "failed_flush_in_savepoint"):
+            if how == "failed_flush_in_savepoint":
+                await session.begin_nested()  # never ended: the failed flush rolls it back, "first" with it
             first = Effect(key=context.key, note="first")
             session.add(first)
             await session.flush()
@@ -195,15 +197,6 @@ def build_refusing(store: SQLAlchemyStore) -> Starlette:
             session.add(Effect(id=first.id, key=context.key, note="same id"))
             with contextlib.suppress(exc.IntegrityError):
                 await session.flush()  # caught, but the session now refuses to go on without a rollback
-        elif how == "failed_flush_in_savepoint":  # the same, in a savepoint begun and never ended
-            await session.begin_nested()
-            first = Effect(key=context.key, note="first")
-            session.add(first)
-            await session.flush()
-            session.expunge(first)
-            session.add(Effect(id=first.id, key=context.key, note="same id"))
-            with contextlib.suppress(exc.IntegrityError):
-                await session.flush()  # the savepoint is rolled back, "first" with it: nothing may be recorded
         elif how == "savepoint":
             with contextlib.suppress(exc.DBAPIError):
                 async with session.begin_nested():
