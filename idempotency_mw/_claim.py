@@ -539,12 +539,18 @@ class ClaimOrWait:
     claim of the store's (fence 0: a cutover's earlier package runs it) is answered at once: nothing would wake the
     waiter, and claiming again until the deadline would only spin.
 
-    ``asleep`` says whether it waits for a settlement, with no claim of its on the way: a request cancelled then
-    stops it there (nothing of it can be lost), where one cancelled as it claims lets the claim land first."""
+    A request cancelled meanwhile stops it (:meth:`stop`): a claim of its on the way lands, and it returns then
+    instead of waiting again. ``asleep`` says whether it waits for a settlement, with no claim on the way: there the
+    request may cancel it outright (nothing of it can be lost)."""
 
     def __init__(self, claim: Callable[[], Awaitable[Claim]], watch: Watch, within: float) -> None:
         self._claim, self._watch, self._within = claim, watch, within
         self.asleep = False
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Wait no more: the request is gone."""
+        self._stopped = True
 
     async def run(self) -> Claim:
         claimed = await self._claim()
@@ -556,11 +562,13 @@ class ClaimOrWait:
             running = claimed.fence
             async with self._watch(running) as settled:
                 claimed = await self._claim()  # subscribed: a settlement before this is found here, one after wakes us
-                if claimed.outcome is ClaimOutcome.IN_PROGRESS and claimed.fence == running:
+                if claimed.outcome is ClaimOutcome.IN_PROGRESS and claimed.fence == running and not self._stopped:
                     self.asleep = True
                     try:
                         await settled.wait(deadline - loop.time())
                     finally:
                         self.asleep = False
                     claimed = await self._claim()
+            if self._stopped:
+                break
         return claimed

@@ -277,9 +277,11 @@ class IdempotentRequest:
             # Cancelled (a server shutting down, an outer timeout) while the claim was on its way: it may have
             # landed. A claim that turns out to be ours is released, so the key is not left to its lease; a
             # transactional claim's connection goes back after it, not from under it (the app may be telling its
-            # tenant: its run ends with this cancellation). A copy asleep waiting for another's claim stops.
-            if waiting is not None and waiting.asleep:
-                task.cancel()
+            # tenant: its run ends with this cancellation). A copy waiting for another's claim waits no more.
+            if waiting is not None:
+                waiting.stop()
+                if waiting.asleep:
+                    task.cancel()  # no claim of its on the way: nothing to outlast
             if isinstance(self.ran, TransactionalRun):
                 self.ran.abandoned = True
             self.abandoning = asyncio.ensure_future(self._abandon(task, self.ran))

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, Store, StoredResponse, idempotency_context
+from idempotency_mw._claim import ClaimOrWait
 from idempotency_mw._waiting import Waiters
 from idempotency_mw.postgres import _listener
 from idempotency_mw.sqlalchemy import SQLAlchemyStore, SQLAlchemyTransaction
@@ -157,6 +158,25 @@ async def test_a_cancelled_waiter_stops_waiting(store: Store, key: str, monkeypa
     assert claims == claimed  # nobody claimed again: the copies had stopped waiting
     again = await client.post("/pay", json={"amount": 5}, headers={"Idempotency-Key": key})
     assert (again.status_code, again.json()) == (201, {"run": 2})
+
+
+async def test_a_waiting_copy_stopped_as_it_claims_lets_the_claim_land_and_waits_no_more() -> None:
+    """Cancelled while a claim of its is on the way (not asleep: the claim must land, ``_abandon`` releases it if
+    it is ours), the copy does not go back to sleep when that claim finds the original still running."""
+    waiters = Waiters()
+    waiting: ClaimOrWait
+
+    async def claim() -> Claim:
+        claims.append(None)
+        if len(claims) == 2:  # the check once subscribed: the request is cancelled as this claim is on its way
+            waiting.stop()
+        await asyncio.sleep(0)
+        return Claim(ClaimOutcome.IN_PROGRESS, fence=7)
+
+    claims: list[None] = []
+    waiting = ClaimOrWait(claim, waiters.watch, within=30)
+    claimed = await asyncio.wait_for(waiting.run(), 5)  # it waited for the original's settlement for 30 s before
+    assert (claimed.outcome, len(claims), waiters.events) == (ClaimOutcome.IN_PROGRESS, 2, {})
 
 
 async def test_after_the_bound_a_waiting_duplicate_gets_409(store: Store, key: str) -> None:
