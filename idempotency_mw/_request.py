@@ -544,9 +544,9 @@ class SwitchedOffRequest(IdempotentRequest):
             if self.middleware.tenant_from_app is not None and self.policy.tenant is None:
                 wait_for_the_app(self)  # the app tells the tenant (claim_for), then the handler runs
                 return await self._execute()
-            resolver = self.policy.tenant or self.middleware.tenant  # only for a key, as when switched on
             tenant = None
-            if self.ask.key is not None:
+            if self.ask.key is not None:  # the resolver is asked only about a key, as when switched on
+                resolver = self.policy.tenant or self.middleware.tenant
                 tenant = await resolve_tenant(resolver, self.scope)  # type: ignore[arg-type]  # not from the app
             self._scope_to(tenant)
             if not self.policy.transactional:
