@@ -43,6 +43,8 @@ def schema_name(text: str) -> str:
 
 _AGO = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_FIRST = datetime.datetime.min.replace(tzinfo=datetime.UTC).timestamp()  # the times a listing can show, in UTC
+_LAST = datetime.datetime.max.replace(tzinfo=datetime.UTC).timestamp()
 
 
 def moment(text: str) -> float:
@@ -64,10 +66,6 @@ def moment(text: str) -> float:
     if not _FIRST <= seconds <= _LAST:
         raise argparse.ArgumentTypeError(f"{text!r} is outside the years 1 to 9999 (UTC)")
     return seconds
-
-
-_FIRST = datetime.datetime.min.replace(tzinfo=datetime.UTC).timestamp()
-_LAST = datetime.datetime.max.replace(tzinfo=datetime.UTC).timestamp()
 
 
 def tenant_tag_text(text: str) -> str:
