@@ -24,7 +24,7 @@ from idempotency_mw._policy import Policy
 class State(enum.IntEnum):
     """Where a plain run is, in the only order its states come: each moves on to the next."""
 
-    PASSING = 1  # no claim yet (the app tells its tenant from inside): what it sends passes untouched
+    PASSING = 1  # no claim yet (the app tells its tenant from inside), or none (failing open): sent as it is
     RUNNING = 2  # the claim is the request's: the response is copied on its way out
     SETTLING = 3  # the answer is being recorded, or the key released
     SETTLED = 4  # ``outcome`` says how
@@ -32,7 +32,8 @@ class State(enum.IntEnum):
 
 class PlainRun:
     """One request's handler in plain mode. Until :meth:`claimed` (the app may tell its tenant from inside, after
-    answering on its own: its 401), what the app sends passes untouched and nothing settles. ``outcome`` is how the
+    answering on its own: its 401), or for good when it fails open, what the app sends passes untouched and nothing
+    settles. ``outcome`` is how the
     claim settled and the answer's status, known before the final body message goes on; ``settling`` is the
     settlement, which outlasts a cancellation of the request."""
 
@@ -74,6 +75,8 @@ class PlainRun:
     async def _send(self, message: Message) -> None:
         """The handler's ``send``: copy each message, and settle before the final body message goes on."""
         if self.state is State.PASSING:
+            if message["type"] == "http.response.start":
+                self.recorder.status = message["status"]  # recorded nowhere: for the request's event
             return await self._send_on(message)
         recorder = self.recorder
         going, decide = recorder.record(message)
@@ -123,17 +126,3 @@ class PlainRun:
         if status not in self._policy.recorded or state.get(NOT_EXECUTED_KEY):
             return await owned.release()
         return await owned.complete(self.recorder.stored_response())
-
-
-class Unprotected:
-    """Failing open (the store down, a route's ``fail_open``): the handler runs without a claim, and what it sends
-    passes untouched; its status is noted for the event."""
-
-    def __init__(self, send: Send) -> None:
-        self.status: int | None = None
-        self._send = send
-
-    async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            self.status = message["status"]
-        await self._send(message)

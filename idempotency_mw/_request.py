@@ -60,7 +60,7 @@ from idempotency_mw._keys import (
     passes_unscoped,
     resolve_tenant,
 )
-from idempotency_mw._plain import PlainRun, Unprotected
+from idempotency_mw._plain import PlainRun
 from idempotency_mw._policy import RouteMatch
 from idempotency_mw._stepped import SteppedRun, UnrecordedRun
 from idempotency_mw._transactional import DID_NOT_COMMIT, State, TransactionalRun, refusal
@@ -258,8 +258,8 @@ class IdempotentRequest:
     # -- 4. the claim -----------------------------------------------------------------------------------------
 
     async def _claim(self) -> bool:
-        """Claim the key: True when it is ours (the handler may run), False when the request was answered (a
-        replay, a conflict, a refusal; or, failing open, the handler ran unprotected)."""
+        """Claim the key: True when the handler may run (the key is ours; or, failing open, nobody's), False when the
+        request was answered (a replay, a conflict, a refusal)."""
         self._to(Step.CLAIMING)
         middleware, policy, report = self.middleware, self.policy, self.report
         report.reach_store(middleware.on_started)
@@ -293,9 +293,11 @@ class IdempotentRequest:
             report.store_seconds += time.perf_counter() - started
             middleware.failures.failed("claim a key", error)
             if policy.fail_open and isinstance(error, OUTAGES):  # never a record that is there but does not open
-                await self._unprotected()
-            else:
-                await self._refuse(problems.store_unavailable(middleware.retry_after), store_failure(error))
+                # Failing open: the handler runs without a record, with its context (its ``downstream_key`` is the
+                # provider's usual key), and what it sends passes untouched: a run with no claim (``PlainRun``).
+                self._to(Step.RUNNING)
+                return self._set_context()
+            await self._refuse(problems.store_unavailable(middleware.retry_after), store_failure(error))
             return False
         report.store_seconds += time.perf_counter() - started
         report.attempts = claim.attempts
@@ -414,14 +416,6 @@ class IdempotentRequest:
         finally:
             await ran.close()
 
-    async def _unprotected(self) -> None:
-        """Failing open (a route's ``fail_open``, the store down): the handler runs without a record."""
-        unprotected = Unprotected(self.send)
-        try:
-            await self.middleware.app(self.scope, self.body.receive, unprotected.send)
-        finally:
-            self._decide(Outcome.UNPROTECTED, unprotected.status)
-
     # -- the answer, decided once -----------------------------------------------------------------------------
 
     async def _refuse(self, problem: problems.Problem, outcome: Outcome) -> None:
@@ -458,6 +452,8 @@ class IdempotentRequest:
                 self._decide(*ran.outcome)
             elif self.owned is not None:
                 self._decide(Outcome.STORE_ERROR, status)
+            elif self.step is Step.RUNNING:  # running with no claim: failing open
+                self._decide(Outcome.UNPROTECTED, status)
         self.ran = None
         self.scope.get("state", {}).pop(PENDING_KEY, None)
 

@@ -16,7 +16,17 @@ from pydantic import BaseModel
 from starlette.responses import JSONResponse
 from starlette.types import Message
 
-from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, header_tenant, idempotent
+from idempotency_mw import (
+    Event,
+    IdempotencyContext,
+    IdempotencyMiddleware,
+    MemoryStore,
+    Outcome,
+    PostgresStore,
+    StoreUnavailable,
+    header_tenant,
+    idempotent,
+)
 from idempotency_mw._keys import InvalidKey, parse_key
 from idempotency_mw._policy import RELEASED_STATUSES
 from idempotency_mw._wire import ProblemCode
@@ -396,6 +406,43 @@ async def test_a_transactional_route_claims_after_authentication(pg_store: Postg
     info = await pg_store.inspect("acct_alice", key)
     assert info is not None
     assert info.state == "completed"
+
+
+class DownStore(MemoryStore):
+    """A store that cannot be reached: every claim fails as PostgresStore's does when its server is gone."""
+
+    async def claim(self, *args: Any, **kwargs: Any) -> Any:
+        raise StoreUnavailable("connection refused")
+
+
+@pytest.mark.parametrize("tenant_from_app", [False, True], ids=["resolver", "tenant dependency"])
+async def test_failing_open_runs_the_handler_once_with_its_context(tenant_from_app: bool) -> None:
+    """``fail_open`` with the store down: the handler runs, once, and its context is there, with the tenant and key
+    it would have had, so that ``downstream_key`` still gives the provider its usual key. (Before: the context was
+    missing, and a route that reads it failed with 500; with the tenant told by the app, the middleware ran the app
+    again from inside its own dependency.)"""
+    calls: list[str] = []
+    events: list[Event] = []
+    tenant = TenantDependency(current_account)
+    app = FastAPI(dependencies=[Depends(tenant)] if tenant_from_app else [])
+
+    @app.post("/orders", status_code=201)
+    async def order(body: Charge, info: Idempotency) -> Any:
+        calls.append(info.tenant)
+        return {"tenant": info.tenant, "key": info.key, "psp": info.downstream_key("psp-charge")}
+
+    options: dict[str, Any] = {"tenant": tenant} if tenant_from_app else {"tenant": header_tenant("X-API-Key")}
+    app.add_middleware(IdempotencyMiddleware, store=DownStore(), fail_open=True, on_event=events.append, **options)
+    setup(app)
+    key = str(uuid.uuid4())
+    answer = await as_account(app, "key_alice").post("/orders", json={"amount": 5}, headers={"Idempotency-Key": key})
+    told = "acct_alice" if tenant_from_app else "key_alice"
+    assert answer.status_code == 201
+    usual = IdempotencyContext(told, key).downstream_key("psp-charge")  # what the handler gets, the store up
+    assert answer.json() == {"tenant": told, "key": key, "psp": usual}
+    assert "idempotent-replayed" not in answer.headers
+    assert calls == [told]
+    assert [(event.outcome, event.status, event.tenant) for event in events] == [(Outcome.UNPROTECTED, 201, told)]
 
 
 async def test_switched_off_the_tenant_dependency_and_the_transaction_still_work(store: Any) -> None:
