@@ -315,6 +315,16 @@ class _Call:
         exhausted.__cause__ = error
         return exhausted
 
+    def name_key(self, error: BaseException) -> None:
+        """Note this call's key on an error the client raises as it is (a cancellation too), once an attempt may
+        have gone out: it may have taken effect, and a caller whose key the client minted would otherwise resume
+        under a new one. RetriesExhausted carries its key already."""
+        if self.key is not None and not isinstance(error, RetriesExhausted):
+            error.add_note(
+                f"{KEY_HEADER} of this call: {self.key} (an attempt may have taken effect: resume with "
+                f"idempotency_key={self.key!r}, not a new key)"
+            )
+
     def _check_key(self) -> None:
         # The request object is the only thing attempts send; this catches an event hook or auth flow that
         # rewrote its header, which would turn retries into new operations.
@@ -417,28 +427,32 @@ class IdempotentClient(_Base):
         self._check_resendable(request)
         self._attach_key(request, key)
         call = _Call(self.retry, request, key, asking=self._asks_first(request, key))
-        for _ in range(self.retry.attempts):
-            call.begin_attempt()
-            try:
-                response = self._http.send(request, auth=auth, follow_redirects=follow_redirects)
-            except httpx.TransportError as error:
-                delay = call.failed(error)
-                if delay is None:
-                    raise
-            else:
-                delay = call.answered(response)
-                if delay is None:
-                    return call.result(response)
-            time.sleep(delay)
-            while call.asks():  # AskFirst: the key's status, rather than the body again
+        try:
+            for _ in range(self.retry.attempts):
+                call.begin_attempt()
                 try:
-                    answer, lost = self._http.send(call.question(self._http, self.status_path), auth=auth), None
-                except httpx.TransportError as failure:
-                    answer, lost = None, failure
-                self._heard(answer)
-                if (delay := call.told(answer, lost)) is None:
-                    break
+                    response = self._http.send(request, auth=auth, follow_redirects=follow_redirects)
+                except httpx.TransportError as error:
+                    delay = call.failed(error)
+                    if delay is None:
+                        raise
+                else:
+                    delay = call.answered(response)
+                    if delay is None:
+                        return call.result(response)
                 time.sleep(delay)
+                while call.asks():  # AskFirst: the key's status, rather than the body again
+                    try:
+                        answer, lost = self._http.send(call.question(self._http, self.status_path), auth=auth), None
+                    except httpx.TransportError as failure:
+                        answer, lost = None, failure
+                    self._heard(answer)
+                    if (delay := call.told(answer, lost)) is None:
+                        break
+                    time.sleep(delay)
+        except BaseException as error:  # an attempt that may have run: whoever reads this needs the key
+            call.name_key(error)
+            raise
         raise AssertionError("unreachable: the last attempt either returns or raises RetriesExhausted")
 
     def key_status(self, key: str, **kwargs: Any) -> KeyStatus:
@@ -523,28 +537,35 @@ class AsyncIdempotentClient(_Base):
         self._check_resendable(request)
         self._attach_key(request, key)
         call = _Call(self.retry, request, key, asking=self._asks_first(request, key))
-        for _ in range(self.retry.attempts):
-            call.begin_attempt()
-            try:
-                response = await self._http.send(request, auth=auth, follow_redirects=follow_redirects)
-            except httpx.TransportError as error:
-                delay = call.failed(error)
-                if delay is None:
-                    raise
-            else:
-                delay = call.answered(response)
-                if delay is None:
-                    return call.result(response)
-            await asyncio.sleep(delay)
-            while call.asks():  # AskFirst: the key's status, rather than the body again
+        try:
+            for _ in range(self.retry.attempts):
+                call.begin_attempt()
                 try:
-                    answer, lost = await self._http.send(call.question(self._http, self.status_path), auth=auth), None
-                except httpx.TransportError as failure:
-                    answer, lost = None, failure
-                self._heard(answer)
-                if (delay := call.told(answer, lost)) is None:
-                    break
+                    response = await self._http.send(request, auth=auth, follow_redirects=follow_redirects)
+                except httpx.TransportError as error:
+                    delay = call.failed(error)
+                    if delay is None:
+                        raise
+                else:
+                    delay = call.answered(response)
+                    if delay is None:
+                        return call.result(response)
                 await asyncio.sleep(delay)
+                while call.asks():  # AskFirst: the key's status, rather than the body again
+                    try:
+                        answer, lost = (
+                            await self._http.send(call.question(self._http, self.status_path), auth=auth),
+                            None,
+                        )
+                    except httpx.TransportError as failure:
+                        answer, lost = None, failure
+                    self._heard(answer)
+                    if (delay := call.told(answer, lost)) is None:
+                        break
+                    await asyncio.sleep(delay)
+        except BaseException as error:  # an attempt that may have run: whoever reads this needs the key
+            call.name_key(error)
+            raise
         raise AssertionError("unreachable: the last attempt either returns or raises RetriesExhausted")
 
     async def key_status(self, key: str, **kwargs: Any) -> KeyStatus:

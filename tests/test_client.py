@@ -898,6 +898,64 @@ def test_a_retry_after_past_the_deadline_ends_the_call(
     assert caught.value.last_response.status_code == 503
 
 
+@pytest.mark.parametrize(
+    "second",
+    [
+        lambda: httpx.UnsupportedProtocol("no such scheme"),
+        lambda: httpx.DecodingError("garbled"),
+        lambda: KeyError("bug"),
+    ],
+    ids=["unsupported-protocol", "decoding-error", "other-error"],
+)
+def test_an_error_raised_as_it_is_names_the_key_the_client_minted(
+    flavour: str, clock: FakeTime, second: Callable[[], Exception]
+) -> None:
+    """After an attempt that may have run (a read timeout), the call ends in an error the client raises as it is:
+    the key it minted is in the error's notes, so that whoever reads it can resume the call with that key rather
+    than run the operation again under another."""
+    keys: list[str] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers["idempotency-key"])
+        if len(keys) == 1:
+            raise httpx.ReadTimeout("the answer was lost", request=request)
+        raise second()
+
+    with pytest.raises((httpx.RequestError, KeyError)) as caught:
+        fake_call(flavour, server)
+
+    assert len(keys) == 2
+    assert keys[0] == keys[1]
+    assert caught.value.__notes__ == [
+        f"Idempotency-Key of this call: {keys[0]} (an attempt may have taken effect: resume with "
+        f"idempotency_key={keys[0]!r}, not a new key)"
+    ]
+
+
+async def test_a_cancelled_call_names_the_key_the_client_minted() -> None:
+    """A call cancelled while its first attempt is out (an outer timeout): the attempt may run on the server, so the
+    cancellation carries the key, as an error the client raises as it is does."""
+    keys: list[str] = []
+    arrived = asyncio.Event()
+
+    async def server(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers["idempotency-key"])
+        arrived.set()
+        await asyncio.sleep(60)  # the handler is slow: the caller's timeout comes first
+        return httpx.Response(201)
+
+    async with AsyncIdempotentClient(base_url="http://api.test", transport=httpx.MockTransport(server)) as client:
+        call = asyncio.ensure_future(client.post("/charges", json={"amount": 1}))
+        await arrived.wait()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError) as caught:
+            await call
+    assert caught.value.__notes__ == [
+        f"Idempotency-Key of this call: {keys[0]} (an attempt may have taken effect: resume with "
+        f"idempotency_key={keys[0]!r}, not a new key)"
+    ]
+
+
 def in_progress_409() -> httpx.Response:
     return httpx.Response(
         409,
