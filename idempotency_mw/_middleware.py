@@ -204,8 +204,9 @@ class IdempotencyMiddleware:
     def route_of(self, method: str, path: str, root_path: str) -> RouteMatch:
         """The route a request is for: its policy, its template (``/v1/charges/{id}``, or ``<unmatched>``), and
         whether one takes it. Give the path and root path as the request arrived: the router rewrites
-        ``scope["root_path"]`` on its way through a Mount."""
-        if root_path and path.startswith(root_path):
+        ``scope["root_path"]`` on its way through a Mount. The root path is stripped as Starlette strips it: only as
+        a whole segment (under ``/api``, ``/apikeys`` is the route ``/apikeys``)."""
+        if root_path and path.startswith(root_path) and path[len(root_path) : len(root_path) + 1] in ("/", ""):
             path = path[len(root_path) :]
         return self.routes.lookup(method, path)
 

@@ -351,6 +351,30 @@ async def test_root_path_and_requests_refused_before_the_store() -> None:
     assert m.value("idempotency_in_flight") == 0
 
 
+@pytest.mark.parametrize("path", ["/apikeys", "/api/apikeys"])
+async def test_a_path_that_only_begins_with_the_root_paths_letters_is_covered(path: str) -> None:
+    """Under root_path ``/api``, ``/apikeys`` is the route ``/apikeys`` to Starlette, which strips the root path only
+    as a whole segment: so does the middleware. (It took ``keys`` for the path, which no route takes, and let the
+    request through unclaimed: the handler ran for every retry.)"""
+    runs: list[str] = []
+
+    async def create(request: Request) -> Response:
+        runs.append(request.url.path)
+        return JSONResponse({"run": len(runs)}, status_code=201)
+
+    app = Starlette(routes=[Route("/apikeys", create, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    transport = httpx.ASGITransport(app=app, root_path="/api")
+    auth = {"Authorization": "Bearer sk_test_alice"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", headers=auth) as client:
+        repeated = key()
+        first = await client.post(path, headers=repeated)
+        again = await client.post(path, headers=repeated)
+    assert (first.status_code, again.status_code) == (201, 201)
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert len(runs) == 1
+
+
 @pytest.mark.parametrize("wrapped", ["add_middleware", "wraps the app"])
 async def test_labels_stay_bounded_however_the_middleware_is_mounted(wrapped: str) -> None:
     """200 resource ids and 200 scanner paths are two labels, not 400, also when the middleware wraps the app
