@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from starlette.requests import HTTPConnection
 from starlette.types import Scope
 
 from idempotency_mw._wire import KEY_HEADER, MAX_KEY_LENGTH
@@ -350,13 +351,10 @@ def passes_unscoped(resolver: object) -> bool:
 
 
 def _cookie(scope: Scope, name: str) -> str | None:
-    """The value of cookie ``name`` in the request's Cookie headers (the first, as browsers send one)."""
-    for value in _values(scope, b"cookie"):
-        for pair in value.decode("latin-1").split(";"):
-            key, separator, found = pair.strip().partition("=")
-            if separator and key == name:
-                return found.strip().strip('"')
-    return None
+    """The value of cookie ``name`` as the app reads it (Starlette's ``request.cookies``: a repeated name's last
+    pair, unquoted): the session the app acts for, whatever else a browser sends along (a cookie tossed from a
+    sibling domain)."""
+    return HTTPConnection(scope).cookies.get(name)
 
 
 def header_tenant(header: str, *, anonymous: str | None = None) -> TenantResolver:

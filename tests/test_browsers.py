@@ -66,7 +66,7 @@ async def test_a_session_scopes_its_keys_and_a_visitor_passes_through(store_and_
     assert runs[key] == 2  # once per session
     assert runs[visitor_key] == 2  # each visit ran
     assert runs["payment"] == 0
-    tenant = CookieTenant("session")({"headers": [(b"cookie", f"session=s1-{key}".encode())]})
+    tenant = CookieTenant("session")({"type": "http", "headers": [(b"cookie", f"session=s1-{key}".encode())]})
     assert tenant is not None
     assert key not in tenant  # the session id is not in the table, its HMAC is
     assert await store.inspect(tenant, key) is not None
@@ -82,6 +82,27 @@ async def test_visitors_share_a_namespace_only_when_asked(store_and_mode: tuple[
         replayed = await two.post("/orders", headers={"Idempotency-Key": key})
     assert replayed.headers["idempotent-replayed"] == "true"
     assert runs[key] == 1
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [b"session=s-tossed; session=s-own"],  # a cookie tossed from a sibling domain, sent first
+        [b"session=s-own", b"session=s-other"],  # two Cookie fields
+        [b'session="s-own"'],  # quoted
+        [b'session="s\\054own"'],  # an escape inside quotes, as http.cookies reads it
+    ],
+    ids=["repeated", "second-field", "quoted", "escaped"],
+)
+def test_the_session_is_the_one_the_app_reads(headers: list[bytes]) -> None:
+    """The tenant is the session the app acts for, read as Starlette reads ``request.cookies`` (the last pair of the
+    name, unquoted). It took the first pair: with a tossed cookie ahead of the victim's, the victim's request was
+    recorded under the attacker's session, which then got its answer replayed."""
+    scope = {"type": "http", "headers": [(b"cookie", value) for value in headers]}
+    session = Request(scope).cookies["session"]
+    assert session in ("s-own", "s-other", "s,own")
+    alone = {"type": "http", "headers": [(b"cookie", f"session={session}".encode())]}
+    assert CookieTenant("session")(scope) == CookieTenant("session")(alone)
 
 
 def test_a_cookie_name_is_checked() -> None:
