@@ -29,6 +29,7 @@ try:
 except ImportError as error:  # fastapi is an optional dependency of the package
     raise ImportError("idempotency_mw.fastapi needs fastapi: pip install 'idempotency-mw[fastapi]'") from error
 from starlette.responses import Response
+from starlette.routing import Mount
 
 from idempotency_mw._context import IdempotencyContext, claim, idempotency_context, mark_not_executed
 from idempotency_mw._keys import TenantFromApp
@@ -75,10 +76,13 @@ class TenantDependency(TenantFromApp):
         return f"TenantDependency({name})"
 
     def check(self, app: Any, covered: Callable[[Any, str, frozenset[str] | None], bool]) -> None:
+        """Refuse an app with a covered route that does not depend on this tenant: a path operation without it, or a
+        route that cannot have it (``app.add_route``, a mounted app's). Its keyed requests would never be claimed."""
+        told = {(endpoint, path) for endpoint, path, dependant in _api_routes(app) if _depends_on(dependant, self)}
         missing = [
-            f"{'/'.join(sorted(methods or ()))} {path}"
-            for endpoint, path, methods, dependant in _api_routes(app)
-            if covered(endpoint, path, methods) and not _depends_on(dependant, self)
+            f"{'/'.join(sorted(route.methods or ()))} {route.path}"
+            for route in iter_routes(getattr(app, "routes", ()))
+            if covered(route.endpoint, route.path, route.methods) and (route.endpoint, route.path) not in told
         ]
         if missing:
             raise ValueError(
@@ -88,8 +92,9 @@ class TenantDependency(TenantFromApp):
             )
 
 
-def _api_routes(app: Any) -> Iterator[tuple[Any, str, frozenset[str] | None, Dependant]]:
-    """(endpoint, full path, methods, dependant with every dependency of the app and its routers) of each route."""
+def _api_routes(app: Any, prefix: str = "") -> Iterator[tuple[Any, str, Dependant]]:
+    """(endpoint, full path, dependant with every dependency of its app and routers) of each path operation, also in
+    mounted apps (whose routes have their own app's dependencies, not those of the app they are mounted in)."""
     try:
         from fastapi.routing import iter_route_contexts
     except ImportError:  # an older FastAPI, whose included routes are flat and carry their routers' dependencies
@@ -97,11 +102,14 @@ def _api_routes(app: Any) -> Iterator[tuple[Any, str, frozenset[str] | None, Dep
     else:
         contexts = iter_route_contexts(getattr(app, "routes", ()))
     for context in contexts:
+        route = getattr(context, "original_route", context)
+        if isinstance(route, Mount):
+            yield from _api_routes(route, prefix + route.path)
+            continue
         dependant = getattr(context, "dependant", None)
         path = getattr(context, "path_format", None)
         if isinstance(dependant, Dependant) and path is not None:
-            methods = getattr(context, "methods", None)
-            yield context.endpoint, path, frozenset(methods) if methods else None, dependant
+            yield context.endpoint, prefix + path, dependant
 
 
 def _depends_on(dependant: Dependant, call: Any) -> bool:

@@ -13,7 +13,9 @@ from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException
 from hypothesis import example, given
 from hypothesis import strategies as st
 from pydantic import BaseModel
+from starlette.applications import Starlette
 from starlette.responses import JSONResponse
+from starlette.routing import Route
 from starlette.types import Message
 
 from idempotency_mw import (
@@ -492,6 +494,64 @@ async def test_a_covered_route_without_the_tenant_dependency_stops_the_startup(s
     (failed,) = sent
     assert failed["type"] == "lifespan.startup.failed"
     assert re.search(r"do not depend on.*: POST /orders\. Add Depends\(tenant\)", failed["message"])
+
+
+async def startup_failure(app: Any) -> str | None:
+    """The message of the app's lifespan.startup.failed, or None when it started."""
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "lifespan.startup"} if not sent else {"type": "lifespan.shutdown"}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, receive, send)
+    return sent[0].get("message") if sent[0]["type"] == "lifespan.startup.failed" else None
+
+
+@pytest.mark.parametrize("where", ["add_route", "mounted app", "mounted FastAPI app"])
+async def test_a_covered_route_that_cannot_depend_on_the_tenant_stops_the_startup(where: str) -> None:
+    """A route that is not a path operation of the app (``app.add_route``, a mounted app's routes) has no dependencies
+    of the app's: its keyed requests would never be claimed, every retry running the handler again with no event.
+    (The check saw only the app's own path operations.) Declared with the tenant dependency, a mounted FastAPI app's
+    routes start."""
+    tenant = TenantDependency(current_account)
+    app = FastAPI(dependencies=[Depends(tenant)])
+
+    @app.post("/v1/charges")
+    async def charge() -> dict[str, str]:
+        return {}
+
+    async def legacy(request: Any) -> JSONResponse:
+        return JSONResponse({}, status_code=201)
+
+    if where == "add_route":
+        app.add_route("/v1/legacy-charges", legacy, methods=["POST"])
+        named = "POST /v1/legacy-charges"
+    elif where == "mounted app":
+        app.mount("/v0", Starlette(routes=[Route("/charges", legacy, methods=["POST"])]))
+        named = "POST /v0/charges"
+    else:
+        inner = FastAPI()
+
+        @inner.post("/refunds")
+        async def refund() -> dict[str, str]:
+            return {}
+
+        app.mount("/v2", inner)
+        named = "POST /v2/refunds"
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), tenant=tenant)
+    message = await startup_failure(app)
+    assert message is not None
+    assert re.search(rf"do not depend on.*: {re.escape(named)}\. Add Depends\(tenant\)", message)
+    if where == "mounted FastAPI app":  # told the tenant, the mounted app's route starts
+        told = FastAPI(dependencies=[Depends(tenant)])
+        told.post("/refunds")(refund)
+        app = FastAPI(dependencies=[Depends(tenant)])
+        app.mount("/v2", told)
+        app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), tenant=tenant)
+        assert await startup_failure(app) is None
 
 
 @pytest.mark.parametrize(
