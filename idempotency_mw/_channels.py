@@ -121,10 +121,10 @@ class ResponseRecorder:
         final = False
         if kind == "http.response.start":
             self.status = message["status"]
-            headers = message.get("headers", ())
+            headers = message.get("headers")
             if not isinstance(headers, (list, tuple)):  # any iterable will do in ASGI, and an iterator reads once:
-                headers = list(headers)  # the message that goes on carries the pairs recorded
-                message = {**message, "headers": headers}
+                headers = list(headers or ())  # the message that goes on carries the pairs recorded (or none:
+                message = {**message, "headers": headers}  # they are optional, and the start may gain some)
             self.headers = list(headers)  # a copy of its own: a middleware outside may add to the message's list
             if message.get("trailers", False):
                 self.capturable = False  # trailer fields follow the body, and a record keeps none: not replayable

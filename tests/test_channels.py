@@ -71,6 +71,33 @@ async def test_headers_sent_as_a_generator_go_out_live_as_in_the_replay(store: S
     assert runs == 1
 
 
+@pytest.mark.parametrize("transactional", [False, True], ids=["plain", "transactional"])
+async def test_a_response_start_without_headers_goes_out_and_replays(
+    store: Store, key: str, transactional: bool
+) -> None:
+    """ASGI makes a response start's headers optional. The start gains the record's expiry on its way: it read the
+    missing field and raised once the record was written (the client got the server's 500, its retry a replay)."""
+    if transactional and not isinstance(store, PostgresStore):
+        pytest.skip("transactional mode needs PostgreSQL")
+    runs = 0
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal runs
+        runs += 1
+        await receive()
+        await send({"type": "http.response.start", "status": 201})
+        await send({"type": "http.response.body", "body": b"made"})
+
+    middleware = IdempotencyMiddleware(app, store=store, transactional=transactional)
+    live_status, live_headers, live_chunks = await raw_call(middleware, "/charge", key)
+    assert [name for name, _ in live_headers] == [b"idempotency-expires"]
+    again_status, again_headers, again_chunks = await raw_call(middleware, "/charge", key)
+    assert live_status == again_status == 201
+    assert again_headers == [*live_headers, (b"idempotent-replayed", b"true")]
+    assert b"".join(live_chunks) == b"".join(again_chunks) == b"made"
+    assert runs == 1
+
+
 async def test_live_streaming_response_keeps_its_chunks(store: Store, key: str) -> None:
     _, _headers, chunks = await raw_call(build_app(store, Probe()), "/stream", key)
     assert chunks[:3] == [b"first,", b"second,", b"third"]
