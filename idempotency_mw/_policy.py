@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
+import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -94,9 +95,9 @@ class Policy:
     recorded: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("ttl", "lease"):
+        for name in ("ttl", "lease", "wait", "retry_window"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or value <= 0:
+            if not ((value is None and name == "retry_window") or _seconds(value)):
                 raise ValueError(f"idempotency {name} must be a positive number of seconds, got {value!r}")
         if self.retry_window is not None and self.retry_window > self.ttl:
             raise ValueError(
@@ -113,19 +114,19 @@ class Policy:
             raise ValueError(f"idempotency lease ({self.lease}s) must be shorter than ttl ({self.ttl}s)")
         for name in ("max_request_bytes", "max_response_bytes"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"idempotency {name} must be a whole number of bytes >= 0, got {value!r}")
         object.__setattr__(self, "released_statuses", frozenset(self.released_statuses))
-        if any(not 100 <= s <= 599 for s in self.released_statuses):
+        if any(not isinstance(s, int) or isinstance(s, bool) or not 100 <= s <= 599 for s in self.released_statuses):
             raise ValueError("idempotency released_statuses must be HTTP status codes (100-599)")
         if isinstance(self.methods, str | bytes):
             raise ValueError(
                 f"idempotency methods must be a collection of method names, not the string {self.methods!r}"
             )
-        methods = frozenset(m.upper() for m in self.methods)
+        methods = tuple(self.methods)  # read once: any iterable of names will do
         if any(not isinstance(m, str) or not m.isalpha() for m in methods):
-            raise ValueError(f"idempotency methods must be HTTP method names, got {sorted(map(str, self.methods))}")
-        object.__setattr__(self, "methods", methods)  # empty: the route is not covered at all
+            raise ValueError(f"idempotency methods must be HTTP method names, got {sorted(map(str, methods))}")
+        object.__setattr__(self, "methods", frozenset(m.upper() for m in methods))  # empty: no route covered
         if isinstance(self.fingerprint_exclude, str | bytes) or any(
             not isinstance(name, str) or not name or "" in name.split(".") for name in self.fingerprint_exclude
         ):
@@ -141,8 +142,6 @@ class Policy:
             raise ValueError(f"idempotency key_from must be a header name or a function, got {self.key_from!r}")
         if self.on_conflict not in ("reject", "wait"):
             raise ValueError(f'idempotency on_conflict is "reject" or "wait", got {self.on_conflict!r}')
-        if not isinstance(self.wait, int | float) or self.wait <= 0:
-            raise ValueError(f"idempotency wait must be a positive number of seconds, got {self.wait!r}")
         if self.tenant is not None and not callable(self.tenant):
             raise ValueError(
                 f"idempotency tenant must be a resolver (a callable taking the scope), got {self.tenant!r}"
@@ -365,3 +364,9 @@ class RouteMatch:
     policy: Policy
     template: str
     routed: bool | None
+
+
+def _seconds(value: object) -> bool:
+    """Whether ``value`` is a length of time: a finite number of seconds above 0 (not a bool; not nan or inf, which
+    no timer or interval column takes)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0

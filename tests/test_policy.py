@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -43,11 +45,30 @@ from tests.conftest import client_for
         ({"fail_open": True, "transactional": True}, "fail_open cannot be combined with transactional"),
         ({"retry_after": -1}, "retry_after"),
         ({"routes": {"/x": {"tll": 5}}}, "unknown idempotency setting"),
+        # Values that are numbers to Python but no length of time: in code, as in the environment, they are refused
+        # (inf made every keyed request a 503, or a 500 once its handler had run; a nan lease never lapsed).
+        ({"ttl": math.inf}, "ttl must be a positive number of seconds, got inf"),
+        ({"ttl": math.nan}, "ttl must be a positive number of seconds, got nan"),
+        ({"lease": math.nan}, "lease must be a positive number of seconds, got nan"),
+        ({"ttl": True}, "ttl must be a positive number of seconds, got True"),
+        ({"on_conflict": "wait", "wait": math.nan}, "wait must be a positive number of seconds, got nan"),
+        ({"retry_window": math.nan}, "retry_window must be a positive number of seconds, got nan"),
+        ({"retry_window": -1}, "retry_window must be a positive number of seconds, got -1"),
+        ({"retry_window": "7d"}, "retry_window must be a positive number of seconds, got '7d'"),
+        ({"released_statuses": {"429"}}, "status codes"),
+        ({"max_response_bytes": True}, "max_response_bytes must be a whole number of bytes"),
+        ({"methods": [1]}, "method names"),
     ],
 )
 def test_bad_configuration_fails_at_startup(options: dict[str, object], message: str) -> None:
-    with pytest.raises((ValueError, TypeError), match=message):
+    with pytest.raises((ValueError, TypeError), match=re.escape(message) if "got" in message else message):
         IdempotencyMiddleware(Starlette(), MemoryStore(), **options)  # type: ignore[arg-type]
+
+
+def test_methods_may_be_any_iterable_of_names() -> None:
+    """Read once: a generator of names covers what it names (it was checked, then found empty when frozen)."""
+    middleware = IdempotencyMiddleware(Starlette(), MemoryStore(), methods=(name for name in ("post", "PATCH")))  # type: ignore[arg-type]
+    assert middleware.routes.default.methods == {"POST", "PATCH"}
 
 
 def test_ttl_and_lease_come_from_the_environment_unless_given(monkeypatch: pytest.MonkeyPatch) -> None:
