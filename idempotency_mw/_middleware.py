@@ -159,6 +159,11 @@ class IdempotencyMiddleware:
                 f"transactional mode needs a store with database transactions (PostgresStore, or SQLAlchemyStore "
                 f"from idempotency_mw.sqlalchemy), not {type(self.store).__name__}"
             )
+        if any(p.on_conflict == "wait" for p in policies) and not callable(getattr(self.store, "watch", None)):
+            raise TypeError(
+                f'on_conflict="wait" needs a store that tells when a claim settles (Store.watch), which '
+                f"{type(self.store).__name__} does not have"
+            )
         shared = shared_namespace(self.tenant)
         if shared is not None and any(p.explain_mismatch and p.tenant is None for p in policies):
             raise ValueError(

@@ -287,7 +287,11 @@ class IdempotentRequest:
             self.abandoning = asyncio.ensure_future(self._abandon(task, self.ran))
             raise
         except (TypeError, ValueError):
-            raise  # a store set up wrong (an engine in AUTOCOMMIT, say) says so, rather than as an outage
+            # A store set up wrong (an engine in AUTOCOMMIT, say) says so, rather than as an outage: its error goes on
+            # (an app's handler for it may answer), reported so that the request is not left in flight.
+            del task  # it holds the error, whose traceback holds this frame: the request would be left in a cycle
+            self.report.decide(Outcome.STORE_ERROR, None, self.ask.owner, self.ask.key, 0.0)
+            raise
         except Exception as error:
             del task  # it holds the error, whose traceback holds this frame: the request would be left in a cycle
             report.store_seconds += time.perf_counter() - started

@@ -410,6 +410,35 @@ async def test_a_transactional_route_claims_after_authentication(pg_store: Postg
     assert info.state == "completed"
 
 
+class SetUpWrong(MemoryStore):
+    """A store that says it is set up wrong at every claim (SQLAlchemyStore on an engine in AUTOCOMMIT)."""
+
+    async def claim(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("the engine is in AUTOCOMMIT")
+
+
+async def test_a_store_set_up_wrong_reaches_the_apps_own_error_handler() -> None:
+    """With the tenant told by the app, the store's error is raised inside the app, whose handler for it answers:
+    that answer goes out, and the request is reported once. (Reported, the request counted as answered, and the
+    middleware dropped the app's answer: the client got nothing.)"""
+    events: list[Event] = []
+    tenant = TenantDependency(current_account)
+    app = FastAPI(dependencies=[Depends(tenant)])
+
+    @app.exception_handler(ValueError)
+    async def value_error(request: Any, error: ValueError) -> JSONResponse:
+        return JSONResponse({"error": str(error)}, status_code=400)
+
+    @app.post("/orders", status_code=201)
+    async def order() -> dict[str, str]:
+        return {}
+
+    app.add_middleware(IdempotencyMiddleware, store=SetUpWrong(), tenant=tenant, on_event=events.append)
+    answer = await as_account(app, "key_alice").post("/orders", headers={"Idempotency-Key": str(uuid.uuid4())})
+    assert (answer.status_code, answer.json()) == (400, {"error": "the engine is in AUTOCOMMIT"})
+    assert [event.outcome for event in events] == [Outcome.STORE_ERROR]
+
+
 class DownStore(MemoryStore):
     """A store that cannot be reached: every claim fails as PostgresStore's does when its server is gone."""
 

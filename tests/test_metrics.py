@@ -110,6 +110,25 @@ async def test_store_errors_are_counted_and_leave_nothing_in_flight(caplog: pyte
     assert m.value("idempotency_in_flight") == 0
 
 
+class MisconfiguredStore(MemoryStore):
+    """A store set up wrong: every claim says so (as SQLAlchemyStore does for an engine in AUTOCOMMIT)."""
+
+    async def claim(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("the engine is in AUTOCOMMIT")
+
+
+async def test_a_store_set_up_wrong_is_counted_and_leaves_nothing_in_flight() -> None:
+    """Its error goes on as itself (500), not as an outage; the request is reported as a store error all the same,
+    so the in-flight gauge comes down (it stayed up by one per request, and nothing counted them)."""
+    m = Registry()
+    client = client_for(build_app(MisconfiguredStore(), Probe(), on_event=m.metrics))
+    for _ in range(3):
+        with pytest.raises(ValueError, match="AUTOCOMMIT"):
+            await client.post("/charge", headers=key())
+    assert m.count("/charge", "store_error") == 3
+    assert m.value("idempotency_in_flight") == 0
+
+
 async def test_attempts_per_key_are_observed_by_route_and_outcome() -> None:
     m = Registry()
     client = client_for(build_app(MemoryStore(), Probe(), on_event=m.metrics))

@@ -71,6 +71,17 @@ def test_methods_may_be_any_iterable_of_names() -> None:
     assert middleware.routes.default.methods == {"POST", "PATCH"}
 
 
+def test_waiting_on_a_store_that_cannot_watch_fails_at_startup() -> None:
+    """A store of one's own written before ``Store.watch``: refused when built, rather than a 500 per duplicate
+    (and a request left in flight) once one waits."""
+
+    class Unwatching(MemoryStore):
+        watch = None  # type: ignore[assignment]
+
+    with pytest.raises(TypeError, match=r"needs a store that tells when a claim settles \(Store.watch\)"):
+        IdempotencyMiddleware(Starlette(), Unwatching(), on_conflict="wait")  # type: ignore[arg-type]
+
+
 def test_ttl_and_lease_come_from_the_environment_unless_given(monkeypatch: pytest.MonkeyPatch) -> None:
     """A deploy tunes them without a release; an argument in code wins; a bad value stops the app at startup,
     naming the variable."""
