@@ -541,11 +541,13 @@ class ClaimOrWait:
 
     A request cancelled meanwhile stops it (:meth:`stop`): a claim of its on the way lands, and it returns then
     instead of waiting again. ``asleep`` says whether it waits for a settlement, with no claim on the way: there the
-    request may cancel it outright (nothing of it can be lost)."""
+    request may cancel it outright (nothing of it can be lost). ``met_running`` says whether a claim answered that
+    another request runs under the key: a store failure after that must not fail open beside it."""
 
     def __init__(self, claim: Callable[[], Awaitable[Claim]], watch: Watch, within: float) -> None:
         self._claim, self._watch, self._within = claim, watch, within
         self.asleep = False
+        self.met_running = False
         self._stopped = False
 
     def stop(self) -> None:
@@ -556,6 +558,7 @@ class ClaimOrWait:
         claimed = await self._claim()
         if claimed.outcome is not ClaimOutcome.IN_PROGRESS:
             return claimed
+        self.met_running = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._within
         while claimed.outcome is ClaimOutcome.IN_PROGRESS and claimed.fence and deadline > loop.time():

@@ -296,7 +296,8 @@ class IdempotentRequest:
             del task  # it holds the error, whose traceback holds this frame: the request would be left in a cycle
             report.store_seconds += time.perf_counter() - started
             middleware.failures.failed("claim a key", error)
-            if policy.fail_open and isinstance(error, OUTAGES):  # never a record that is there but does not open
+            # Never a record that is there but does not open, nor beside a request a waiting copy saw running.
+            if policy.fail_open and isinstance(error, OUTAGES) and not (waiting is not None and waiting.met_running):
                 # Failing open: the handler runs without a record, with its context (its ``downstream_key`` is the
                 # provider's usual key), and what it sends passes untouched: a run with no claim (``PlainRun``).
                 self._to(Step.RUNNING)

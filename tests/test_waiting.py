@@ -23,7 +23,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from idempotency_mw import IdempotencyMiddleware, PostgresStore, Store, StoredResponse, idempotency_context
+from idempotency_mw import (
+    IdempotencyMiddleware,
+    MemoryStore,
+    PostgresStore,
+    Store,
+    StoredResponse,
+    StoreUnavailable,
+    idempotency_context,
+)
 from idempotency_mw._claim import ClaimOrWait
 from idempotency_mw._waiting import Waiters
 from idempotency_mw.postgres import _listener
@@ -191,6 +199,36 @@ async def test_after_the_bound_a_waiting_duplicate_gets_409(store: Store, key: s
     assert 0.3 <= waited < 5
     original.go.set()
     assert (await first).status_code == 201
+
+
+class BlipsAfterTheFirstAnswer(MemoryStore):
+    """A store that cannot be reached for a moment, just after telling a duplicate that its key is in progress."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.claims = 0
+
+    async def claim(self, *args: Any, **kwargs: Any) -> Claim:
+        self.claims += 1
+        if self.claims == 3:  # the original's, the duplicate's (in progress), then the duplicate's again
+            raise StoreUnavailable("connection refused")
+        return await super().claim(*args, **kwargs)
+
+
+async def test_a_waiting_duplicate_does_not_fail_open_beside_its_original(key: str) -> None:
+    """``fail_open`` runs a request whose store cannot be reached. A waiting duplicate knows better: it was told that
+    its original runs, so a store failure while it waits is a 503, never a second run beside it (which it was)."""
+    original = Original()
+    client = client_for(waiting_app(BlipsAfterTheFirstAnswer(), original, wait=10, fail_open=True))
+    first = await started(client, original, key)
+    answering = client.post("/pay", json={"amount": 5}, headers={"Idempotency-Key": key})
+    try:  # a duplicate that runs the handler waits in it with the original: it would not answer
+        duplicate = await asyncio.wait_for(answering, 5)
+    finally:
+        original.go.set()
+    assert (duplicate.status_code, duplicate.json()["code"]) == (503, "idempotency_store_unavailable")
+    assert (await first).status_code == 201
+    assert original.runs == 1
 
 
 async def test_a_different_request_with_the_key_does_not_wait(store: Store, key: str) -> None:
