@@ -101,13 +101,14 @@ class LentConnection:
     and called after it too). Like asyncpg's pool proxy, it guards the connection's methods, not the objects they
     returned during the loan (a prepared statement, a cursor).
 
-    ``client_state`` says the handler added listeners the driver keeps on its side (``add_listener``,
-    ``add_log_listener``): only asyncpg's own ``reset()`` forgets those, so the connection comes back through it.
-    ``driver_state`` says it changed what no reset reaches (a query logger, a termination listener, a type codec:
-    the next request's arguments would reach the logger, its headers the codec): the connection is closed instead.
-    ``calls`` counts the calls made through it, so that a use after the COMMIT (a background task) is seen. What
-    the code took from the connection that outlives the call (a prepared statement, a cursor, a transaction object)
-    is refused once the loan ends, as asyncpg's pool refuses it after a release.
+    ``must_reset`` says the connection comes back through its reset even when nothing was sent after its COMMIT
+    (:func:`lend_transaction` counts what was): the handler added listeners the driver keeps on its side
+    (``add_listener``, ``add_log_listener``), which only asyncpg's own ``reset()`` forgets, or ran a COPY, which the
+    driver does not count. ``driver_state`` says it changed what no reset reaches (a query logger, a termination
+    listener, a type codec: the next request's arguments would reach the logger, its headers the codec): the
+    connection is closed instead. What the code took from the connection that outlives the call (a prepared
+    statement, a cursor, a transaction object) is refused once the loan ends, as asyncpg's pool refuses it after a
+    release.
     SQL that names PREPARE (any case, anywhere in its text: a statement, a function's body, a DO block) marks the
     connection for the deallocation of SQL-level prepared statements when it comes back (:func:`reset_sql`). A
     PREPARE run by a function created beforehand is not seen, and its statement stays, as asyncpg's own pool
@@ -120,14 +121,13 @@ class LentConnection:
     completion, the requests after it. One run later, through a prepared statement or a cursor of the handler's, or
     by a function, is not seen: the statement that then finds its own gone fails, and its request is rolled back."""
 
-    __slots__ = ("_connection", "calls", "client_state", "driver_state", "took")
+    __slots__ = ("_connection", "driver_state", "must_reset", "took")
 
     def __init__(self, connection: asyncpg.Connection) -> None:
         self._connection: asyncpg.Connection | None = connection
-        self.client_state = False
+        self.must_reset = False
         self.driver_state = False
         self.took = False  # an object of the connection's that outlives the call (TAKEN)
-        self.calls = 0
 
     def end(self) -> None:
         if self.took and self._connection is not None:
@@ -136,7 +136,6 @@ class LentConnection:
 
     def _live(self, name: str) -> asyncpg.Connection:
         connection = self._connection
-        self.calls += 1
         if connection is None:
             raise asyncpg.InterfaceError(
                 f"cannot call Connection.{name}(): the connection was lent to a request that has ended (a task that "
@@ -206,6 +205,8 @@ async def _forgetting_statements(connection: asyncpg.Connection, name: str, args
 
 
 CLIENT_STATE = ("add_listener", "add_log_listener")  # what the driver keeps on its side of a session
+# What sends SQL the driver does not count among its queries (asyncpg's protocol counts the rest): a COPY.
+UNCOUNTED = ("copy_from_query", "copy_from_table", "copy_records_to_table", "copy_to_table")
 # What the driver keeps on its side that its reset() leaves: after one of these, the connection is not lent again.
 DRIVER_STATE = (
     "add_query_logger",
@@ -229,8 +230,10 @@ SQL_TEXT = (
 TAKEN = ("cursor", "prepare", "transaction")  # what returns an object of the connection's that outlives the call
 RUN_NOW = frozenset(SQL_TEXT) - set(TAKEN)  # those that run their SQL as they are awaited
 # The methods that only note something on the loan (the rest of TAKEN send SQL: _watching_sql notes it for them).
+# A COPY's query names neither PREPARE nor DEALLOCATE as a statement: copy_from_query is noted, not watched.
 NOTED = {
-    **dict.fromkeys(CLIENT_STATE, "client_state"),
+    **dict.fromkeys(CLIENT_STATE, "must_reset"),
+    **dict.fromkeys(UNCOUNTED, "must_reset"),
     **dict.fromkeys(DRIVER_STATE, "driver_state"),
     "transaction": "took",
 }
@@ -316,8 +319,14 @@ async def lend_transaction(lender: Lender, records: Records) -> AsyncIterator[Po
         lent = transaction.lent
         lent.end()
         told = transaction.clean  # the reset and the waiters' notice rode in the COMMIT's round trip
-        # A call after the COMMIT (a background task) may have changed the session again, or begun a transaction.
-        clean = told and lent.calls == transaction.calls_at_commit and not lent.client_state
+        # SQL sent after the COMMIT (by a background task: a call, or a statement or transaction object taken
+        # before it) may have changed the session again, or begun a transaction. asyncpg counts the queries it
+        # sends on a connection, as it sends them (its pool reads the count for max_queries); a COPY is not one.
+        clean = (
+            told
+            and connection._protocol.queries_count == transaction.queries_at_commit  # type: ignore[attr-defined]
+            and not lent.must_reset
+        )
         notice = "" if told else transaction.settlement.notice
         keep = not lent.driver_state
         await lender.give_back(connection, lost=transaction.lost, then=notice, clean=clean, keep=keep)
@@ -391,7 +400,7 @@ class PostgresTransaction:
         self.lent = LentConnection(connection)
         self.lost = False
         self.clean = False  # reset in the COMMIT's round trip, with the waiters told (Lender.commit)
-        self.calls_at_commit = -1  # the lent connection's calls when it committed (LentConnection.calls)
+        self.queries_at_commit = -1  # asyncpg's count of the connection's queries once its COMMIT was sent
         self.settlement = Settlement(records)
         self._records = records
         self._lender = lender
@@ -503,6 +512,9 @@ class PostgresTransaction:
                 await self._transaction.commit()
             else:
                 notice = self.settlement.notice_sql(self._lender.notice_statement(self.connection))
+                # Counted before it is sent, the COMMIT being one query: one that another task sends after the
+                # COMMIT, before this one goes on, is seen too (lend_transaction).
+                self.queries_at_commit = self.connection._protocol.queries_count + 1  # type: ignore[attr-defined]
                 self.clean = await self._lender.commit(self.connection, self._transaction, notice)
         except Exception as error:
             if completion is None or not await self._landed(*completion):
@@ -510,7 +522,6 @@ class PostgresTransaction:
                     raise self._unreachable(error) from error
                 raise
             self.lost = True  # committed; what failed came after the COMMIT
-        self.calls_at_commit = self.lent.calls
         self.settlement.committed(notice)
 
     async def _landed(self, tenant: str, key: str, fence: int) -> bool:

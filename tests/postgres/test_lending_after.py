@@ -6,6 +6,7 @@ authorization) must neither reach the next request on that connection nor be los
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import uuid
 from typing import Any
@@ -122,6 +123,61 @@ async def test_a_transaction_a_background_task_leaves_open_ends_with_the_loan(
         assert looked.json() == {"user": login}
         stored = "SELECT count(*) FROM idempotency_responses WHERE tenant = 't-open' AND key = $1"
         assert await db.fetchval(stored, key) == 1  # committed, not left in the task's transaction
+    finally:
+        await closed(store, app_pool)
+
+
+@pytest.mark.parametrize("pool", ["own", "app"])
+@pytest.mark.parametrize("taken", ["transaction", "statement", "call", "copy"])
+async def test_what_was_taken_before_the_commit_and_used_after_it_does_not_reach_the_next_request(
+    idempotency_database_url: str, db: asyncpg.Connection, pool: str, taken: str
+) -> None:
+    """A background task that starts a transaction object the handler took, runs its prepared statement, or awaits
+    a call (a COPY, which asyncpg does not count among its queries, too) the handler made: sent after the COMMIT,
+    though taken or called before it. On the store's own pool, where the reset rode in the COMMIT's round trip, the
+    connection went back without another: the next request ran with alice's settings, or its claim, effect and
+    record ran in the transaction left open (a 201 of which nothing committed)."""
+    seen: list[dict[str, Any]] = []
+    setting = "SELECT set_config('app.tenant', 'alice', false)"
+
+    async def pay(request: Request) -> Response:
+        connection = lent(request)
+        kept: Any
+        if taken == "transaction":
+            kept = connection.transaction()
+        elif taken == "statement":
+            kept = await connection.prepare(setting)
+        elif taken == "call":
+            kept = connection.execute(setting)  # called now, sent when awaited
+        else:
+            kept = connection.copy_from_query(setting, output=io.BytesIO())
+
+        async def later() -> None:
+            if taken == "transaction":
+                await kept.start()  # a BEGIN, never ended
+            elif taken == "statement":
+                await kept.fetchval()
+            else:
+                await kept
+
+        return JSONResponse({"paid": True}, status_code=201, background=BackgroundTask(later))
+
+    async def look(request: Request) -> Response:
+        seen.append(dict(await lent(request).fetchrow(STATE)))
+        return JSONResponse({"looked": True}, status_code=201)
+
+    store, app_pool = await store_on(pool, idempotency_database_url)
+    try:
+        app = Starlette(routes=[Route("/pay", pay, methods=["POST"]), Route("/look", look, methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: "t-taken")
+        client = client_for(app)
+        keys = [str(uuid.uuid4()) for _ in range(3)]
+        for path, key in zip(("/look", "/pay", "/look"), keys, strict=True):
+            answer = await client.post(path, headers={"Idempotency-Key": key})
+            assert answer.status_code == 201, answer.text
+        assert seen[1] == seen[0]
+        stored = "SELECT count(*) FROM idempotency_responses WHERE tenant = 't-taken' AND key = $1"
+        assert await db.fetchval(stored, keys[2]) == 1  # committed, not left in the task's transaction
     finally:
         await closed(store, app_pool)
 
