@@ -171,6 +171,7 @@ def two_commits(connections: Connections) -> Endpoint:
                             len(response.body),
                             None,  # not sealed (no cipher)
                             None,
+                            False,  # a transaction the library did not mark as it began
                         )
                         if status != "INSERT 0 1":
                             raise FencedOut

@@ -54,7 +54,7 @@ async def record_steps(lent: Lent, tenant: str, key: str, fence: int, points: li
     await lent._end_session()
     await lent._refuse_if_ended()
     records = lent._records
-    args = point_arguments(tenant, key, fence, points, records.cipher)
+    args = (*point_arguments(tenant, key, fence, points, records.cipher), False)  # not marked (sql/queries.sql)
     try:
         with lent._reachable(records.schema):
             async with lent._deadline():

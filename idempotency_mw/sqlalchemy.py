@@ -282,7 +282,7 @@ class SQLAlchemyTransaction:
                 async with self._deadline():
                     result = await self.connection.exec_driver_sql(
                         self._records.sql["complete_in_transaction"],
-                        self._records.completion(tenant, key, fence, response),
+                        (*self._records.completion(tenant, key, fence, response), False),  # not marked (queries.sql)
                     )
             done = result.rowcount == 1
         except sa_exc.DBAPIError as error:

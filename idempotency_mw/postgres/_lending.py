@@ -286,6 +286,17 @@ class Lender(abc.ABC):
         """The name of ``notify_waiters`` as prepared on ``connection``, if it is (the store's own connections)."""
         return None
 
+    async def begin(self, connection: asyncpg.Connection, transaction: Any) -> None:
+        """Start asyncpg's ``transaction`` on a lent connection, marked (``mark_transaction``) in its BEGIN's round
+        trip. asyncpg's ``start()`` sends its BEGIN alone, and an app's connection cannot be made to send more (the
+        store's own can: :class:`OwnPool`). So the BEGIN is sent here as ``start()`` sends it for a transaction at the
+        session's default level, and asyncpg's transaction is left as ``start()`` leaves it (its own state, not
+        stubbed): the handler's savepoints nest in it, and it commits and rolls back as asyncpg's."""
+        driver: Any = driver_connection(connection)
+        await driver.execute("BEGIN;\n" + session()["mark_transaction"], timeout=self.timeout)
+        transaction._state = asyncpg.transaction.TransactionState.STARTED
+        driver._top_xact = transaction
+
     async def commit(self, connection: asyncpg.Connection, transaction: Any, then: str) -> bool:
         """COMMIT a lent connection's ``transaction``; True when the connection's reset, then ``then``, ran after it
         in the same round trip (a connection of the store's own pool), False when they are left to :meth:`give_back`
@@ -432,10 +443,12 @@ class PostgresTransaction:
             raise
 
     async def begin(self) -> None:
-        """BEGIN, at the database's default isolation level (the store's own session reads READ COMMITTED)."""
+        """BEGIN, at the database's default isolation level (the store's own session reads READ COMMITTED), marked
+        (``mark_transaction``): the completion is written in this transaction only, not in one the handler begins
+        after ending it."""
         try:
             self._transaction = self.connection.transaction(isolation=self._isolation)  # type: ignore[arg-type]
-            await self._transaction.start()
+            await self._lender.begin(self.connection, self._transaction)
         except UNAVAILABLE as error:
             raise self._unreachable(error) from error
 
@@ -448,15 +461,18 @@ class PostgresTransaction:
         args = records.completion(tenant, key, fence, response)
         try:
             status = await self.connection.execute(
-                records.sql["complete_in_transaction"], *args, timeout=records.timeout
+                records.sql["complete_in_transaction"], *args, True, timeout=records.timeout
             )
         except FENCED_OUT:
-            status = "INSERT 0 0"
+            return self.settlement.completed(tenant, key, fence, False)
         except UNAVAILABLE as error:
             raise self._unreachable(error) from error
         except NOT_MIGRATED as error:
             raise StoreNotMigrated(records.schema, str(error)) from error
-        return self.settlement.completed(tenant, key, fence, status == "INSERT 0 1")
+        done = status == "INSERT 0 1"
+        if not done:  # fenced out, or written nowhere: the handler ended the transaction and began another
+            await self._refuse_if_ended()
+        return self.settlement.completed(tenant, key, fence, done)
 
     async def recovery_points(self, tenant: str, key: str, fence: int) -> list[RecoveryPoint]:
         records = self._records
@@ -476,14 +492,28 @@ class PostgresTransaction:
         records = self._records
         args = point_arguments(tenant, key, fence, points, records.cipher)
         try:
-            status = await self.connection.execute(records.sql["record_steps"], *args, timeout=records.timeout)
+            status = await self.connection.execute(records.sql["record_steps"], *args, True, timeout=records.timeout)
         except FENCED_OUT:
             return False  # another claim's point of a step, or the record deleted meanwhile
         except UNAVAILABLE as error:
             raise self._unreachable(error) from error
         except NOT_MIGRATED as error:
             raise StoreNotMigrated(records.schema, str(error)) from error
-        return bool(status == f"INSERT 0 {len(points)}")
+        if status == f"INSERT 0 {len(points)}":
+            return True
+        await self._refuse_if_ended()  # the points would land in a transaction the handler began
+        return False
+
+    async def _refuse_if_ended(self) -> None:
+        """:class:`TransactionEnded` if the transaction this began is no longer the connection's: the handler ended
+        it and began another (its mark is gone: ``transaction_ended``). Asked when a statement that writes in the
+        marked transaction alone wrote nothing, which is otherwise a newer claim's fence."""
+        try:
+            ended = await self.connection.fetchval(session()["transaction_ended"], timeout=self._records.timeout)
+        except UNAVAILABLE as error:
+            raise self._unreachable(error) from error
+        if ended:
+            raise TransactionEnded.by_the_handler("connection", "async with connection.transaction(): ...")
 
     async def lapse(self, tenant: str, key: str, fence: int) -> bool:
         if self.lost:

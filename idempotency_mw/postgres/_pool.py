@@ -494,9 +494,14 @@ class OwnPool(Lender):
         prepared = connection.statements.get("notify_waiters")  # type: ignore[attr-defined]  # a StoreConnection
         return None if prepared is None else str(prepared.get_name())
 
+    def begin(self, connection: asyncpg.Connection, transaction: Any) -> Coroutine[Any, Any, None]:
+        # A plain function returning the coroutine that sends the BEGIN: no coroutine level of its own.
+        store_connection: StoreConnection = connection  # type: ignore[assignment]  # the pool opens no other kind
+        return store_connection.sending_after(transaction.start, session()["mark_transaction"])
+
     async def commit(self, connection: asyncpg.Connection, transaction: Any, then: str) -> bool:
         store_connection: StoreConnection = connection  # type: ignore[assignment]  # the pool opens no other kind
-        await store_connection.commit_then(transaction, reset_sql(connection) + "\n" + then)
+        await store_connection.sending_after(transaction.commit, reset_sql(connection) + "\n" + then)
         return True
 
     async def give_back(
@@ -551,14 +556,14 @@ _execute = asyncpg.Connection.execute
 class StoreConnection(asyncpg.Connection):
     """The connections an :class:`OwnPool` opens: the statements prepared on them, and their reset (when a lent one
     comes back): the full one of ``_lending.py``, in one round trip, instead of asyncpg's partial one; after a
-    transactional request's COMMIT, in the COMMIT's round trip (:meth:`commit_then`)."""
+    transactional request's COMMIT, in the COMMIT's round trip (:meth:`sending_after`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # The store's statements, prepared on this connection as first used, unless the store keeps no prepared
         # statements (a transaction-pooling proxy).
         self.statements: dict[str, asyncpg.prepared_stmt.PreparedStatement] = {}
-        self._after_commit = ""  # SQL for the COMMIT that commit_then() is sending, after it, in its message
+        self._after = ""  # SQL for the BEGIN or COMMIT that sending_after() is sending, after it, in its message
 
     async def reload_schema_state(self) -> None:
         """asyncpg's, and the store's statements forgotten too, to be prepared again as next used: a lent
@@ -566,19 +571,20 @@ class StoreConnection(asyncpg.Connection):
         await super().reload_schema_state()
         self.statements.clear()
 
-    async def commit_then(self, transaction: asyncpg.transaction.Transaction, then: str) -> None:
-        """Commit ``transaction`` (asyncpg's, so that its state and a handler's savepoints in it stay asyncpg's to
-        keep) and run ``then`` after the COMMIT in the same simple query: one round trip."""
-        self._after_commit = then
+    async def sending_after(self, step: Callable[[], Awaitable[None]], then: str) -> None:
+        """Start or commit a transaction (``step``: asyncpg's ``Transaction.start`` or ``commit``, so that its state
+        and a handler's savepoints in it stay asyncpg's to keep) and run ``then`` after its BEGIN or COMMIT in the
+        same simple query: one round trip."""
+        self._after = then
         try:
-            await transaction.commit()
+            await step()
         finally:
-            self._after_commit = ""
+            self._after = ""
 
     def execute(self, query: str, *args: Any, timeout: float | None = None) -> Coroutine[Any, Any, str]:
         # A plain function returning asyncpg's coroutine: no coroutine level of its own on the handler's statements.
-        if self._after_commit and query == "COMMIT;":  # asyncpg's Transaction.commit(), sent by commit_then()
-            query = "COMMIT;\n" + self._after_commit
+        if self._after and query.startswith(("BEGIN", "COMMIT;")):  # asyncpg's, sent in sending_after()
+            query = query + "\n" + self._after
         return _execute(self, query, *args, timeout=timeout)
 
     then = ""  # SQL to run after the next reset, in its round trip (see Lender.give_back), once

@@ -3,6 +3,7 @@ back to its pool as the pool made it, whatever the handler did to its session.""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from typing import Any, cast
 
@@ -15,6 +16,7 @@ from starlette.routing import Route
 
 from idempotency_mw import IdempotencyMiddleware, PostgresStore, idempotency_context
 from idempotency_mw.postgres import _lending
+from idempotency_mw.store import TransactionEnded
 from tests.conftest import client_for
 from tests.sessions import SESSION_LEAKS, SESSION_STATE
 
@@ -320,3 +322,111 @@ async def test_a_deallocation_the_loan_did_not_see_costs_the_next_request_nothin
         for _ in range(2):
             answer = await client_for(plain_app).post("/plain", headers={"Idempotency-Key": str(uuid.uuid4())})
             assert answer.status_code == 201, answer.text
+
+
+@pytest.mark.parametrize("pool", ["own", "app"])
+@pytest.mark.parametrize("ending", ["ROLLBACK; BEGIN", "COMMIT; BEGIN", "COMMIT AND CHAIN"])
+async def test_a_handler_that_ends_its_transaction_and_begins_another_gets_no_record(
+    idempotency_database_url: str, db: asyncpg.Connection, key: str, pool: str, ending: str
+) -> None:
+    """The connection is in a transaction again as the handler returns, but not in the one the store began: recorded
+    in it, a retry would replay a 201 for a charge rolled back, or the record would commit apart from the half the
+    handler committed. Refused as when the handler only ends it (``TransactionEnded``): no record, the key free."""
+    await db.execute("CREATE TABLE IF NOT EXISTS lending_effects (key text)")
+
+    async def charge(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.connection is not None
+        await context.connection.execute("INSERT INTO lending_effects (key) VALUES ($1)", key)
+        await context.connection.execute(ending)
+        return JSONResponse({"charged": True}, status_code=201)
+
+    app_pool = await asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=2) if pool == "app" else None
+    store = PostgresStore(app_pool) if app_pool is not None else PostgresStore(idempotency_database_url, max_size=2)
+    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: "t-ended")
+    try:
+        with pytest.raises(TransactionEnded):
+            await client_for(app).post("/charge", headers={"Idempotency-Key": key})
+        assert await store.inspect("t-ended", key) is None
+        charged = await db.fetchval("SELECT count(*) FROM lending_effects WHERE key = $1", key)
+        assert charged == (0 if ending.startswith("ROLLBACK") else 1)  # the handler's own COMMIT stays
+    finally:
+        await store.close()
+        if app_pool is not None:
+            await app_pool.close()
+
+
+async def test_a_step_that_ends_its_transaction_and_begins_another_leaves_no_recovery_point(
+    idempotency_database_url: str, db: asyncpg.Connection, key: str
+) -> None:
+    """A step's recovery point written in the handler's own transaction after its ROLLBACK would commit without the
+    step's writes: the retry would resume after a step whose effect never landed."""
+    await db.execute("CREATE TABLE IF NOT EXISTS lending_effects (key text)")
+
+    async def charge(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        connection = context.connection
+        assert connection is not None
+
+        async def create() -> dict[str, Any]:
+            await connection.execute("INSERT INTO lending_effects (key) VALUES ($1)", key)
+            await connection.execute("ROLLBACK; BEGIN")
+            return {"charge": "c-1"}
+
+        await context.steps.local("create_charge", create)
+        return JSONResponse({"charged": True}, status_code=201)
+
+    async with PostgresStore(idempotency_database_url, max_size=2) as store:
+        app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: "t-step")
+        with pytest.raises(TransactionEnded):
+            await client_for(app).post("/charge", headers={"Idempotency-Key": key})
+        points = "SELECT count(*) FROM idempotency_recovery_points WHERE tenant = 't-step' AND key = $1"
+        assert await db.fetchval(points, key) == 0
+        assert await store.inspect("t-step", key) is None
+        assert await db.fetchval("SELECT count(*) FROM lending_effects WHERE key = $1", key) == 0
+
+
+@pytest.mark.parametrize("pool", ["own", "app"])
+async def test_the_handler_chooses_its_isolation_level_and_nests_savepoints_in_the_transaction(
+    idempotency_database_url: str, db: asyncpg.Connection, key: str, pool: str
+) -> None:
+    """What the guide promises a handler of the transaction it is lent, which the store marks as it begins: the
+    isolation level set first (no query of the store's took the snapshot before it), and asyncpg's savepoints in it
+    (``connection.transaction()``), one of which fails and is caught."""
+    await db.execute("CREATE TABLE IF NOT EXISTS lending_effects (key text)")
+    levels: list[str] = []
+
+    async def charge(request: Request) -> Response:
+        context = idempotency_context(request)
+        assert context is not None
+        connection = context.connection
+        assert connection is not None
+        await connection.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+        levels.append(await connection.fetchval("SHOW transaction_isolation"))
+        with contextlib.suppress(asyncpg.DivisionByZeroError):  # rolled back to the savepoint: the rest goes on
+            async with connection.transaction():
+                await connection.execute("INSERT INTO lending_effects (key) VALUES ($1)", key)
+                await connection.execute("SELECT 1 / 0")
+        async with connection.transaction():
+            await connection.execute("INSERT INTO lending_effects (key) VALUES ($1)", key)
+        return JSONResponse({"charged": True}, status_code=201)
+
+    app_pool = await asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=2) if pool == "app" else None
+    store = PostgresStore(app_pool) if app_pool is not None else PostgresStore(idempotency_database_url, max_size=2)
+    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: "t-savepoints")
+    try:
+        client = client_for(app)
+        assert (await client.post("/charge", headers={"Idempotency-Key": key})).status_code == 201
+        again = await client.post("/charge", headers={"Idempotency-Key": key})
+        assert again.headers["idempotent-replayed"] == "true"
+        assert levels == ["serializable"]
+        assert await db.fetchval("SELECT count(*) FROM lending_effects WHERE key = $1", key) == 1
+    finally:
+        await store.close()
+        if app_pool is not None:
+            await app_pool.close()

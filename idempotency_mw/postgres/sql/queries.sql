@@ -318,13 +318,19 @@ ON CONFLICT (tenant, key) DO UPDATE
 -- replaces it when it completes (see complete), and goes with the record when it is purged or released.
 -- It notifies no waiter: the attempts it could read are those of its snapshot, which under REPEATABLE READ predates
 -- every duplicate. The waiters hear of it after the COMMIT (notify_waiters).
+-- A transaction marked as it began (session.sql, mark_transaction) gets the response only while the mark is there:
+-- a handler that ended it and began another on the same connection (ROLLBACK; BEGIN, COMMIT AND CHAIN) leaves the
+-- connection in a transaction, but not in this one, and the completion then writes nothing (the store asks why:
+-- transaction_ended). The transactions of a SQLAlchemyStore are not marked: their BEGIN goes with their first
+-- statement, in SQLAlchemy's hands.
 -- $1 tenant, $2 key, $3 fence, $4 status, $5 headers (JSON text), $6 body (NULL when over the cap), $7 body size,
--- $8 the sealed response and $9 the id of its key (see complete)
+-- $8 the sealed response and $9 the id of its key (see complete), $10 whether the transaction was marked
 INSERT INTO {schema}.idempotency_responses AS s
     (tenant, key, fence, status, headers, body, body_size, sealed, sealed_with, completed_at, life)
 SELECT r.tenant, r.key, $3, $4, $5::text::jsonb, $6, $7, $8, $9, now(), r.created_at
 FROM {schema}.idempotency_records AS r
 WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
+  AND (NOT $10::boolean OR current_setting('idempotency_mw.transaction', true) = 'begun')
 FOR KEY SHARE
 ON CONFLICT (tenant, key) DO UPDATE
     SET fence = excluded.fence, status = excluded.status, headers = excluded.headers, body = excluded.body,
@@ -660,9 +666,11 @@ SELECT current_database() AS database, pg_postmaster_start_time() AS server_star
 -- reads the record row and writes nothing of it. A claim that took the key over is seen under READ COMMITTED (no
 -- row); under REPEATABLE READ and SERIALIZABLE the snapshot may predate the takeover, and then of the two claims the
 -- first to commit a step's point wins: the other's insert meets the primary key (a point of that step already
--- there, or being written) and its transaction fails. The store counts the rows: fewer than it sent is fenced out.
+-- there, or being written) and its transaction fails. The store counts the rows: fewer than it sent is fenced out,
+-- or, in a marked transaction whose mark is gone, a transaction the handler began after ending the step's (see
+-- complete_in_transaction): the points would commit without the step's writes.
 -- $1 tenant, $2 key, $3 fence, $4 steps, $5 positions, $6 done, $7 results (JSON text; NULL when sealed or not
--- done), $8 sealed results, $9 the ids of their keys; one element per point
+-- done), $8 sealed results, $9 the ids of their keys; one element per point; $10 whether the transaction was marked
 INSERT INTO {schema}.idempotency_recovery_points AS p
     (tenant, key, life, step, position, done, result, sealed, sealed_with, fence, committed_at)
 SELECT r.tenant, r.key, r.created_at, s.step, s.position, s.done, s.result, s.sealed, s.sealed_with, $3, now()
@@ -670,6 +678,7 @@ FROM {schema}.idempotency_records AS r,
      unnest($4::text[], $5::int[], $6::bool[], $7::text[], $8::bytea[], $9::text[])
          AS s (step, position, done, result, sealed, sealed_with)
 WHERE r.tenant = $1 AND r.key = $2 AND r.fence = $3 AND r.lease_expires_at IS NOT NULL
+  AND (NOT $10::boolean OR current_setting('idempotency_mw.transaction', true) = 'begun')
 FOR KEY SHARE OF r  -- as complete_in_transaction: no release or purge deletes the record meanwhile
 ON CONFLICT (tenant, key, life, step) DO UPDATE
     SET done = true, result = excluded.result, sealed = excluded.sealed, sealed_with = excluded.sealed_with,

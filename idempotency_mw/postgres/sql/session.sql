@@ -29,3 +29,16 @@ SELECT coalesce(string_agg(format('SELECT set_config(%L, %L, false);', name, set
        || CASE WHEN current_setting('role') <> 'none' THEN format(' SET ROLE %I;', current_setting('role')) ELSE '' END
 FROM pg_settings
 WHERE source = 'session';
+
+-- name: mark_transaction
+-- Sent after the BEGIN of a transactional request's transaction, in its round trip: a mark that lasts as long as that
+-- transaction (SET LOCAL), which complete_in_transaction and record_steps look for. A handler that ends the
+-- transaction and begins another (ROLLBACK; BEGIN) leaves the connection in a transaction without it. A SET, not a
+-- SELECT set_config(): a SELECT would take the transaction's snapshot, after which the handler could no longer
+-- choose its isolation level (SET TRANSACTION ISOLATION LEVEL must come before any query).
+SET LOCAL idempotency_mw.transaction = 'begun';
+
+-- name: transaction_ended
+-- Whether the transaction marked as it began (mark_transaction) has ended: asked only when a statement that writes
+-- in a marked transaction alone wrote nothing, to tell a handler that ended it from a newer claim's fence.
+SELECT current_setting('idempotency_mw.transaction', true) IS DISTINCT FROM 'begun';
