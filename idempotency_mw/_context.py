@@ -35,7 +35,7 @@ class IdempotencyContext:
     """
 
     tenant: str
-    key: str | None  # None on a transactional route called without a key
+    key: str | None  # None for a request without a key (or one whose key no tenant scopes)
     transaction: Transaction | None = None
     # A transactional route's run, which makes its steps: a weak reference, since the context stays in the request's
     # scope and the run refers back to the request (held strongly, the request would wait for the cycle collector).

@@ -386,8 +386,11 @@ class IdempotentRequest:
                 self.owned.drop_lease()
 
     async def _keyless(self) -> None:
-        """Not ours (no key, or no tenant to scope it): untouched; a transactional route gets its transaction still."""
+        """Not ours (no key, or no tenant to scope it): untouched, with a context that has no key (as when observing
+        or switched off); a transactional route gets its transaction still."""
+        self.ask.key = None  # a key no tenant scopes is none the handler may derive from
         if not self.policy.transactional:
+            self._set_context()
             return await self.middleware.app(self.scope, self.body.receive, self.send)
         if await self._begin():  # on a transactional run of its own (_transaction)
             await self._execute()
@@ -498,10 +501,9 @@ class TenantFromAppRequest(IdempotentRequest):
         return False
 
     async def _keyless(self) -> None:
-        if not self.policy.transactional:
-            return await super()._keyless()
-        self._transaction()
-        wait_for_the_app(self)
+        if self.policy.transactional:
+            self._transaction()
+        wait_for_the_app(self)  # the context carries the tenant the app tells (claim_for)
         await self._execute()
 
     async def claim_for(self, tenant: str | None) -> IdempotencyContext:
@@ -518,7 +520,9 @@ class TenantFromAppRequest(IdempotentRequest):
             await self._refuse(*self.refusal)
             raise ClaimAnswered
         self.ask.tenant = self.ask.owner = tenant or ""
-        if not (await self._claim() if keyed else await self._begin()):  # keyless: no record
+        if not keyed and not self.policy.transactional:  # nothing to claim or begin: the context alone
+            self._set_context()
+        elif not (await self._claim() if keyed else await self._begin()):  # keyless: no record
             raise ClaimAnswered
         context = state.get(STATE_KEY)
         assert isinstance(context, IdempotencyContext)

@@ -410,6 +410,33 @@ async def test_a_transactional_route_claims_after_authentication(pg_store: Postg
     assert info.state == "completed"
 
 
+@pytest.mark.parametrize("mode", [{}, {"observe": True}, {"enabled": False}], ids=["enforcing", "observing", "off"])
+@pytest.mark.parametrize("tenant_from_app", [False, True], ids=["resolver", "tenant dependency"])
+async def test_a_keyless_request_gets_a_context_without_a_key_in_every_mode(
+    mode: dict[str, Any], tenant_from_app: bool
+) -> None:
+    """On a route where keys are optional, a request without one runs with a context whose key is None, as when
+    observing or switched off: the handler that reads it works in every mode. (Enforcing, it got none: the
+    ``Idempotency`` dependency answered 500.)"""
+    calls: list[str | None] = []
+    tenant = TenantDependency(current_account)
+    app = FastAPI(dependencies=[Depends(tenant)] if tenant_from_app else [])
+
+    @app.post("/orders", status_code=201)
+    async def order(body: Charge, info: Idempotency) -> Any:
+        calls.append(info.key)
+        with pytest.raises(LookupError):
+            info.downstream_key("psp-charge")
+        return {"key": info.key}
+
+    options: dict[str, Any] = {"tenant": tenant} if tenant_from_app else {"tenant": header_tenant("X-API-Key")}
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), **options, **mode)
+    setup(app)
+    answer = await as_account(app, "key_alice").post("/orders", json={"amount": 5})
+    assert (answer.status_code, answer.json()) == (201, {"key": None})
+    assert calls == [None]
+
+
 class SetUpWrong(MemoryStore):
     """A store that says it is set up wrong at every claim (SQLAlchemyStore on an engine in AUTOCOMMIT)."""
 
