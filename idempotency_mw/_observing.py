@@ -50,11 +50,11 @@ from idempotency_mw._keys import (
 from idempotency_mw._plain import PlainRun
 from idempotency_mw._policy import RouteMatch
 from idempotency_mw._request import (
-    OUTAGES,
     IdempotentRequest,
     Middleware,
     Report,
     Step,
+    fails_open,
     not_committed,
     take_pending,
     wait_for_the_app,
@@ -188,7 +188,7 @@ class ObservingRequest(IdempotentRequest):
         except Exception as error:
             del task  # it holds the error, whose traceback holds this frame: the request would be left in a cycle
             middleware.failures.failed("claim a key", error)
-            unprotected = policy.fail_open and isinstance(error, OUTAGES)  # enforcing, it would run without a record
+            unprotected = fails_open(policy, error)  # enforcing, it would run without a record
             self.would = Outcome.UNPROTECTED if unprotected else store_failure(error)
             return
         finally:

@@ -61,13 +61,29 @@ from idempotency_mw._keys import (
     resolve_tenant,
 )
 from idempotency_mw._plain import PlainRun
-from idempotency_mw._policy import RouteMatch
+from idempotency_mw._policy import Policy, RouteMatch
 from idempotency_mw._stepped import SteppedRun, UnrecordedRun
 from idempotency_mw._transactional import DID_NOT_COMMIT, State, TransactionalRun, refusal
 from idempotency_mw.cutover import EarlierLookup
-from idempotency_mw.store import Claim, ClaimOutcome, Store, StoreUnavailable, Transaction, TransactionalStore
+from idempotency_mw.store import (
+    Claim,
+    ClaimOutcome,
+    Store,
+    StoreNotGranted,
+    StoreNotMigrated,
+    StoreUnavailable,
+    Transaction,
+    TransactionalStore,
+)
 
-OUTAGES = (StoreUnavailable, OSError)  # what fail_open fails open on: the store cannot be reached
+OUTAGES = (StoreUnavailable, OSError)  # the store cannot be reached, or answers late
+SET_UP_WRONG = (StoreNotMigrated, StoreNotGranted)  # it answers, though: a deploy to fix, not an outage to ride out
+
+
+def fails_open(policy: Policy, error: Exception) -> bool:
+    """Whether a claim that failed with ``error`` runs the handler without a record (``fail_open``): only in an
+    outage, never for a record that is there but does not open, nor for a store set up wrong."""
+    return policy.fail_open and isinstance(error, OUTAGES) and not isinstance(error, SET_UP_WRONG)
 
 
 class Middleware(Protocol):
@@ -296,8 +312,8 @@ class IdempotentRequest:
             del task  # it holds the error, whose traceback holds this frame: the request would be left in a cycle
             report.store_seconds += time.perf_counter() - started
             middleware.failures.failed("claim a key", error)
-            # Never a record that is there but does not open, nor beside a request a waiting copy saw running.
-            if policy.fail_open and isinstance(error, OUTAGES) and not (waiting is not None and waiting.met_running):
+            # Never beside a request that a waiting copy saw running.
+            if fails_open(policy, error) and not (waiting is not None and waiting.met_running):
                 # Failing open: the handler runs without a record, with its context (its ``downstream_key`` is the
                 # provider's usual key), and what it sends passes untouched: a run with no claim (``PlainRun``).
                 self._to(Step.RUNNING)

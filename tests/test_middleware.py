@@ -28,6 +28,7 @@ from idempotency_mw import (
     header_tenant,
     idempotency_context,
 )
+from idempotency_mw.store import StoreNotGranted, StoreNotMigrated, StoreUnavailable
 from tests.apps import Probe, build_app
 from tests.calls import keyed_scope, raw_call
 from tests.conftest import client_for, tenant_of
@@ -552,6 +553,25 @@ async def test_fail_open_runs_the_handler_unprotected(key: str) -> None:
     response = await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
     assert response.status_code == 201
     assert probe.calls["charge"] == 1
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [StoreNotMigrated("public"), StoreNotGranted("public", ["idempotency_records: INSERT"])],
+    ids=["not migrated", "not granted"],
+)
+async def test_failing_open_never_covers_a_store_set_up_wrong(key: str, refusal: StoreUnavailable) -> None:
+    """A store that answers, but is not migrated or not granted, is a deploy to fix, not an outage to ride out: 503
+    while it lasts, never every request unprotected (a skipped migration ran each retry again)."""
+
+    class Refusing(MemoryStore):
+        async def claim(self, *args: Any, **kwargs: Any) -> Any:
+            raise refusal
+
+    probe, client = setup(Refusing(), fail_open=True)
+    response = await client.post("/charge", content=b"a", headers={"Idempotency-Key": key})
+    assert (response.status_code, problem(response)["code"]) == (503, "idempotency_store_unavailable")
+    assert probe.calls["charge"] == 0
 
 
 # -- retention ---------------------------------------------------------------------------------------------
