@@ -4,7 +4,8 @@
 #   examples/walkthrough.sh [base-url]          (default http://localhost:8000)
 #
 # Start the API first: `docker compose up --build`, or
-# `DATABASE_URL=postgresql://… uvicorn examples.payments.app:app --port 8000` from the repository root.
+# `DATABASE_URL=postgresql://… uvicorn examples.payments.app:app --port 8000 --lifespan on` from the repository root,
+# with IDEMPOTENCY_FINGERPRINT_KEYS set (docs/payments.md).
 # Needs curl and python3 (to pick fields out of the JSON answers).
 set -euo pipefail
 

@@ -1,6 +1,7 @@
 """The payments example: a Stripe-style API whose every write runs in transactional mode.
 
-``uvicorn examples.payments.app:app`` serves it on ``$DATABASE_URL`` (from the repository root);
+``uvicorn examples.payments.app:app --lifespan on`` serves it on ``$DATABASE_URL`` (from the repository root, with
+``IDEMPOTENCY_FINGERPRINT_KEYS`` set: docs/payments.md);
 ``create_app(dsn)`` builds one for tests. Each POST handler writes through ``db: IdempotencyConnection``, the
 transaction the middleware opened for it: the ledger rows and the idempotency record of the response commit
 together, and the client hears the answer only after that commit. A retried request with the same key gets the
@@ -1035,7 +1036,7 @@ def _positive(name: str, default: int) -> int:
 
 
 def __getattr__(name: str) -> FastAPI:
-    """``app``: the API on ``$DATABASE_URL``, built on first use (``uvicorn examples.payments.app:app``).
+    """``app``: the API on ``$DATABASE_URL``, built on first use (``uvicorn examples.payments.app:app --lifespan on``).
 
     ``PAYMENTS_POOL_SIZE`` (20) is the store's ``max_size``; ``PAYMENTS_MIGRATE=0`` keeps DDL out of the startup;
     ``PAYMENTS_PREPARED_STATEMENTS=0`` is for a transaction-pooling PgBouncer at ``$DATABASE_URL``;
