@@ -439,6 +439,25 @@ async def test_assert_idempotent_names_a_missing_tenant(key: str) -> None:
             await assert_idempotent(client, "POST", "/charge", content=b"x", times=3)
 
 
+async def test_assert_idempotent_passes_an_endpoint_whose_own_answer_is_a_409(key: str) -> None:
+    """An endpoint's final answer may be a 409 of its own (a state conflict: the order is already shipped), recorded
+    and replayed: one answer from running it, not a conflict of the middleware's (which says so in its
+    Idempotency-Problem header). It failed as "answered 0 times"."""
+    runs: list[int] = []
+
+    async def ship(request: Request) -> Response:
+        runs.append(1)
+        return JSONResponse({"error": "already shipped"}, status_code=409)
+
+    app = Starlette(routes=[Route("/ship", ship, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore())
+    async with client_for(app) as client:
+        report = await assert_idempotent(client, "POST", "/ship", content=b"x", times=3, key=key)
+    assert (report.executed, report.replayed + report.in_progress) == (1, 3)
+    assert set(report.statuses) == {409}
+    assert runs == [1]
+
+
 def test_bare_credentials_keep_their_case() -> None:
     """The auth scheme is case-insensitive (RFC 9110 §11.1), the credentials themselves are not: a value with no
     scheme, the bare API key many APIs take (``Authorization: sk_live_AbC...``), keeps its case, so two keys that
