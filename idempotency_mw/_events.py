@@ -15,6 +15,7 @@ with how many more failed, and one line when the store answers again.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
 import logging
@@ -79,16 +80,19 @@ def hash_key(key: str | None) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12] if key else ""
 
 
-# Keyed by the tenant secret where one is set, so that every instance tags a tenant alike; else by a secret of this
-# process. Either way a tag cannot be turned back into an account id by hashing candidates.
-_TAG_KEY = (os.environ.get("IDEMPOTENCY_TENANT_SECRET") or secrets.token_hex(32)).encode()
+@functools.cache
+def _tag_key() -> bytes:
+    """The key of tenant tags: the tenant secret where one is set, so that every instance tags a tenant alike; else a
+    secret of this process. Either way a tag cannot be turned back into an account id by hashing candidates. Read at
+    the first tag, not at import: an app may set the secret after importing the package."""
+    return (os.environ.get("IDEMPOTENCY_TENANT_SECRET") or secrets.token_hex(32)).encode()
 
 
 def tenant_tag(tenant: str) -> str:
     """A short tag of ``tenant`` for log lines: two tenants of one key tell apart, and the tenant is not shown."""
     if not tenant:
         return "-"
-    return hmac.new(_TAG_KEY, tenant.encode(), hashlib.sha256).hexdigest()[:8]
+    return hmac.new(_tag_key(), tenant.encode(), hashlib.sha256).hexdigest()[:8]
 
 
 # Store failures are logged once per outage, not per request (FailureLog); a fenced-out worker is worth a line each.

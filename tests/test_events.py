@@ -7,6 +7,8 @@ exhausted pool says so (its own outcome, a log line naming the pool's size) inst
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import uuid
 from typing import Any
@@ -17,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, StoreUnavailable
+from idempotency_mw import IdempotencyMiddleware, MemoryStore, PostgresStore, StoreUnavailable, _events
 from idempotency_mw._events import Event, FailureLog, Outcome, tenant_tag
 from tests.apps import Probe, build_app
 from tests.conftest import client_for, tenant_of
@@ -68,6 +70,18 @@ def test_a_tenant_tag_is_short_stable_and_not_the_tenant() -> None:
     assert len(tenant_tag("acct_1")) == 8
     assert "acct" not in tenant_tag("acct_1")
     assert tenant_tag("") == "-"
+
+
+def test_a_tenant_tag_is_keyed_by_the_secret_set_after_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every instance tags a tenant alike when they share the tenant secret, also when the app sets it after
+    importing the package (a settings module, a test's fixture): the key is read at the first tag, not at import.
+    (Read at import, it fell back to a key of the process: two instances tagged one tenant apart.)"""
+    monkeypatch.setenv("IDEMPOTENCY_TENANT_SECRET", "s" * 40)
+    _events._tag_key.cache_clear()  # as just imported, with no tag made yet
+    try:
+        assert tenant_tag("acct_1") == hmac.new(b"s" * 40, b"acct_1", hashlib.sha256).hexdigest()[:8]
+    finally:
+        _events._tag_key.cache_clear()
 
 
 def test_outcomes_name_themselves() -> None:
