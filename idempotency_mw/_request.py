@@ -428,7 +428,11 @@ class IdempotentRequest:
         if not begun:
             assert ran.failure is not None
             self.middleware.failures.failed("run the handler's transaction", ran.failure)
-            await self._refuse(problems.store_unavailable(self.middleware.retry_after), store_failure(ran.failure))
+            problem = problems.store_unavailable(self.middleware.retry_after)
+            if self.owned is None:  # keyless, or switched off: nothing claimed, nothing reported (a 503 all the same)
+                await self.middleware.envelope.send(problem, self.scope, self.send)
+            else:
+                await self._refuse(problem, store_failure(ran.failure))
             return False
         return self._set_context(ran.transaction, ran)
 

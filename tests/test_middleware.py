@@ -20,8 +20,10 @@ from starlette.routing import Route
 from starlette.types import Message, Scope
 
 from idempotency_mw import (
+    Event,
     IdempotencyMiddleware,
     MemoryStore,
+    Outcome,
     PostgresStore,
     Store,
     StoredResponse,
@@ -648,7 +650,6 @@ async def test_attempts_are_counted_on_the_record(store: Store, key: str) -> Non
 
 
 async def test_events_report_outcomes_and_attempts(store: Store, key: str) -> None:
-    from idempotency_mw import Event
 
     events: list[Event] = []
     probe, client = setup(store, on_event=events.append)
@@ -863,6 +864,26 @@ async def test_the_off_switch_answers_nothing_and_breaks_no_route(
         await connection.close()
     if kind == "postgres":
         assert len(notes) >= 3  # each transactional run committed its write: twice keyed, once keyless
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "switched off"])
+async def test_a_transaction_that_cannot_begin_is_reported_only_for_a_claimed_key(enabled: bool) -> None:
+    """The database down, a transactional route answers 503 (there is no transaction to lend). Reported as a store
+    error only where a key was claimed: not for a keyless request, nor switched off, where nothing is claimed or
+    reported (observability.md, rollout.md). They were reported, and counted in ``idempotency_requests_total``."""
+    events: list[Event] = []
+
+    async def charge(request: Request) -> Response:
+        return JSONResponse({}, status_code=201)
+
+    store = PostgresStore("postgresql://nobody@127.0.0.1:1/none", timeout=0.5)
+    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, enabled=enabled, on_event=events.append)
+    async with client_for(app) as client:
+        keyed = await client.post("/charge", json={}, headers={"Idempotency-Key": str(uuid.uuid4())})
+        keyless = await client.post("/charge", json={})
+    assert (keyed.status_code, keyless.status_code) == (503, 503)
+    assert [event.outcome for event in events] == ([Outcome.STORE_ERROR] if enabled else [])
 
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["enabled", "switched off"])
