@@ -222,6 +222,8 @@ class IdempotencyMiddleware:
         if self.tenant_from_app is not None:
             self.tenant_from_app.check(app, self._covers)
         self.routes.scan(app, check=self._check_policies)
+        for line in self.routes.set_aside():
+            self.notices.once(line, f"idempotency: {line}")
         self.off_or_observing = not self.enabled or self.routes.observes  # an endpoint may observe (@idempotent)
 
     def _covers(self, endpoint: Any, path: str, methods: frozenset[str] | None) -> bool:

@@ -231,6 +231,7 @@ class RouteTable:
     def __init__(self, default: Policy, routes: Mapping[str, Mapping[str, Any]]) -> None:
         self.default = default
         self.patterns = [(re.compile(fnmatch.translate(p)), default.override(c)) for p, c in routes.items()]
+        self._pattern_settings = [(p, dict(c)) for p, c in routes.items()]  # as given: to name what one sets
         self.scanned = False
         self._declared: list[tuple[RouteEntry, re.Pattern[str], Policy]] = []
         self._routes: list[tuple[re.Pattern[str], str, frozenset[str] | None]] = []
@@ -271,6 +272,26 @@ class RouteTable:
         self.observes = self._observes()
         self.lookup.cache_clear()
         self.scanned = True
+
+    def set_aside(self) -> list[str]:
+        """What path patterns set that declared routes do not get, one line per route: a declaration starts from
+        the app's settings, and no pattern applies to its route (the first pattern its path template matches is the
+        one a request would have taken)."""
+        lines = []
+        for entry, _, _ in self._declared:
+            declared = getattr(entry.endpoint, ENDPOINT_ATTRIBUTE)
+            for (regex, _), (pattern, settings) in zip(self.patterns, self._pattern_settings, strict=True):
+                if regex.fullmatch(entry.path):
+                    if lost := {name: value for name, value in settings.items() if name not in declared}:
+                        methods = "/".join(sorted(entry.methods or ())) or "any method"
+                        named = ", ".join(f"{name}={value!r}" for name, value in lost.items())
+                        lines.append(
+                            f"{methods} {entry.path} declares its own settings (@idempotent), so the path pattern "
+                            f"{pattern!r} of routes= does not apply to it: it does not get {named}. Repeat in its "
+                            "declaration what it needs"
+                        )
+                    break
+        return lines
 
     def for_endpoint(self, endpoint: Any, path: str) -> Policy:
         """The policy of a route known by its endpoint and path template (for documentation, not requests)."""

@@ -65,6 +65,30 @@ def test_bad_configuration_fails_at_startup(options: dict[str, object], message:
         IdempotencyMiddleware(Starlette(), MemoryStore(), **options)  # type: ignore[arg-type]
 
 
+async def test_a_declared_route_under_a_path_pattern_is_told_what_the_pattern_sets(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A route's declaration starts from the app's settings, not from a path pattern's: under
+    ``routes={"/v1/*": {"required": True}}``, a route that declares only ``ttl`` does not require a key. The
+    startup says so, naming the route, the pattern and what it does not get, once."""
+
+    @idempotent(ttl=7 * 86400)
+    async def refund(request: Request) -> Response:
+        return JSONResponse({}, status_code=201)
+
+    app = Starlette(routes=[Route("/v1/refunds", refund, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), routes={"/v1/*": {"required": True}})
+    with caplog.at_level("WARNING", logger="idempotency_mw"):
+        client = client_for(app)
+        assert (await client.post("/v1/refunds")).status_code == 201  # keyless: not required on this route
+        assert (await client.post("/v1/refunds")).status_code == 201
+    told = [r.getMessage() for r in caplog.records if "declares its own settings" in r.getMessage()]
+    assert told == [
+        "idempotency: POST /v1/refunds declares its own settings (@idempotent), so the path pattern '/v1/*' of "
+        "routes= does not apply to it: it does not get required=True. Repeat in its declaration what it needs"
+    ]
+
+
 def test_methods_may_be_any_iterable_of_names() -> None:
     """Read once: a generator of names covers what it names (it was checked, then found empty when frozen)."""
     middleware = IdempotencyMiddleware(Starlette(), MemoryStore(), methods=(name for name in ("post", "PATCH")))  # type: ignore[arg-type]
