@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from starlette.endpoints import HTTPEndpoint
 from starlette.routing import Mount, Route, WebSocketRoute, compile_path
 from starlette.types import ASGIApp, Scope
 
@@ -340,13 +341,28 @@ class RouteEntry:
 
 
 def iter_routes(routes: Iterable[Any], prefix: str = "") -> Iterator[RouteEntry]:
-    """Every endpoint below ``routes``, through Mounts and FastAPI's included routers."""
+    """Every HTTP endpoint below ``routes``, through Mounts and FastAPI's included routers (websocket routes take no
+    HTTP request: the middleware lets every websocket through)."""
     for route, path in _route_paths(routes):
         if isinstance(route, Mount):
             yield from iter_routes(route.routes, prefix + route.path)
-        elif getattr(route, "endpoint", None) is not None and path is not None:
-            methods = getattr(route, "methods", None)
-            yield RouteEntry(prefix + path, frozenset(methods) if methods else None, route.endpoint)
+        elif isinstance(route, WebSocketRoute):
+            continue
+        elif (endpoint := getattr(route, "endpoint", None)) is not None and path is not None:
+            methods = getattr(route, "methods", None) or _handled(endpoint)
+            yield RouteEntry(prefix + path, frozenset(methods) if methods else None, endpoint)
+
+
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")  # what an HTTPEndpoint dispatches on
+
+
+def _handled(endpoint: Any) -> frozenset[str] | None:
+    """The methods a class endpoint (Starlette's ``HTTPEndpoint``) answers, by the handlers it defines (HEAD by its
+    GET); None for a plain ASGI endpoint, which may answer any."""
+    if not (isinstance(endpoint, type) and issubclass(endpoint, HTTPEndpoint)):
+        return None
+    methods = {method for method in HTTP_METHODS if callable(getattr(endpoint, method.lower(), None))}
+    return frozenset(methods | {"HEAD"} if "GET" in methods else methods)
 
 
 def iter_opaque(routes: Iterable[Any], prefix: str = "") -> Iterator[str]:

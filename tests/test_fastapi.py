@@ -14,9 +14,11 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from pydantic import BaseModel
 from starlette.applications import Starlette
+from starlette.endpoints import HTTPEndpoint
 from starlette.responses import JSONResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 from starlette.types import Message
+from starlette.websockets import WebSocket
 
 from idempotency_mw import (
     Event,
@@ -608,6 +610,32 @@ async def test_a_covered_route_that_cannot_depend_on_the_tenant_stops_the_startu
         app.mount("/v2", told)
         app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), tenant=tenant)
         assert await startup_failure(app) is None
+
+
+class Health(HTTPEndpoint):
+    async def get(self, request: Any) -> JSONResponse:
+        return JSONResponse({"ok": True})
+
+
+async def live(websocket: WebSocket) -> None:
+    await websocket.accept()
+    await websocket.close()
+
+
+@pytest.mark.parametrize("where", ["websocket", "mounted websocket", "GET-only endpoint class"])
+async def test_routes_the_middleware_never_covers_pass_the_tenant_check(where: str) -> None:
+    """A websocket route (the middleware lets every websocket through) and a class endpoint that answers GET alone
+    take no keyed request to claim: the app starts. (The check counted them as covered, any method, and refused.)"""
+    tenant = TenantDependency(current_account)
+    app = FastAPI(dependencies=[Depends(tenant)])
+    if where == "websocket":
+        app.router.routes.append(WebSocketRoute("/ws", live))
+    elif where == "mounted websocket":
+        app.mount("/live", Starlette(routes=[WebSocketRoute("/feed", live)]))
+    else:
+        app.mount("/admin", Starlette(routes=[Route("/health", Health)]))
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), tenant=tenant)
+    assert await startup_failure(app) is None
 
 
 @pytest.mark.parametrize(
