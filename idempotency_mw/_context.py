@@ -124,8 +124,8 @@ async def claim(request: HTTPConnection, tenant: str | None) -> IdempotencyConte
     the key and the body, then leaves the claim to this call, so that the app's own authentication answers first (its
     401, before any of the middleware's answers). When the key is not this request's to run (a replay, one still in
     progress, another request's, or a refusal), the middleware has answered and this raises :class:`ClaimAnswered`.
-    A request with nothing to claim (one the middleware does not cover, or a keyless one it lets through) gets
-    None; one whose claim was taken already, its context.
+    A request the middleware does not cover gets None; a keyless one, its context (key None); one whose claim was
+    taken already, its context.
     """
     state: dict[str, Any] = request.scope.setdefault("state", {})
     pending: PendingClaim | None = state.get(PENDING_KEY)

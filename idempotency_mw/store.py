@@ -184,7 +184,8 @@ class TransactionEnded(RuntimeError):
     def by_the_handler(cls, lent: str, savepoint: str) -> TransactionEnded:
         """The error for a handler that ended the transaction through ``lent``; ``savepoint`` shows the way instead."""
         return cls(
-            f"the handler ended the idempotency transaction itself (COMMIT or ROLLBACK on the lent {lent}), so its "
+            f"the handler ended the idempotency transaction itself (COMMIT or ROLLBACK on the lent {lent}, or a "
+            "RESET ALL, which clears the store's mark of its transaction), so its "
             "effect and the record cannot land together; the record was refused and the key is free again. Run "
             f"statements that may need undoing in a savepoint: {savepoint}"
         )
