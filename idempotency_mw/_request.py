@@ -61,7 +61,7 @@ from idempotency_mw._keys import (
     resolve_tenant,
 )
 from idempotency_mw._plain import PlainRun
-from idempotency_mw._policy import Policy, RouteMatch
+from idempotency_mw._policy import UNMATCHED, Policy, RouteMatch
 from idempotency_mw._stepped import SteppedRun, UnrecordedRun
 from idempotency_mw._transactional import DID_NOT_COMMIT, State, TransactionalRun, refusal
 from idempotency_mw.cutover import EarlierLookup
@@ -513,6 +513,21 @@ class TenantFromAppRequest(IdempotentRequest):
     """A covered request whose tenant the app tells from inside (``TenantFromApp``: a FastAPI dependency), once its
     own authentication has answered: steps 2 and 4 wait for :meth:`claim_for`, and so do the refusals of step 1,
     so that the app's 401 comes before any answer of the middleware's."""
+
+    def _finish(self) -> None:
+        # A route the startup check could not read (a mounted ASGI app without a route table: ``<unmatched>``) that
+        # gave a keyed request a final answer without telling its tenant ran it unclaimed: the operator hears it.
+        ran = self.ran
+        unread = self.report.route == UNMATCHED and self.step is Step.WAITING and self.ask.key is not None
+        if unread and isinstance(ran, PlainRun) and ran.recorder.status in self.policy.recorded:
+            self.middleware.notices.once(
+                "unclaimed",  # once, whatever the path: a scan of random paths must not grow what is remembered
+                f"idempotency: a keyed request to {self.scope['method']} {self.scope['path']} was answered "
+                f"{ran.recorder.status} by a route that never told its tenant ({self.middleware.tenant!r} was "
+                "not among its dependencies: a mounted app's route, say), so nothing was claimed or recorded and "
+                "its retries run again. Add the dependency to that route, or leave it uncovered",
+            )
+        super()._finish()
 
     async def _scope_key(self) -> bool:
         if await self._read_body():

@@ -612,6 +612,26 @@ async def test_a_covered_route_that_cannot_depend_on_the_tenant_stops_the_startu
         assert await startup_failure(app) is None
 
 
+async def test_a_keyed_request_a_mounted_app_answers_unclaimed_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A plain ASGI app mounted under an app that tells its tenant has no route table to check at startup (a
+    ``StaticFiles`` mount is the usual one, and must not stop the app): a keyed request it answers with a final
+    status ran unclaimed, and the operator hears it, once."""
+    tenant = TenantDependency(current_account)
+    app = FastAPI(dependencies=[Depends(tenant)])
+    app.mount("/raw", JSONResponse({"charged": True}, status_code=201))
+    app.add_middleware(IdempotencyMiddleware, store=MemoryStore(), tenant=tenant)
+    client = as_account(app, "key_alice")
+    with caplog.at_level("WARNING", logger="idempotency_mw"):
+        for _ in range(2):
+            answer = await client.post("/raw/charges", headers={"Idempotency-Key": str(uuid.uuid4())})
+            assert answer.status_code == 201
+    told = [r.getMessage() for r in caplog.records if "never told its tenant" in r.getMessage()]
+    assert len(told) == 1
+    assert told[0].startswith("idempotency: a keyed request to POST /raw/")
+
+
 class Health(HTTPEndpoint):
     async def get(self, request: Any) -> JSONResponse:
         return JSONResponse({"ok": True})
