@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import asyncpg
+import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -324,6 +326,23 @@ async def test_a_deallocation_the_loan_did_not_see_costs_the_next_request_nothin
             assert answer.status_code == 201, answer.text
 
 
+@contextlib.asynccontextmanager
+async def charging(
+    url: str, pool: str, charge: Any, tenant: str
+) -> AsyncIterator[tuple[PostgresStore, httpx.AsyncClient]]:
+    """A transactional ``/charge`` route on the store's own pool (``own``) or on an app's asyncpg pool (``app``)."""
+    app_pool = await asyncpg.create_pool(url, min_size=1, max_size=2) if pool == "app" else None
+    store = PostgresStore(app_pool) if app_pool is not None else PostgresStore(url, max_size=2)
+    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: tenant)
+    try:
+        yield store, client_for(app)
+    finally:
+        await store.close()
+        if app_pool is not None:
+            await app_pool.close()
+
+
 @pytest.mark.parametrize("pool", ["own", "app"])
 @pytest.mark.parametrize("ending", ["ROLLBACK; BEGIN", "COMMIT; BEGIN", "COMMIT AND CHAIN"])
 async def test_a_handler_that_ends_its_transaction_and_begins_another_gets_no_record(
@@ -342,20 +361,12 @@ async def test_a_handler_that_ends_its_transaction_and_begins_another_gets_no_re
         await context.connection.execute(ending)
         return JSONResponse({"charged": True}, status_code=201)
 
-    app_pool = await asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=2) if pool == "app" else None
-    store = PostgresStore(app_pool) if app_pool is not None else PostgresStore(idempotency_database_url, max_size=2)
-    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: "t-ended")
-    try:
+    async with charging(idempotency_database_url, pool, charge, "t-ended") as (store, client):
         with pytest.raises(TransactionEnded):
-            await client_for(app).post("/charge", headers={"Idempotency-Key": key})
+            await client.post("/charge", headers={"Idempotency-Key": key})
         assert await store.inspect("t-ended", key) is None
         charged = await db.fetchval("SELECT count(*) FROM lending_effects WHERE key = $1", key)
         assert charged == (0 if ending.startswith("ROLLBACK") else 1)  # the handler's own COMMIT stays
-    finally:
-        await store.close()
-        if app_pool is not None:
-            await app_pool.close()
 
 
 async def test_a_step_that_ends_its_transaction_and_begins_another_leaves_no_recovery_point(
@@ -415,18 +426,9 @@ async def test_the_handler_chooses_its_isolation_level_and_nests_savepoints_in_t
             await connection.execute("INSERT INTO lending_effects (key) VALUES ($1)", key)
         return JSONResponse({"charged": True}, status_code=201)
 
-    app_pool = await asyncpg.create_pool(idempotency_database_url, min_size=1, max_size=2) if pool == "app" else None
-    store = PostgresStore(app_pool) if app_pool is not None else PostgresStore(idempotency_database_url, max_size=2)
-    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
-    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: "t-savepoints")
-    try:
-        client = client_for(app)
+    async with charging(idempotency_database_url, pool, charge, "t-savepoints") as (_, client):
         assert (await client.post("/charge", headers={"Idempotency-Key": key})).status_code == 201
         again = await client.post("/charge", headers={"Idempotency-Key": key})
         assert again.headers["idempotent-replayed"] == "true"
         assert levels == ["serializable"]
         assert await db.fetchval("SELECT count(*) FROM lending_effects WHERE key = $1", key) == 1
-    finally:
-        await store.close()
-        if app_pool is not None:
-            await app_pool.close()

@@ -53,6 +53,26 @@ async def closed(store: PostgresStore, app_pool: asyncpg.Pool | None) -> None:
         await app_pool.close()
 
 
+async def around(store: PostgresStore, pay: Any, tenant: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """A request that reads its session, then ``pay`` (whose background task uses the lent connection after the
+    COMMIT), then the first again, each on one lent connection with a key of its own: the two sessions read, and
+    the three keys."""
+    seen: list[dict[str, Any]] = []
+
+    async def look(request: Request) -> Response:
+        seen.append(dict(await lent(request).fetchrow(STATE)))
+        return JSONResponse({"looked": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"]), Route("/look", look, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: tenant)
+    client = client_for(app)
+    keys = [str(uuid.uuid4()) for _ in range(3)]
+    for path, key in zip(("/look", "/pay", "/look"), keys, strict=True):
+        answer = await client.post(path, headers={"Idempotency-Key": key})
+        assert answer.status_code == 201, answer.text
+    return seen, keys
+
+
 @pytest.mark.parametrize("pool", ["own", "app"])
 async def test_what_a_background_task_does_to_the_session_after_the_commit_does_not_reach_the_next_request(
     idempotency_database_url: str, leak_role: str, pool: str
@@ -60,7 +80,6 @@ async def test_what_a_background_task_does_to_the_session_after_the_commit_does_
     """The lent connection is the handler's until the app returns, background tasks included; on the store's own
     pool the reset rode in the COMMIT's round trip, before them. A call after the COMMIT sends the connection back
     through the full reset: otherwise alice's role and settings would be bob's."""
-    seen: list[dict[str, Any]] = []
 
     async def pay(request: Request) -> Response:
         connection = lent(request)
@@ -73,18 +92,9 @@ async def test_what_a_background_task_does_to_the_session_after_the_commit_does_
 
         return JSONResponse({"paid": True}, status_code=201, background=BackgroundTask(audit))
 
-    async def look(request: Request) -> Response:
-        seen.append(dict(await lent(request).fetchrow(STATE)))
-        return JSONResponse({"looked": True}, status_code=201)
-
     store, app_pool = await store_on(pool, idempotency_database_url)
     try:
-        app = Starlette(routes=[Route("/pay", pay, methods=["POST"]), Route("/look", look, methods=["POST"])])
-        app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: "t-after")
-        client = client_for(app)
-        for path in ("/look", "/pay", "/look"):
-            answer = await client.post(path, headers={"Idempotency-Key": str(uuid.uuid4())})
-            assert answer.status_code == 201, answer.text
+        seen, _ = await around(store, pay, "t-after")
         assert seen[1] == seen[0]
     finally:
         await closed(store, app_pool)
@@ -137,7 +147,6 @@ async def test_what_was_taken_before_the_commit_and_used_after_it_does_not_reach
     though taken or called before it. On the store's own pool, where the reset rode in the COMMIT's round trip, the
     connection went back without another: the next request ran with alice's settings, or its claim, effect and
     record ran in the transaction left open (a 201 of which nothing committed)."""
-    seen: list[dict[str, Any]] = []
     setting = "SELECT set_config('app.tenant', 'alice', false)"
 
     async def pay(request: Request) -> Response:
@@ -162,19 +171,9 @@ async def test_what_was_taken_before_the_commit_and_used_after_it_does_not_reach
 
         return JSONResponse({"paid": True}, status_code=201, background=BackgroundTask(later))
 
-    async def look(request: Request) -> Response:
-        seen.append(dict(await lent(request).fetchrow(STATE)))
-        return JSONResponse({"looked": True}, status_code=201)
-
     store, app_pool = await store_on(pool, idempotency_database_url)
     try:
-        app = Starlette(routes=[Route("/pay", pay, methods=["POST"]), Route("/look", look, methods=["POST"])])
-        app.add_middleware(IdempotencyMiddleware, store=store, transactional=True, tenant=lambda scope: "t-taken")
-        client = client_for(app)
-        keys = [str(uuid.uuid4()) for _ in range(3)]
-        for path, key in zip(("/look", "/pay", "/look"), keys, strict=True):
-            answer = await client.post(path, headers={"Idempotency-Key": key})
-            assert answer.status_code == 201, answer.text
+        seen, keys = await around(store, pay, "t-taken")
         assert seen[1] == seen[0]
         stored = "SELECT count(*) FROM idempotency_responses WHERE tenant = 't-taken' AND key = $1"
         assert await db.fetchval(stored, keys[2]) == 1  # committed, not left in the task's transaction
