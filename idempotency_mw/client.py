@@ -197,6 +197,8 @@ class _Call:
         self.asking = asking  # asks the key's status before resending (AskFirst), while it can be had
         self.asked: list[int | str] = []  # the status route's answers
         self._unknown = False  # the last attempt may have run, or is running: ask before resending
+        self._begun = 0  # attempts sent, or on their way
+        self._never_left = 0  # of those, the ones known never to have reached the server (NOT_SENT)
         self._last: tuple[httpx.Response | None, Exception | None] = (None, None)  # the last attempt's outcome
 
     @property
@@ -206,6 +208,8 @@ class _Call:
     def begin_attempt(self, request: httpx.Request | None = None) -> None:
         """Cap this attempt's timeouts (or a question's, ``request``) by what is left of the deadline, so that none
         outlives it."""
+        if request is None:
+            self._begun += 1
         remaining = max(self.deadline_at - time.monotonic(), _MIN_ATTEMPT_SECONDS)
         if self.timeouts and math.isfinite(remaining):
             (request or self.request).extensions["timeout"] = {
@@ -228,9 +232,12 @@ class _Call:
         self._check_key()
         self.outcomes.append(type(error).__name__)
         self._last = (None, error)
+        never_left = isinstance(error, NOT_SENT)
+        if never_left:
+            self._never_left += 1
         if not (self.retryable and isinstance(error, RETRY_ERRORS)):
             return None
-        self._unknown = not isinstance(error, NOT_SENT)
+        self._unknown = not never_left
         return self._next_delay(None, None, error)
 
     def asks(self) -> bool:
@@ -316,14 +323,17 @@ class _Call:
         return exhausted
 
     def name_key(self, error: BaseException) -> None:
-        """Note this call's key on an error the client raises as it is (a cancellation too), once an attempt may
-        have gone out: it may have taken effect, and a caller whose key the client minted would otherwise resume
-        under a new one. RetriesExhausted carries its key already."""
-        if self.key is not None and not isinstance(error, RetriesExhausted):
-            error.add_note(
-                f"{KEY_HEADER} of this call: {self.key} (an attempt may have taken effect: resume with "
-                f"idempotency_key={self.key!r}, not a new key)"
-            )
+        """Note this call's key on an error the client raises as it is (a cancellation too): once an attempt may
+        have gone out, it may have taken effect, and a caller whose key the client minted would otherwise resume
+        under a new one. When every attempt is known never to have left, the note says so: nothing is to be found
+        under the key. RetriesExhausted carries its key already."""
+        if self.key is None or isinstance(error, RetriesExhausted):
+            return
+        if self._begun > self._never_left:
+            told = f"an attempt may have taken effect: resume with idempotency_key={self.key!r}, not a new key"
+        else:
+            told = "no attempt reached the server: nothing took effect under it"
+        error.add_note(f"{KEY_HEADER} of this call: {self.key} ({told})")
 
     def _check_key(self) -> None:
         # The request object is the only thing attempts send; this catches an event hook or auth flow that

@@ -932,6 +932,38 @@ def test_an_error_raised_as_it_is_names_the_key_the_client_minted(
     ]
 
 
+@pytest.mark.parametrize(
+    ("first", "note"),
+    [
+        (httpx.ConnectError, "no attempt reached the server: nothing took effect under it"),
+        (httpx.ReadTimeout, "an attempt may have taken effect: resume with idempotency_key={key!r}, not a new key"),
+    ],
+    ids=["never-left", "may-have-run"],
+)
+def test_a_call_stopped_between_attempts_says_whether_one_may_have_run(
+    flavour: str, clock: FakeTime, monkeypatch: pytest.MonkeyPatch, first: type[httpx.TransportError], note: str
+) -> None:
+    """The call is stopped (Ctrl-C, a cancellation) while it waits to retry. Its note names the key either way, but
+    says that an attempt may have taken effect only when one may have: a connection refused never carried the
+    request, and saying otherwise sends whoever reads it looking for an operation that never reached the server."""
+    keys: list[str] = []
+    stop = KeyboardInterrupt() if flavour == "sync" else asyncio.CancelledError()
+
+    def server(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers["idempotency-key"])
+        raise first("lost", request=request)
+
+    def stopped(seconds: float) -> None:
+        raise stop
+
+    monkeypatch.setattr(clock, "sleep", stopped)
+    with pytest.raises(type(stop)) as caught:
+        fake_call(flavour, server)
+
+    assert len(keys) == 1
+    assert caught.value.__notes__ == [f"Idempotency-Key of this call: {keys[0]} ({note.format(key=keys[0])})"]
+
+
 async def test_a_cancelled_call_names_the_key_the_client_minted() -> None:
     """A call cancelled while its first attempt is out (an outer timeout): the attempt may run on the server, so the
     cancellation carries the key, as an error the client raises as it is does."""
