@@ -171,6 +171,16 @@ def _check_status_path(path: str) -> str:
     return path
 
 
+def _key_status(answer: httpx.Response) -> KeyStatus:
+    """The status route's answer read: HTTPStatusError for anything but a 200 (a 201 or 204 from a catch-all route
+    is no status either), ValueError for a 200 that is not a status."""
+    if answer.status_code != 200:
+        raise httpx.HTTPStatusError(
+            f"{answer.status_code} from {answer.request.url}, not a key status", request=answer.request, response=answer
+        )
+    return KeyStatus.of(answer)
+
+
 def _check_headers(headers: Mapping[str, str] | None, where: str) -> None:
     if headers is not None and KEY_HEADER.lower() in httpx.Headers(headers):
         raise ValueError(
@@ -469,8 +479,7 @@ class IdempotentClient(_Base):
         """The status of ``key`` for this client's credentials, from the app's ``key_status_route`` at
         ``status_path``: one GET, not retried. Raises ``httpx.HTTPStatusError`` for any answer but 200 (404: the app
         has no such route) and ValueError for one that is not a status. ``kwargs`` go to ``httpx.Client.get``."""
-        answer = self._http.get(_key_path(self.status_path, validate_key(key)), **kwargs)
-        return KeyStatus.of(answer.raise_for_status())
+        return _key_status(self._http.get(_key_path(self.status_path, validate_key(key)), **kwargs))
 
     def get(self, url: str | httpx.URL, **kwargs: Any) -> IdempotentResult:
         return self.request("GET", url, **kwargs)
@@ -580,8 +589,7 @@ class AsyncIdempotentClient(_Base):
 
     async def key_status(self, key: str, **kwargs: Any) -> KeyStatus:
         """The status of ``key``: :meth:`IdempotentClient.key_status`, asynchronously."""
-        answer = await self._http.get(_key_path(self.status_path, validate_key(key)), **kwargs)
-        return KeyStatus.of(answer.raise_for_status())
+        return _key_status(await self._http.get(_key_path(self.status_path, validate_key(key)), **kwargs))
 
     async def get(self, url: str | httpx.URL, **kwargs: Any) -> IdempotentResult:
         return await self.request("GET", url, **kwargs)

@@ -309,6 +309,24 @@ def test_key_status_raises_for_anything_but_a_status() -> None:
         client.key_status("a,b")
 
 
+@pytest.mark.parametrize("status", [201, 204, 302])
+def test_key_status_raises_for_a_success_that_is_not_200(flavour: str, status: int) -> None:
+    """Anything but a 200 is not the status route's answer (a catch-all route, a redirect to a login page): the
+    status error that says which answer came, not a parse of whatever body it had."""
+    transport = httpx.MockTransport(lambda request: httpx.Response(status, json={"state": "completed"}))
+
+    async def ask() -> None:
+        async with AsyncIdempotentClient("http://api.test", transport=transport) as client:
+            await client.key_status("k")
+
+    with (
+        IdempotentClient("http://api.test", transport=transport) as client,
+        pytest.raises(httpx.HTTPStatusError) as caught,
+    ):
+        client.key_status("k") if flavour == "sync" else asyncio.run(ask())
+    assert caught.value.response.status_code == status
+
+
 # -- against a real app on PostgreSQL ----------------------------------------------------------------------------
 
 
