@@ -321,8 +321,8 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
             if args.handler is not cmd_migrate:  # migrate creates the tables (open() connected before it checked)
                 raise explain(error, args.timeout) from error
         except StoreNotGranted as error:
-            # A support desk's role may only read: inspect, list and stats do, and migrate runs as the tables' owner.
-            if args.handler not in (cmd_inspect, cmd_list, cmd_stats, cmd_migrate):
+            # A support desk's or a monitoring job's role may only read, and migrate runs as the tables' owner.
+            if args.handler is not cmd_migrate and not _only_reads(args):
                 raise explain(error, args.timeout) from error
         except (ValueError, OverflowError) as error:  # asyncpg's DSN parser, a malformed or out-of-range port
             raise CommandError(f"invalid database URL: {error}") from error
@@ -331,6 +331,14 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
         yield store
     finally:
         await store.close()
+
+
+def _only_reads(args: argparse.Namespace) -> bool:
+    """Whether the command only reads the store's tables: then a role granted SELECT on them alone runs it, though
+    open() refuses that role for the store's requests (StoreNotGranted), which write."""
+    if args.handler in (cmd_inspect, cmd_list, cmd_stats, cmd_stalled):
+        return True
+    return args.handler in (cmd_gc, cmd_reencrypt) and bool(args.dry_run)
 
 
 def _cipher(args: argparse.Namespace) -> ResponseCipher | None:

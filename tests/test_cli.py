@@ -455,12 +455,10 @@ def test_unknown_key_is_exit_1_with_a_hint(capsys: pytest.CaptureFixture[str], d
     assert "--authorization" not in err  # a tenant the default resolver made: the hint has nothing to add
 
 
-def test_a_role_that_only_reads_inspects_lists_and_counts_but_is_told_what_forget_needs(
-    capsys: pytest.CaptureFixture[str], db: Database
-) -> None:
-    """A support desk's role, granted SELECT on the store's tables and nothing more: the store refuses to open for
-    it (StoreNotGranted), yet inspect, list and stats only read, and run; forget, which deletes, says what it lacks."""
-    on_db(db, lambda store: completed(store, "", "desk-key", b"ok"))
+@pytest.fixture
+def reader(db: Database) -> Iterator[list[str]]:
+    """The options of a support desk's or a monitoring job's role on ``db``: SELECT on the store's tables (and USAGE
+    on the schema), nothing more."""
     role = f"desk_{uuid.uuid4().hex[:8]}"
     sql(db.url, f"CREATE ROLE {role} LOGIN PASSWORD 'desk-pw'")
     try:
@@ -468,18 +466,59 @@ def test_a_role_that_only_reads_inspects_lists_and_counts_but_is_told_what_forge
         sql(db.url, f'GRANT SELECT ON ALL TABLES IN SCHEMA "{db.schema}" TO {role}')
         parts = urlsplit(db.url)
         desk = urlunsplit(parts._replace(netloc=f"{role}:desk-pw@{parts.netloc.rsplit('@', 1)[-1]}"))
-        options = ["--database-url", desk, "--schema", db.schema]
-        assert cli(capsys, *options, "inspect", "", "desk-key")[0] == 0
-        assert cli(capsys, *options, "stats")[0] == 0
-        assert cli(capsys, *options, "list", "", "--since", "1h")[0] == 0
-        code, out, err = cli(capsys, *options, "forget", "", "desk-key")
-        assert (code, out) == (3, "")
-        assert "lacks privileges" in err
-        assert "idempotency_records: INSERT, UPDATE, DELETE" in err
-        assert on_db(db, lambda store: store.inspect("", "desk-key")) is not None
+        yield ["--database-url", desk, "--schema", db.schema]
     finally:
         sql(db.url, f"DROP OWNED BY {role}")
         sql(db.url, f"DROP ROLE {role}")
+
+
+def test_a_role_that_only_reads_inspects_lists_and_counts_but_is_told_what_forget_needs(
+    capsys: pytest.CaptureFixture[str], db: Database, reader: list[str]
+) -> None:
+    """A support desk's role, granted SELECT on the store's tables and nothing more: the store refuses to open for
+    it (StoreNotGranted), yet inspect, list and stats only read, and run; forget, which deletes, says what it lacks."""
+    on_db(db, lambda store: completed(store, "", "desk-key", b"ok"))
+    assert cli(capsys, *reader, "inspect", "", "desk-key")[0] == 0
+    assert cli(capsys, *reader, "stats")[0] == 0
+    assert cli(capsys, *reader, "list", "", "--since", "1h")[0] == 0
+    code, out, err = cli(capsys, *reader, "forget", "", "desk-key")
+    assert (code, out) == (3, "")
+    assert "lacks privileges" in err
+    assert "idempotency_records: INSERT, UPDATE, DELETE" in err
+    assert on_db(db, lambda store: store.inspect("", "desk-key")) is not None
+
+
+def test_a_role_that_only_reads_runs_every_command_that_only_reads(
+    capsys: pytest.CaptureFixture[str], db: Database, reader: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A monitoring job's role, SELECT only: stalled, gc --dry-run, reencrypt --dry-run and migrate --check only read,
+    and run with it (stalled and gc --dry-run were refused for the privileges to write that they never use); gc and
+    reencrypt, which write, stop before any change and name the privileges they lack."""
+    from idempotency_mw.encryption import ResponseCipher
+
+    seed_table(db)
+    table = f'"{db.schema}".idempotency_records'
+    sql(
+        db.url,
+        f'INSERT INTO "{db.schema}".idempotency_recovery_points (tenant, key, life, step, position, done, result, '
+        f"fence, committed_at) SELECT tenant, key, created_at, 'charge', 1, true, '{{}}', fence, now() FROM {table} "
+        "WHERE key = 'stalled'",
+    )
+    monkeypatch.setenv("READER_KEYS", f"2026-12:{ResponseCipher.new_key()}")
+    code, out, err = cli(capsys, *reader, "stalled", "--lapsed-for", "0", "--json")
+    assert (code, err) == (0, "")
+    assert [(each["key"], each["last_step"]) for each in json.loads(out)] == [("stalled", "charge")]
+    assert cli(capsys, *reader, "gc", "--dry-run") == (0, "25 expired records would be deleted (dry run)\n", "")
+    code, out, err = cli(capsys, *reader, "reencrypt", "--dry-run", "--keys-from", "READER_KEYS")
+    assert (code, err) == (0, "")
+    assert "27 responses" in out
+    assert cli(capsys, *reader, "migrate", "--check") == (0, "up to date\n", "")
+    for writes in (["gc"], ["reencrypt", "--keys-from", "READER_KEYS"]):
+        code, out, err = cli(capsys, *reader, *writes)
+        assert (code, out) == (3, "")
+        assert "lacks privileges" in err
+        assert "idempotency_records: INSERT, UPDATE, DELETE" in err
+    assert on_db(db, lambda store: store.count_expired()) == 25  # gc deleted nothing
 
 
 def test_forget_deletes_then_reports_absence(capsys: pytest.CaptureFixture[str], db: Database) -> None:
