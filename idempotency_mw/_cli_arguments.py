@@ -68,6 +68,20 @@ def moment(text: str) -> float:
     return seconds
 
 
+def utf8_text(text: str) -> str:
+    """Text the database can be sent: Python keeps an argument's bytes that are not UTF-8 as surrogates
+    (surrogateescape), which asyncpg refuses, and that is bad input, not a database error."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        try:
+            given = text.encode(errors="surrogateescape")  # the bytes as typed
+        except UnicodeEncodeError:  # a lone surrogate that no command line decoded (a caller of main())
+            given = text.encode(errors="backslashreplace")
+        raise argparse.ArgumentTypeError(f"must be UTF-8 text, got the bytes {given!r}") from None
+    return text
+
+
 def tenant_tag_text(text: str) -> str:
     """A tenant's tag as the log lines show it: 8 hex digits."""
     if not re.fullmatch(r"[0-9a-f]{8}", text):

@@ -8,6 +8,7 @@ import getpass
 import os
 import sys
 
+from idempotency_mw._cli_arguments import utf8_text
 from idempotency_mw._cli_display import iso
 from idempotency_mw._cli_errors import EXIT_NOT_FOUND, EXIT_USAGE, CommandError
 from idempotency_mw._events import tenant_tag
@@ -23,10 +24,20 @@ def record_id(args: argparse.Namespace) -> tuple[str, str]:
             raise CommandError("give either TENANT or --authorization-from, not both", EXIT_USAGE)
         if args.tenant is None:
             raise CommandError("KEY is required", EXIT_USAGE)
-        return _tenant_of_authorization(args), args.tenant
+        key = _text("KEY", args.tenant)  # the one positional argument given is the key
+        return _tenant_of_authorization(args), key
     if args.tenant is None or args.key is None:
         raise CommandError("TENANT and KEY are required (or --authorization-from SOURCE and KEY)", EXIT_USAGE)
-    return args.tenant, args.key
+    return _text("TENANT", args.tenant), _text("KEY", args.key)
+
+
+def _text(name: str, value: str) -> str:
+    """``value`` of the argument ``name``, refused as bad input (exit 2) when it is not UTF-8: checked here, not by
+    argparse, which would name the first positional argument TENANT even where it is the KEY."""
+    try:
+        return utf8_text(value)
+    except argparse.ArgumentTypeError as error:
+        raise CommandError(f"{name} {error}", EXIT_USAGE) from None
 
 
 def _refuse_credential_in_argv(args: argparse.Namespace) -> None:

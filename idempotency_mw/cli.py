@@ -26,7 +26,7 @@ import asyncpg
 
 from idempotency_mw import __version__
 from idempotency_mw import _environment as environment
-from idempotency_mw._cli_arguments import moment, non_negative, positive, schema_name, tenant_tag_text
+from idempotency_mw._cli_arguments import moment, non_negative, positive, schema_name, tenant_tag_text, utf8_text
 from idempotency_mw._cli_display import (
     by_key,
     duration,
@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"when. --tag finds the tenant by the tag the log lines show (it needs {SECRET_VARIABLE}, and reads every "
         "record of the window: keep it short).",
     )
-    listing.add_argument("tenant", nargs="?", metavar="TENANT", help="the tenant as stored")
+    listing.add_argument("tenant", nargs="?", type=utf8_text, metavar="TENANT", help="the tenant as stored")
     listing.add_argument("--tag", type=tenant_tag_text, help="the tenant's tag in the log lines (8 hex digits)")
     listing.add_argument(
         "--authorization-from",

@@ -11,6 +11,7 @@ import datetime
 import hashlib
 import io
 import json
+import os
 import re
 import socket
 import subprocess
@@ -544,6 +545,42 @@ def test_record_arguments_are_checked(capsys: pytest.CaptureFixture[str], db: Da
     assert (code, out) == (2, "")
     assert err.startswith("idempotency-mw: ")
     assert err.count("\n") == 1
+
+
+NOT_UTF8 = os.fsdecode(b"k\xff")  # bytes that are not UTF-8, as Python gives them in sys.argv (surrogateescape)
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["inspect", TENANT, NOT_UTF8], "KEY"),
+        (["forget", NOT_UTF8, "k"], "TENANT"),
+        (["inspect", "--authorization-from", "CLIENT_AUTHORIZATION", NOT_UTF8], "KEY"),
+    ],
+    ids=["inspect-key", "forget-tenant", "key-after-authorization"],
+)
+def test_a_record_argument_that_is_not_utf8_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+    db: Database,
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    named: str,
+) -> None:
+    """A key pasted from a file in another encoding: asyncpg cannot send it, and it was reported as a database error
+    (exit 3). It is bad input, exit 2, naming the argument and the bytes given, before any connection."""
+    monkeypatch.setenv("CLIENT_AUTHORIZATION", "Bearer sk_test_alice")
+    assert cli(capsys, *db.options, *argv) == (
+        2,
+        "",
+        f"idempotency-mw: {named} must be UTF-8 text, got the bytes b'k\\xff'\n",
+    )
+
+
+def test_a_listed_tenant_that_is_not_utf8_is_a_usage_error(capsys: pytest.CaptureFixture[str], db: Database) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*db.options, "list", NOT_UTF8])
+    assert exit_info.value.code == 2
+    assert "argument TENANT: must be UTF-8 text, got the bytes b'k\\xff'" in capsys.readouterr().err
 
 
 # -- list: the support desk ----------------------------------------------------------------------------------
