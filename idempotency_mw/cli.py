@@ -318,10 +318,11 @@ async def _open_store(args: argparse.Namespace) -> AsyncIterator[PostgresStore]:
         try:
             await store.open()
         except StoreNotMigrated as error:
-            if args.handler is not cmd_migrate:  # migrate creates the tables (open() connected before it checked)
+            if args.handler is not cmd_migrate:  # migrate creates them, on a connection the store opens for it
                 raise explain(error, args.timeout) from error
         except StoreNotGranted as error:
-            # A support desk's or a monitoring job's role may only read, and migrate runs as the tables' owner.
+            # A support desk's or a monitoring job's role may only read, and migrate runs as the tables' owner: they
+            # go on, and the store, which closed what the failed open() opened, connects again on first use.
             if args.handler is not cmd_migrate and not _only_reads(args):
                 raise explain(error, args.timeout) from error
         except (ValueError, OverflowError) as error:  # asyncpg's DSN parser, a malformed or out-of-range port

@@ -402,6 +402,12 @@ class OwnPool(Lender):
     async def close(self) -> None:
         await self.pool.close()
 
+    async def discard(self) -> None:
+        """Close every connection opened so far and start again from a pool not opened yet, which connects on first
+        use: what a failed open leaves (PostgresStore.open), not a close, after which the store refuses calls."""
+        pool, self.pool = self.pool, self.pool.fresh()
+        await pool.close()  # a connection still out is closed as it comes back (_release)
+
     def _release(self, connection: asyncpg.Connection, *, broken: bool = False) -> None:
         """Back to the pool it came from: out when the store closed and back after it opened again, it is closed."""
         if self.pool.owns(connection):

@@ -85,11 +85,13 @@ class PostgresStore:
         self.schema = check_schema(environment.text(environment.SCHEMA, schema, "public"))
         self._records = Records(self.schema, timeout=timeout, cipher=cipher)
         self._bindable = dsn_or_pool is None
+        self._own: OwnPool | None = None  # the connections the store opens itself, from a DSN
         if isinstance(dsn_or_pool, str):
             url = postgres_url(dsn_or_pool)
             sql = self._records.sql
-            self._connect(OwnPool(url, sql, self.schema, timeout=timeout, min_size=min_size, max_size=max_size,
-                                  prepared_statements=prepared_statements))  # fmt: skip
+            self._own = OwnPool(url, sql, self.schema, timeout=timeout, min_size=min_size, max_size=max_size,
+                                prepared_statements=prepared_statements)  # fmt: skip
+            self._connect(self._own)
         elif not prepared_statements:
             raise ValueError(
                 "prepared_statements=False applies to the connections a DSN-built PostgresStore opens; an asyncpg "
@@ -150,16 +152,25 @@ class PostgresStore:
         :meth:`migrate` needs no ``open()`` first (it would refuse a database that is not migrated yet). A closed
         store opens again (a lifespan run once per test): on new connections, and without the claims of before the
         close, which had their grace then.
+
+        A failed ``open()`` closes the connections it opened: a caller whose startup failed seldom calls
+        :meth:`close`, and they would stay on the server. The store is then as before it: it connects on first use
+        (:meth:`migrate` after :class:`StoreNotMigrated`), opens again, and closes harmlessly.
         """
         if self._records.closing:
             self._records.reopened()
-        await self._connector.open()
-        row = await self._connector.run("migrated", ())
-        if row is None or not row[0]:
-            raise StoreNotMigrated(self.schema)
-        row = await self._connector.run("missing_grants", ())
-        if row is not None and row["missing"]:
-            raise StoreNotGranted(self.schema, list(row["missing"]))
+        try:
+            await self._connector.open()
+            row = await self._connector.run("migrated", ())
+            if row is None or not row[0]:
+                raise StoreNotMigrated(self.schema)
+            row = await self._connector.run("missing_grants", ())
+            if row is not None and row["missing"]:
+                raise StoreNotGranted(self.schema, list(row["missing"]))
+        except BaseException:
+            if self._own is not None:  # an app's pool stays the app's: what was taken from it went back
+                await self._own.discard()
+            raise
         self._records.replays.start(self._connector.run, REPLAYS_EVERY)
 
     async def close(self, *, grace: float | None = None) -> None:

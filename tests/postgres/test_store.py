@@ -849,6 +849,94 @@ async def test_a_connection_lent_before_a_reopen_is_closed_when_it_comes_back(id
     await store.close()
 
 
+async def backends(url: str, application_name: str) -> int:
+    """How many server processes serve connections named ``application_name``, once those closing have gone."""
+    for _ in range(100):
+        count = await fetch(url, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1", application_name)
+        if count[0][0] == 0:
+            break
+        await asyncio.sleep(0.02)
+    return int(count[0][0])
+
+
+async def migrate(url: str) -> None:
+    store = PostgresStore(url, min_size=0, max_size=1)
+    try:
+        await store.migrate()
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("failure", ["not migrated", "not granted", "second connection refused"])
+async def test_a_failed_open_leaves_no_connection_open(fresh_url: str, failure: str) -> None:
+    """open() failed (StoreNotMigrated, StoreNotGranted, or an error once its first connections were open) and kept
+    those connections until close(), which a caller whose startup failed seldom calls: their backends stayed on the
+    server. Now nothing of a failed open() stays open, and the store is as before it: close() is harmless, and once
+    the cause is fixed it works on demand and opens again."""
+    name = f"imw_failed_open_{uuid.uuid4().hex[:8]}"
+    role = f"imw_opener_{uuid.uuid4().hex[:8]}"
+    tables = f"ALL TABLES IN SCHEMA public TO {role}"
+    cause, fix = {
+        "not migrated": ("", f"GRANT SELECT, INSERT, UPDATE, DELETE ON {tables}"),
+        "not granted": (f"GRANT SELECT ON {tables}", f"GRANT INSERT, UPDATE, DELETE ON {tables}"),
+        "second connection refused": (
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON {tables}; ALTER ROLE {role} CONNECTION LIMIT 1",
+            f"ALTER ROLE {role} CONNECTION LIMIT -1",
+        ),
+    }[failure]
+    parts = urlsplit(with_setting(fresh_url, "application_name", name))
+    url = urlunsplit(parts._replace(netloc=f"{role}:pw@{parts.netloc.rsplit('@', 1)[-1]}"))
+    admin = await asyncpg.connect(fresh_url)
+    await admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD 'pw'")
+    try:
+        if failure != "not migrated":
+            await migrate(fresh_url)
+        if cause:
+            await admin.execute(cause)
+        store = PostgresStore(url, min_size=2, max_size=2)
+        with pytest.raises(StoreUnavailable):
+            await store.open()
+        assert await backends(fresh_url, name) == 0
+        await store.close()  # harmless
+        with pytest.raises(StoreUnavailable):  # tried again
+            await store.open()
+        assert await backends(fresh_url, name) == 0
+
+        if failure == "not migrated":
+            await migrate(fresh_url)
+        await admin.execute(fix)
+        assert await store.inspect("t", "absent") is None  # on demand, as a store never opened
+        await store.open()
+        assert await store.inspect("t", "absent") is None
+        await store.close()
+        assert await backends(fresh_url, name) == 0
+    finally:
+        await admin.execute(f"DROP OWNED BY {role}; DROP ROLE {role}")
+        await admin.close()
+
+
+async def test_a_sqlalchemy_store_that_fails_to_open_leaves_no_connection_open(
+    migrated_url: str, idempotency_database_url: str
+) -> None:
+    """The same for SQLAlchemyStore, whose open() refuses an engine that reaches another database once the store's
+    own connections are open."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from idempotency_mw.sqlalchemy import SQLAlchemyStore
+
+    name = f"imw_failed_open_{uuid.uuid4().hex[:8]}"
+    engine = create_async_engine(spelled(idempotency_database_url, "postgresql+asyncpg"))
+    own = PostgresStore(with_setting(migrated_url, "application_name", name), min_size=2, max_size=2)
+    store = SQLAlchemyStore(own, engine)
+    try:
+        with pytest.raises(ValueError, match="both must use the same database"):
+            await store.open()
+        assert await backends(migrated_url, name) == 0
+    finally:
+        await store.close()
+        await engine.dispose()
+
+
 # -- what the database refuses to store -------------------------------------------------------------------------
 
 
