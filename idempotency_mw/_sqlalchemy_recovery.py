@@ -39,6 +39,8 @@ class Lent(Protocol):
 
     async def _refuse_if_ended(self) -> None: ...
 
+    async def _refuse_if_unmarked(self) -> None: ...
+
 
 async def recovery_points(lent: Lent, tenant: str, key: str, fence: int) -> list[RecoveryPoint]:
     """The points of the record's current life, read in the lent transaction before the handler's writes."""
@@ -54,7 +56,7 @@ async def record_steps(lent: Lent, tenant: str, key: str, fence: int, points: li
     await lent._end_session()
     await lent._refuse_if_ended()
     records = lent._records
-    args = (*point_arguments(tenant, key, fence, points, records.cipher), False)  # not marked (sql/queries.sql)
+    args = (*point_arguments(tenant, key, fence, points, records.cipher), True)  # marked (SQLAlchemyTransaction.begin)
     try:
         with lent._reachable(records.schema):
             async with lent._deadline():
@@ -64,6 +66,7 @@ async def record_steps(lent: Lent, tenant: str, key: str, fence: int, points: li
             raise
         return False  # another claim's point of a step, or the record deleted meanwhile
     if result.rowcount != len(points):
+        await lent._refuse_if_unmarked()  # the points would land in a transaction the handler began
         return False
     with lent._reachable():
         await lent.session.commit()  # its savepoint only: the transaction commits with the step

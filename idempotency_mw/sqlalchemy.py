@@ -40,6 +40,7 @@ from idempotency_mw.postgres._connector import Connector, Listener, default_isol
 from idempotency_mw.postgres._lending import FENCED_OUT, Settlement, remember, reset_sql
 from idempotency_mw.postgres._records import NOT_MIGRATED, UNAVAILABLE, Records, caused_by, run_unprepared
 from idempotency_mw.postgres._sql import check_schema
+from idempotency_mw.postgres._sql import session as session_sql  # session.sql, by name: here "session" is the ORM's
 from idempotency_mw.postgres._store import PostgresStore
 from idempotency_mw.store import (
     Claim,
@@ -250,7 +251,7 @@ class SQLAlchemyTransaction:
         parts: bytes | None = None,
     ) -> Claim:
         """The claim, on this connection's driver connection, before the transaction begins (SQLAlchemy's adapter
-        has begun nothing yet: its BEGIN goes with the first statement)."""
+        has begun nothing yet: it sends its BEGIN just before the first statement)."""
         raw = await self.connection.get_raw_connection()
         driver: Any = raw.driver_connection  # asyncpg's Connection
         sql, timeout, explicit = self._records.sql, self._timeout, self._explicit
@@ -270,9 +271,17 @@ class SQLAlchemyTransaction:
             raise
 
     async def begin(self) -> None:
-        # No round trip here: SQLAlchemy's asyncpg adapter sends BEGIN just before the first statement.
+        """BEGIN, marked (``mark_transaction``): the completion and the recovery points are written in this
+        transaction only, not in one the handler begins after ending it (``ROLLBACK; BEGIN``, ``COMMIT AND CHAIN``).
+
+        SQLAlchemy's asyncpg adapter sends its BEGIN in a round trip of its own, just before the first statement,
+        from state of its own that no public hook reaches: the mark cannot ride in it. So the mark is the first
+        statement, sent now (the adapter's BEGIN just before it): one round trip more than the BEGIN alone, two while
+        the adapter has not yet prepared the mark on this connection."""
         with self._reachable():
             self._transaction = await self.connection.begin()
+            async with self._deadline():
+                await self.connection.exec_driver_sql(session_sql()["mark_transaction"])
 
     async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
         await self._end_session()
@@ -282,13 +291,16 @@ class SQLAlchemyTransaction:
                 async with self._deadline():
                     result = await self.connection.exec_driver_sql(
                         self._records.sql["complete_in_transaction"],
-                        (*self._records.completion(tenant, key, fence, response), False),  # not marked (queries.sql)
+                        (*self._records.completion(tenant, key, fence, response), True),  # marked (begin)
                     )
-            done = result.rowcount == 1
         except sa_exc.DBAPIError as error:
             if not caused_by(error, FENCED_OUT):
                 raise
-            done = False  # another claim's response, or a record deleted meanwhile (sql/queries.sql)
+            # another claim's response, or a record deleted meanwhile (sql/queries.sql)
+            return self.settlement.completed(tenant, key, fence, False)
+        done = result.rowcount == 1
+        if not done:  # fenced out, or written nowhere: the handler ended the transaction and began another
+            await self._refuse_if_unmarked()
         return self.settlement.completed(tenant, key, fence, done)
 
     async def recovery_points(self, tenant: str, key: str, fence: int) -> list[RecoveryPoint]:
@@ -322,14 +334,22 @@ class SQLAlchemyTransaction:
         """A raw COMMIT or ROLLBACK through the session or connection (``text("ROLLBACK")``) ends the transaction on
         the server while SQLAlchemy, which does not read the SQL it passes on, still counts it open; the completion
         would then run on its own and, after a ROLLBACK, record an effect that never happened. asyncpg knows the
-        server's transaction state from every answer: no round trip.
-
-        A handler that never ran a statement has no transaction on the server yet: SQLAlchemy's asyncpg adapter
-        sends BEGIN with the first statement, which here is the completion's."""
+        server's transaction state from every answer: no round trip. (One the handler began after it is told by the
+        mark: :meth:`_refuse_if_unmarked`.)"""
         raw = await self.connection.get_raw_connection()
         driver: Any = raw.driver_connection  # asyncpg's Connection
-        begun = getattr(raw.dbapi_connection, "_transaction", True) is not None  # unknown: take it as begun
-        if begun and not driver.is_in_transaction():
+        if not driver.is_in_transaction():
+            raise TransactionEnded.by_the_handler("session or connection", "async with session.begin_nested(): ...")
+
+    async def _refuse_if_unmarked(self) -> None:
+        """:class:`TransactionEnded` if the transaction :meth:`begin` marked is no longer the connection's: the
+        handler ended it and began another, or ran RESET ALL (its mark is gone: ``transaction_ended``). Asked when a
+        statement that writes in the marked transaction alone wrote nothing, which is otherwise a newer claim's
+        fence."""
+        with self._reachable():
+            async with self._deadline():
+                result = await self.connection.exec_driver_sql(session_sql()["transaction_ended"])
+        if result.scalar():
             raise TransactionEnded.by_the_handler("session or connection", "async with session.begin_nested(): ...")
 
     async def _end_session(self) -> None:

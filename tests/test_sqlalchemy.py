@@ -35,7 +35,7 @@ from idempotency_mw.fastapi import IdempotencyConnection, setup
 from idempotency_mw.metrics import PrometheusMetrics
 from idempotency_mw.postgres._sql import contract_statements
 from idempotency_mw.sqlalchemy import IdempotencySession, SQLAlchemyConnector, SQLAlchemyStore, idempotency_session
-from idempotency_mw.store import StoredResponse, TransactionalStore
+from idempotency_mw.store import StoredResponse, TransactionalStore, TransactionEnded
 from tests.conftest import client_for, tenant_of
 from tests.orm import SCHEMA, Effect, Note, create_tables, sqlalchemy_url
 from tests.sessions import SESSION_LEAKS, SESSION_STATE
@@ -615,6 +615,116 @@ async def test_a_handler_that_never_touches_its_session_is_recorded(
     retry = await client.post(path, headers={"Idempotency-Key": key})
     assert retry.headers["idempotent-replayed"] == "true"
     assert (retry.status_code, retry.content) == (status, first.content)
+
+
+# -- a handler that ends the request's transaction -------------------------------------------------------------
+
+ENDINGS = {
+    "ROLLBACK; BEGIN": ("ROLLBACK", "BEGIN"),
+    "COMMIT; BEGIN": ("COMMIT", "BEGIN"),
+    "COMMIT AND CHAIN": ("COMMIT AND CHAIN",),
+    "RESET ALL": ("RESET ALL",),
+}
+
+
+async def run_raw(session: AsyncSession, through: str, statements: tuple[str, ...]) -> None:
+    """Run ``statements`` as a handler can: through the session (``text()``), through its connection
+    (``exec_driver_sql``), through the asyncpg connection under it (in one simple query), or as that
+    connection's own methods (``await connection.rollback()``, then ``begin()``)."""
+    if through == "session":
+        for statement in statements:
+            await session.execute(text(statement))
+        return
+    connection = await session.connection()
+    if through == "connection":
+        for statement in statements:
+            await connection.exec_driver_sql(statement)
+    elif through == "methods":
+        for statement in statements:
+            await getattr(connection, statement.lower())()
+    else:
+        raw = await connection.get_raw_connection()
+        driver: Any = raw.driver_connection  # asyncpg's Connection
+        await driver.execute("; ".join(statements))
+
+
+def build_ending(store: SQLAlchemyStore, through: str, ending: str) -> Starlette:
+    """A charge that writes, runs ``ending`` through ``through`` (unless ``?fixed=1``), writes again and answers
+    201."""
+
+    async def charge(request: Request) -> Response:
+        session = idempotency_session(request)
+        context = idempotency_context(request)
+        assert context is not None
+        assert context.key is not None
+        session.add(Effect(key=context.key, note="before"))
+        await session.flush()
+        if not request.query_params.get("fixed"):
+            await run_raw(session, through, ENDINGS[ending])
+        session.add(Effect(key=context.key, note="after"))
+        await session.flush()
+        return JSONResponse({"charged": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+    return app
+
+
+@pytest.mark.parametrize(
+    ("ending", "through"),
+    [(ending, through) for ending in ENDINGS for through in ("session", "connection", "driver")]
+    + [("ROLLBACK; BEGIN", "methods"), ("COMMIT; BEGIN", "methods")],
+)
+async def test_a_handler_that_ends_its_transaction_and_begins_another_gets_no_record(
+    store: SQLAlchemyStore, db: asyncpg.Connection, key: str, through: str, ending: str
+) -> None:
+    """SQLAlchemy passes a raw ROLLBACK, COMMIT or BEGIN on without reading it, and the connection is in a
+    transaction again as the handler returns, but not in the one the store began: recorded in it, a retry would
+    replay a 201 for a charge rolled back, or the record would commit apart from the half the handler committed. A
+    RESET ALL clears the store's mark of its transaction, and is taken for its end (guide.md). Refused as on asyncpg
+    (``TransactionEnded``): no record, the key free, and the retry runs."""
+    client = client_for(build_ending(store, through, ending))
+    with pytest.raises(TransactionEnded):
+        await client.post("/charge", headers={"Idempotency-Key": key})
+    assert await store.inspect(tenant_of(), key) is None
+    kept = 1 if ending.startswith("COMMIT") else 0  # the handler's own COMMIT stays
+    assert await effects(db, key) == kept
+    retry = await client.post("/charge?fixed=1", headers={"Idempotency-Key": key})
+    assert retry.status_code == 201
+    assert await effects(db, key) == kept + 2
+
+
+async def test_a_step_that_ends_its_transaction_and_begins_another_leaves_no_recovery_point(
+    store: SQLAlchemyStore, db: asyncpg.Connection, key: str
+) -> None:
+    """A step's recovery point written in the handler's own transaction after its ROLLBACK would commit without the
+    step's writes: the retry would resume after a step whose effect never landed. (The step commits its session
+    first, so no savepoint of the session's is left to fail on the way.)"""
+
+    async def charge(request: Request) -> Response:
+        session = idempotency_session(request)
+        context = idempotency_context(request)
+        assert context is not None
+
+        async def create() -> dict[str, Any]:
+            connection = await session.connection()
+            session.add(Effect(key=key, note="created"))
+            await session.commit()  # the session's savepoint released: the write is in the request's transaction
+            for statement in ENDINGS["ROLLBACK; BEGIN"]:
+                await connection.exec_driver_sql(statement)
+            return {"charge": "c-1"}
+
+        await context.steps.local("create_charge", create)
+        return JSONResponse({"charged": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+    with pytest.raises(TransactionEnded):
+        await client_for(app).post("/charge", headers={"Idempotency-Key": key})
+    points = "SELECT count(*) FROM idempotency_recovery_points WHERE key = $1"
+    assert await db.fetchval(points, key) == 0
+    assert await store.inspect(tenant_of(), key) is None
+    assert await effects(db, key) == 0
 
 
 async def test_the_engines_connect_time_session_comes_back_after_a_request(

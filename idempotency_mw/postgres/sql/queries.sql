@@ -321,8 +321,8 @@ ON CONFLICT (tenant, key) DO UPDATE
 -- A transaction marked as it began (session.sql, mark_transaction) gets the response only while the mark is there:
 -- a handler that ended it and began another on the same connection (ROLLBACK; BEGIN, COMMIT AND CHAIN) leaves the
 -- connection in a transaction, but not in this one, and the completion then writes nothing (the store asks why:
--- transaction_ended). The transactions of a SQLAlchemyStore are not marked: their BEGIN goes with their first
--- statement, in SQLAlchemy's hands.
+-- transaction_ended). Every transaction the store lends is marked (a SQLAlchemyStore's by its first statement, right
+-- after SQLAlchemy's BEGIN); $10 false is for a transaction the store did not begin (benchmarks/durableapp.py).
 -- $1 tenant, $2 key, $3 fence, $4 status, $5 headers (JSON text), $6 body (NULL when over the cap), $7 body size,
 -- $8 the sealed response and $9 the id of its key (see complete), $10 whether the transaction was marked
 INSERT INTO {schema}.idempotency_responses AS s

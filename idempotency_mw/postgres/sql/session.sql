@@ -31,7 +31,8 @@ FROM pg_settings
 WHERE source = 'session';
 
 -- name: mark_transaction
--- Sent after the BEGIN of a transactional request's transaction, in its round trip: a mark that lasts as long as that
+-- Sent after the BEGIN of a transactional request's transaction, in its round trip (on a SQLAlchemy engine, whose
+-- adapter sends its BEGIN alone, as the transaction's first statement): a mark that lasts as long as that
 -- transaction (SET LOCAL), which complete_in_transaction and record_steps look for. A handler that ends the
 -- transaction and begins another (ROLLBACK; BEGIN) leaves the connection in a transaction without it. A SET, not a
 -- SELECT set_config(): a SELECT would take the transaction's snapshot, after which the handler could no longer
