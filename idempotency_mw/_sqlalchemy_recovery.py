@@ -53,8 +53,8 @@ async def recovery_points(lent: Lent, tenant: str, key: str, fence: int) -> list
 
 async def record_steps(lent: Lent, tenant: str, key: str, fence: int, points: list[RecoveryPoint]) -> bool:
     """The session flushed, the points written (fenced: False when fenced out), and the session's savepoint ended."""
+    await lent._refuse_if_ended()  # first: a flush outside the transaction would commit on its own
     await lent._end_session()
-    await lent._refuse_if_ended()
     records = lent._records
     args = (*point_arguments(tenant, key, fence, points, records.cipher), True)  # marked (SQLAlchemyTransaction.begin)
     try:

@@ -284,8 +284,8 @@ class SQLAlchemyTransaction:
                 await self.connection.exec_driver_sql(session_sql()["mark_transaction"])
 
     async def complete(self, tenant: str, key: str, fence: int, response: StoredResponse) -> bool:
+        await self._refuse_if_ended()  # first: a flush outside the transaction would commit on its own
         await self._end_session()
-        await self._refuse_if_ended()
         try:
             with self._reachable(self._schema):
                 async with self._deadline():
@@ -332,10 +332,10 @@ class SQLAlchemyTransaction:
 
     async def _refuse_if_ended(self) -> None:
         """A raw COMMIT or ROLLBACK through the session or connection (``text("ROLLBACK")``) ends the transaction on
-        the server while SQLAlchemy, which does not read the SQL it passes on, still counts it open; the completion
-        would then run on its own and, after a ROLLBACK, record an effect that never happened. asyncpg knows the
-        server's transaction state from every answer: no round trip. (One the handler began after it is told by the
-        mark: :meth:`_refuse_if_unmarked`.)"""
+        the server while SQLAlchemy, which does not read the SQL it passes on, still counts it open; the session's
+        flush and the completion would then each commit on their own and, after a ROLLBACK, record an effect that
+        never happened. Asked before the flush. asyncpg knows the server's transaction state from every answer: no
+        round trip. (One the handler began after it is told by the mark: :meth:`_refuse_if_unmarked`.)"""
         raw = await self.connection.get_raw_connection()
         driver: Any = raw.driver_connection  # asyncpg's Connection
         if not driver.is_in_transaction():

@@ -727,6 +727,47 @@ async def test_a_step_that_ends_its_transaction_and_begins_another_leaves_no_rec
     assert await effects(db, key) == 0
 
 
+@pytest.mark.parametrize("statement", ["ROLLBACK", "COMMIT"])
+@pytest.mark.parametrize("where", ["answer", "step"])
+async def test_what_the_session_holds_after_its_transaction_ended_is_not_flushed_on_its_own(
+    store: SQLAlchemyStore, db: asyncpg.Connection, key: str, statement: str, where: str
+) -> None:
+    """After a raw ROLLBACK or COMMIT the connection is in no transaction, while SQLAlchemy still counts one open: a
+    flush there would run statement by statement, each committing on its own, and a retry would write it again. The
+    store refuses before it flushes what the session still holds, as the handler answers or as its step ends."""
+
+    async def charge(request: Request) -> Response:
+        session = idempotency_session(request)
+        context = idempotency_context(request)
+        assert context is not None
+
+        async def create() -> dict[str, Any]:
+            session.add(Effect(key=key, note="before"))
+            await session.flush()
+            if not request.query_params.get("fixed"):
+                await session.execute(text(statement))
+            session.add(Effect(key=key, note="pending"))  # not flushed: the middleware flushes it
+            return {"charge": "c-1"}
+
+        if where == "step":
+            await context.steps.local("create_charge", create)
+        else:
+            await create()
+        return JSONResponse({"charged": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, store=store, transactional=True)
+    client = client_for(app)
+    with pytest.raises(TransactionEnded):
+        await client.post("/charge", headers={"Idempotency-Key": key})
+    assert await store.inspect(tenant_of(), key) is None
+    kept = 1 if statement == "COMMIT" else 0  # the handler's own COMMIT stays
+    assert await effects(db, key) == kept
+    retry = await client.post("/charge?fixed=1", headers={"Idempotency-Key": key})
+    assert retry.status_code == 201
+    assert await effects(db, key) == kept + 2
+
+
 async def test_the_engines_connect_time_session_comes_back_after_a_request(
     idempotency_database_url: str, leak_role: str, db: asyncpg.Connection
 ) -> None:
