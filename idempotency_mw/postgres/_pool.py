@@ -185,6 +185,17 @@ class ConnectionPool:
                 self._connecting -= 1
             self.release(connection)
 
+    def close_idle(self) -> None:
+        """Terminate the idle connections and free their places; what is lent, or waited for, is left alone. After a
+        failed :meth:`open` its connections are idle (unless a request had one), and nothing else would close them
+        (a caller whose startup failed seldom calls :meth:`close`); a later checkout or open connects again.
+        Terminated, not closed politely: a database that stopped answering would hold each close for ``timeout``."""
+        while self._idle:
+            connection = self._idle.pop()
+            connection.terminate()
+            self._members.discard(connection)
+            self._size -= 1
+
     def _room(self, urgent: bool) -> bool:
         """Whether this checkout may take a connection now: urgent work always, other work below its share."""
         return urgent or len(self._lent) + self._opening < self._normal_cap
@@ -402,11 +413,10 @@ class OwnPool(Lender):
     async def close(self) -> None:
         await self.pool.close()
 
-    async def discard(self) -> None:
-        """Close every connection opened so far and start again from a pool not opened yet, which connects on first
-        use: what a failed open leaves (PostgresStore.open), not a close, after which the store refuses calls."""
-        pool, self.pool = self.pool, self.pool.fresh()
-        await pool.close()  # a connection still out is closed as it comes back (_release)
+    def close_idle(self) -> None:
+        """What a failed open leaves (PostgresStore.open): its connections closed, the pool not (requests it serves
+        meanwhile go on)."""
+        self.pool.close_idle()
 
     def _release(self, connection: asyncpg.Connection, *, broken: bool = False) -> None:
         """Back to the pool it came from: out when the store closed and back after it opened again, it is closed."""

@@ -155,7 +155,8 @@ class PostgresStore:
 
         A failed ``open()`` closes the connections it opened: a caller whose startup failed seldom calls
         :meth:`close`, and they would stay on the server. The store is then as before it: it connects on first use
-        (:meth:`migrate` after :class:`StoreNotMigrated`), opens again, and closes harmlessly.
+        (:meth:`migrate` after :class:`StoreNotMigrated`), opens again, and closes harmlessly; requests it served
+        meanwhile go on, on the connections they have or wait for.
         """
         if self._records.closing:
             self._records.reopened()
@@ -169,7 +170,7 @@ class PostgresStore:
                 raise StoreNotGranted(self.schema, list(row["missing"]))
         except BaseException:
             if self._own is not None:  # an app's pool stays the app's: what was taken from it went back
-                await self._own.discard()
+                self._own.close_idle()
             raise
         self._records.replays.start(self._connector.run, REPLAYS_EVERY)
 

@@ -915,6 +915,41 @@ async def test_a_failed_open_leaves_no_connection_open(fresh_url: str, failure: 
         await admin.close()
 
 
+async def test_a_failed_open_leaves_the_requests_already_served_alone(migrated_url: str) -> None:
+    """A store that already serves requests on demand fails to open (here its open() is cancelled by a startup
+    deadline while it waits for the pool's one connection). A completion waiting for that connection still gets it
+    and completes its record: the retry replays, and the handler ran once. Closing the pool on a failed open()
+    failed that waiting completion (PoolClosed: "the store was closed"), left the record in progress, and ran the
+    handler again once its lease lapsed."""
+    store = PostgresStore(migrated_url, min_size=1, max_size=1)
+    entered, go = asyncio.Event(), asyncio.Event()
+    runs = 0
+
+    async def charge(request: Request) -> Response:
+        nonlocal runs
+        runs += 1
+        entered.set()
+        await go.wait()
+        return JSONResponse({"charged": True}, status_code=201)
+
+    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+    client = client_for(IdempotencyMiddleware(app, store=store))
+    headers = {"Idempotency-Key": str(uuid.uuid4())}
+    try:
+        request = asyncio.ensure_future(client.post("/charge", headers=headers))
+        await entered.wait()  # claimed on demand: the store was never opened
+        async with store.connection():  # the pool's one connection, busy (the app's own use of the store)
+            go.set()  # the handler answers: its completion waits for that connection
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(store.open(), 0.3)  # it waits for the connection too, past its deadline
+        first = await request
+        retry = await client.post("/charge", headers=headers)
+        assert (first.status_code, retry.status_code, retry.headers.get("idempotent-replayed")) == (201, 201, "true")
+        assert runs == 1
+    finally:
+        await store.close()
+
+
 async def test_a_sqlalchemy_store_that_fails_to_open_leaves_no_connection_open(
     migrated_url: str, idempotency_database_url: str
 ) -> None:
