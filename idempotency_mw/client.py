@@ -181,6 +181,14 @@ def _key_status(answer: httpx.Response) -> KeyStatus:
     return KeyStatus.of(answer)
 
 
+def _request_of(error: httpx.TransportError) -> httpx.Request | None:
+    """The request ``error`` was raised for: the call's own, or a later hop's (httpx builds one per redirect)."""
+    try:
+        return error.request
+    except RuntimeError:  # none attached: nothing says which
+        return None
+
+
 def _check_headers(headers: Mapping[str, str] | None, where: str) -> None:
     if headers is not None and KEY_HEADER.lower() in httpx.Headers(headers):
         raise ValueError(
@@ -242,7 +250,7 @@ class _Call:
         self._check_key()
         self.outcomes.append(type(error).__name__)
         self._last = (None, error)
-        never_left = isinstance(error, NOT_SENT)
+        never_left = isinstance(error, NOT_SENT) and _request_of(error) is self.request  # not a redirect's hop
         if never_left:
             self._never_left += 1
         if not (self.retryable and isinstance(error, RETRY_ERRORS)):

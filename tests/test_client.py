@@ -819,9 +819,12 @@ def jitter(monkeypatch: pytest.MonkeyPatch, draw: float) -> None:
     monkeypatch.setattr(client_module, "random", SimpleNamespace(random=lambda: draw))
 
 
-def fake_call(flavour: str, handler: Callable[[httpx.Request], httpx.Response], retry: Retry | None = None) -> Any:
-    """One POST through a client whose transport is ``handler``; the default Retry unless one is given."""
-    options: dict[str, Any] = {"transport": httpx.MockTransport(handler)}
+def fake_call(
+    flavour: str, handler: Callable[[httpx.Request], httpx.Response], retry: Retry | None = None, **client: Any
+) -> Any:
+    """One POST through a client whose transport is ``handler``; the default Retry unless one is given, and the
+    client's other options (``client``)."""
+    options: dict[str, Any] = {"transport": httpx.MockTransport(handler), **client}
     if retry is not None:
         options["retry"] = retry
     if flavour == "sync":
@@ -962,6 +965,35 @@ def test_a_call_stopped_between_attempts_says_whether_one_may_have_run(
 
     assert len(keys) == 1
     assert caught.value.__notes__ == [f"Idempotency-Key of this call: {keys[0]} ({note.format(key=keys[0])})"]
+
+
+@pytest.mark.parametrize("status", [303, 307])
+def test_a_connection_refused_on_a_redirect_does_not_hide_the_attempt_that_ran(
+    flavour: str, clock: FakeTime, monkeypatch: pytest.MonkeyPatch, status: int
+) -> None:
+    """Following redirects, the server took the charge and sent the client elsewhere (a receipt's host), which
+    refused the connection; the call is then stopped while it waits to retry. The refused connection was a later
+    hop's, not the attempt's: the attempt reached the server, and the note says it may have taken effect."""
+    charged: list[str] = []
+    stop = KeyboardInterrupt() if flavour == "sync" else asyncio.CancelledError()
+
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "api.test":
+            charged.append(request.headers["idempotency-key"])
+            return httpx.Response(status, headers={"location": "http://receipts.test/r/1"})
+        raise httpx.ConnectError("connection refused", request=request)
+
+    def stopped(seconds: float) -> None:
+        raise stop
+
+    monkeypatch.setattr(clock, "sleep", stopped)
+    with pytest.raises(type(stop)) as caught:
+        fake_call(flavour, server, follow_redirects=True)
+    assert len(charged) == 1
+    assert caught.value.__notes__ == [
+        f"Idempotency-Key of this call: {charged[0]} (an attempt may have taken effect: resume with "
+        f"idempotency_key={charged[0]!r}, not a new key)"
+    ]
 
 
 async def test_a_cancelled_call_names_the_key_the_client_minted() -> None:
