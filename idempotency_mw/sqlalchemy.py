@@ -277,7 +277,7 @@ class SQLAlchemyTransaction:
         SQLAlchemy's asyncpg adapter sends its BEGIN in a round trip of its own, just before the first statement,
         from state of its own that no public hook reaches: the mark cannot ride in it. So the mark is the first
         statement, sent now (the adapter's BEGIN just before it): one round trip more than the BEGIN alone, two while
-        the adapter has not yet prepared the mark on this connection."""
+        the adapter has not yet prepared the mark on this connection (every time, with its statement cache off)."""
         with self._reachable():
             self._transaction = await self.connection.begin()
             async with self._deadline():
