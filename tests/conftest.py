@@ -7,6 +7,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -27,6 +29,26 @@ pytest_plugins = ["idempotency_mw.testing"]
 # The default tenant resolver's secret, set before any app is built; child processes (fault workers) inherit it.
 TEST_TENANT_SECRET = "test-tenant-secret-0123456789abcdef0123456789abcdef"
 os.environ["IDEMPOTENCY_TENANT_SECRET"] = TEST_TENANT_SECRET
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """A test marked no_cover runs with no tracer at all, under pytest-xdist too.
+
+    pytest-cov (7.1) starts two coverages in an xdist worker: one as the plugin loads, as in a single process, and
+    the worker's own at session start, on top of it. Its no_cover marker pauses the worker's, which resumes the
+    first: the test's lines go uncounted, but every Python call still pays the tracer. This wrapper runs inside
+    pytest-cov's, after its pause, and takes away whatever tracer is left until the test's call is over."""
+    if item.get_closest_marker("no_cover") is None:
+        return (yield)
+    tracer, new_threads = sys.gettrace(), threading.gettrace()
+    sys.settrace(None)
+    threading.settrace(None)
+    try:
+        return (yield)
+    finally:
+        sys.settrace(tracer)
+        threading.settrace(new_threads)
 
 
 def with_database(url: str, name: str) -> str:

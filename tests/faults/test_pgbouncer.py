@@ -25,6 +25,7 @@ from idempotency_mw.postgres._lending import PostgresTransaction
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.no_cover  # untraced, as the storms of tests/faults/test_storm.py, for the same reason
 async def test_storm_through_pgbouncer_takes_every_payment_once(
     idempotency_database_url: str, pgbouncer_url: str
 ) -> None:
